@@ -1,0 +1,98 @@
+"""Attention over KV caches: the XLA reference path and the dispatch point for Pallas kernels.
+
+Conventions: queries ``q[B, T, Hq, D]``; cached keys/values ``k, v[B, Hkv, S, D]`` (post-RoPE, one
+row per slot). GQA puts ``Hq // Hkv`` query heads on each KV head. Scores and softmax are f32;
+masked scores use ``0.7 * finfo(f32).min`` (never -inf, so fully masked rows stay finite).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MASK_VALUE = 0.7 * float(jnp.finfo(jnp.float32).min)
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
+
+
+def resolve_implementation(implementation: str) -> str:
+    """Map "auto" to "pallas" on TPU/GPU and "xla" on CPU; validate the name."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {implementation!r}; allowed: {', '.join(IMPLEMENTATIONS)}")
+    if implementation == "auto":
+        return "xla" if jax.default_backend() == "cpu" else "pallas"
+    return implementation
+
+
+def _slot_mask(q_start, num_queries: int, kv_start, num_keys: int, pad):
+    """Bool [B, T, S]: key slot visible to query slot (causal, at or after the row's padding)."""
+    q_slots = q_start + jnp.arange(num_queries, dtype=jnp.int32)
+    k_slots = kv_start + jnp.arange(num_keys, dtype=jnp.int32)
+    causal = k_slots[None, :] <= q_slots[:, None]
+    return causal[None] & (k_slots[None, None, :] >= pad[:, None, None])
+
+
+def dense_causal_attention(q, k, v, *, q_start, pad, scale: float):
+    """Causal GQA attention of ``q`` (slots ``q_start..``) over every cache slot, one softmax.
+
+    Cost and memory are O(T * S); used for decode (T = 1) and short prompts.
+    """
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    s = jnp.einsum("bthgd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = _slot_mask(q_start, T, 0, S, pad)
+    s = jnp.where(mask[:, None, None], s, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhgts,bhsd->bthgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def blocked_causal_attention(q, k, v, *, q_start, pad, scale: float, block: int):
+    """Causal GQA attention with an online softmax over key blocks (flash-attention style, in XLA).
+
+    Only blocks up to the last query's slot are visited, so a prompt chunk costs O(T * (start + T))
+    and holds O(T * block) scores. ``S`` must be a multiple of ``block``.
+    """
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if S % block:
+        raise ValueError(f"cache slots {S} must be a multiple of the attention block {block}")
+    qg = q.reshape(B, T, Hkv, G, D)
+    n_blocks = jnp.minimum((q_start + T + block - 1) // block, S // block)
+
+    def body(i, carry):
+        m, l, acc = carry
+        kb = lax.dynamic_slice_in_dim(k, i * block, block, axis=2)
+        vb = lax.dynamic_slice_in_dim(v, i * block, block, axis=2)
+        s = jnp.einsum("bthgd,bhsd->bhgts", qg, kb, preferred_element_type=jnp.float32) * scale
+        mask = _slot_mask(q_start, T, i * block, block, pad)
+        s = jnp.where(mask[:, None, None], s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        l_new = l * corr + p.sum(axis=-1)
+        pv = jnp.einsum("bhgts,bhsd->bhgtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l_new, acc * corr[..., None] + pv
+
+    m0 = jnp.full((B, Hkv, G, T), MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((B, Hkv, G, T), jnp.float32)
+    a0 = jnp.zeros((B, Hkv, G, T, D), jnp.float32)
+    _, l, acc = lax.fori_loop(0, n_blocks, body, (m0, l0, a0))
+    o = acc / l[..., None]
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def causal_cache_attention(q, k, v, *, q_start, pad, scale: float, block: int, implementation: str = "auto"):
+    """Attention of new queries over a contiguous (uncompressed) cache; dispatches on size and backend.
+
+    Decode steps and prompts that fit in one block use :func:`dense_causal_attention`; longer prompt
+    chunks use :func:`blocked_causal_attention`. ``implementation`` is validated here; the Pallas
+    kernels serve compressed caches (see ``pallas_kernels``) and fall back to XLA for dense ones.
+    """
+    resolve_implementation(implementation)
+    T, S = q.shape[1], k.shape[2]
+    if T == 1 or S <= block or S % block:
+        return dense_causal_attention(q, k, v, q_start=q_start, pad=pad, scale=scale)
+    return blocked_causal_attention(q, k, v, q_start=q_start, pad=pad, scale=scale, block=block)

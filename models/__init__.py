@@ -1,0 +1,69 @@
+"""Flax NNX Llama / Qwen models, weight loading (HF safetensors, GGUF), tokenizers and ready models."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.registry import DEFAULT_MODEL, READY_MODELS, is_installed, ready_model_path
+
+DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready for the functional API: config, ``nnx`` graphdef + params, tokenizer, source path."""
+
+    config: ModelConfig
+    graphdef: Any
+    params: Any
+    tokenizer: Any
+    path: str
+    dtype: Any
+
+
+def resolve_dtype(dtype) -> Any:
+    """``"float32" | "bfloat16"`` (or f32 / bf16 / a jnp dtype) -> jnp dtype."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"unsupported dtype {dtype}; allowed: float32, bfloat16")
+    return dtype
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A ready model's GGUF path, or a local HF directory / ``.gguf`` file as given."""
+    if name_or_path in READY_MODELS:
+        return ready_model_path(name_or_path)
+    if os.path.isdir(name_or_path) or (os.path.isfile(name_or_path) and name_or_path.endswith(".gguf")):
+        return name_or_path
+    raise ValueError(
+        f"unknown model {name_or_path!r}; ready models: {', '.join(READY_MODELS)}, "
+        "or a local HF directory (config.json + *.safetensors) or .gguf file"
+    )
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer: bool = True) -> LoadedModel:
+    """Load weights (and tokenizer) of a ready model, an HF directory or a GGUF file."""
+    from models.tokenizer import load_tokenizer
+    from models.weights import load_gguf, load_hf_directory
+
+    dtype = resolve_dtype(dtype)
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        config, graphdef, params = load_hf_directory(path, dtype)
+    else:
+        config, graphdef, params = load_gguf(path, dtype)
+    if name_or_path in READY_MODELS:
+        config = dataclasses.replace(config, name=name_or_path)
+    tok = load_tokenizer(path) if tokenizer else None
+    return LoadedModel(config=config, graphdef=graphdef, params=params, tokenizer=tok, path=path, dtype=dtype)
+
+
+__all__ = ["ModelConfig", "LoadedModel", "load_model", "READY_MODELS", "DEFAULT_MODEL", "is_installed", "resolve_dtype"]

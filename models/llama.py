@@ -1,0 +1,213 @@
+"""Flax NNX decoder for Llama (incl. Llama-3.1 rope scaling), Qwen2/Qwen2.5 (q/k/v bias) and Qwen3 (q/k norm).
+
+The module is used functionally: ``graphdef, params = nnx.split(model)`` once, then
+:func:`forward` (pure, jittable) takes ``params`` and a :class:`kvjax.cache.Cache` and returns
+logits and a new cache. The attention layer computes q, k, v, applies RoPE and hands them to the
+cache's method (``cache.method.attend``); it never knows which method runs. Parameter names follow
+HF transformers (``layers.3.self_attn.q_proj.kernel``), kernels stored ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.cache import AttendContext, Cache
+from models.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [D/2] (float32), with Llama-3.1 ("llama3") scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    if config.rope_scaling is None:
+        return inv_freq.astype(np.float32)
+    kind, factor, low_ff, high_ff, old_ctx = config.rope_scaling
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    low_wavelen = old_ctx / low_ff
+    high_wavelen = old_ctx / high_ff
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray):
+    """cos, sin [B, T, D] (float32) for integer positions [B, T] (HF's half-split layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x[B, T, H, D]`` by RoPE (rotate-half convention, computed in x's dtype as HF does)."""
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel (+ bias)`` with ``kernel[in, out]``."""
+
+    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (din, dout), dtype) * 0.02)
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32, scaled in the input dtype (as HF Llama/Qwen)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention whose cache handling is delegated to the cache's method."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        c = config
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, cos, sin, cache: Cache, ctx: AttendContext):
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        ctx = ctx.replace(q_pre_rope=q, k_pre_rope=k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, state = cache.method.attend(cache.layers[self.layer], q, k, v, ctx)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim)), state
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+        c = config
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, layer, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs)
+
+    def __call__(self, x, cos, sin, cache, ctx):
+        h, state = self.self_attn(self.input_layernorm(x), cos, sin, cache, ctx)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), state
+
+
+class Embedding(nnx.Module):
+    """Token embedding table ``embedding[V, d]``."""
+
+    def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (vocab, dim), dtype) * 0.02)
+
+    def __call__(self, tokens):
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+
+class CausalLM(nnx.Module):
+    """Llama / Qwen2 / Qwen3 causal language model."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        )
+
+    def __call__(self, tokens, positions, cache: Cache, *, last_only: bool = False, last_chunk: bool = True):
+        """Logits [B, T or 1, V] (float32) and the updated cache; see :func:`forward`."""
+        B, T = tokens.shape
+        x = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
+        phase = "decode" if (T == 1 and not last_only) else "prefill"
+        states = []
+        for i, layer in enumerate(self.layers):
+            ctx = AttendContext(
+                start=cache.length, pad=cache.pad, positions=positions, layer=i, phase=phase, last_chunk=last_chunk
+            )
+            x, state = layer(x, cos, sin, cache, ctx)
+            states.append(state)
+        x = self.norm(x)
+        if last_only:
+            x = x[:, -1:]
+        if self.lm_head is None:
+            logits = jnp.einsum("btd,vd->btv", x, self.embed_tokens.embedding[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        new_cache = cache.replace(layers=tuple(states), length=cache.length + T)
+        return logits, new_cache
+
+
+def abstract_model(config: ModelConfig, dtype=jnp.float32) -> CausalLM:
+    """The model with shape-only parameters (nothing allocated): the target of weight loading."""
+    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def random_model(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> CausalLM:
+    """A randomly initialised model (tests and benchmarks of tiny configs)."""
+    return CausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def forward(graphdef, params, tokens, positions, cache: Cache, *, last_only: bool = False, last_chunk: bool = True):
+    """Pure forward for prefill, chunked prefill and decode.
+
+    Args:
+      graphdef, params: from ``nnx.split(model)``.
+      tokens, positions: int32 [B, T]; the tokens occupy cache slots ``cache.length ..+T``.
+      cache: the :class:`~kvjax.cache.Cache` (its method decides what is stored and attended).
+      last_only: return only the last position's logits (prefill: skips the LM head elsewhere).
+      last_chunk: this call ends the prompt (methods that compress after prefill do it now).
+    Returns:
+      (logits float32 [B, T or 1, V], new cache)
+    """
+    model = nnx.merge(graphdef, params)
+    return model(tokens, positions, cache, last_only=last_only, last_chunk=last_chunk)

