@@ -1,0 +1,192 @@
+"""High-level API: ``kvjax.load(...)`` and ``kvjax.generate(...)`` on text prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.generate import Sampling, decode_loop, decode_step, prefill, sample
+from kvjax.methods import FullCache, get_method
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Output of :func:`generate`: texts and tokens per row, cache statistics and timings (seconds)."""
+
+    texts: list[str]
+    tokens: list[list[int]]
+    prompt_tokens: list[int]
+    cache_stats: dict
+    timings: dict
+
+    @property
+    def text(self) -> str:
+        """The first row's text."""
+        return self.texts[0]
+
+
+def load(name_or_path: str | None = None, dtype="float32", *, progress: bool = False):
+    """Load a ready model (default ``qwen2.5-coder-0.5b``), an HF directory or a GGUF file."""
+    from models import DEFAULT_MODEL, load_model
+
+    name = name_or_path or DEFAULT_MODEL
+    if progress:
+        from tqdm import tqdm
+
+        with tqdm(total=1, desc=f"loading {name}", unit="model", leave=False) as bar:
+            model = load_model(name, dtype)
+            bar.update()
+        return model
+    return load_model(name, dtype)
+
+
+def _resolve_method(method):
+    if method is None:
+        return FullCache()
+    if isinstance(method, str):
+        return get_method(method)
+    return method
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token rows to a common length (rounded up to ``multiple``); returns (tokens [B, L], pad [B])."""
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("every prompt must have at least one token")
+    longest = max(len(r) for r in rows)
+    length = -(-longest // multiple) * multiple
+    tokens = np.full((len(rows), length), pad_id, np.int32)
+    pad = np.zeros((len(rows),), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, length - len(r):] = r
+        pad[b] = length - len(r)
+    return tokens, pad
+
+
+def generate_tokens(
+    model, token_rows: Sequence[Sequence[int]], *, method=None, max_new_tokens: int = 64,
+    sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
+    eos_ids: Sequence[int] = (), pad_id: int = 0, on_token: Callable[[np.ndarray], None] | None = None,
+    progress: bool = False,
+):
+    """Generate from token-id prompts; returns (tokens [B, n], num_generated [B], cache, timings).
+
+    ``on_token`` switches to the per-step jitted function and is called with each step's tokens [B]
+    (streaming); otherwise the whole decode runs in one jitted ``while_loop``.
+    """
+    config = model.config
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0 or None, got {chunk_size}")
+    method = _resolve_method(method)
+    tokens, pad = left_pad(token_rows, pad_id, multiple=chunk_size or 1)
+    longest = max(len(r) for r in token_rows)
+    if longest + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of "
+            f"{config.max_position_embeddings} tokens"
+        )
+    B, L = tokens.shape
+    cache = method.init_cache(config, B, L, max_new_tokens, model.dtype)
+    cache = cache.replace(pad=jnp.asarray(pad))
+    timings = {}
+
+    t0 = time.perf_counter()
+    chunks = [tokens] if chunk_size is None else [tokens[:, i:i + chunk_size] for i in range(0, L, chunk_size)]
+    iterator = chunks
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(chunks, desc=f"prefill {L} tokens", unit="chunk", leave=False)
+    for i, chunk in enumerate(iterator):
+        logits, cache = prefill(model.graphdef, model.params, jnp.asarray(chunk), cache, last_chunk=i == len(chunks) - 1)
+    key = jax.random.PRNGKey(seed)
+    key, sub = jax.random.split(key)
+    first = sample(logits, sub, sampling)
+    first.block_until_ready()
+    timings["prefill_s"] = time.perf_counter() - t0
+    eos_ids = tuple(int(e) for e in eos_ids)
+
+    t0 = time.perf_counter()
+    if on_token is None:
+        out, count, cache = decode_loop(
+            model.graphdef, model.params, first, cache, key,
+            max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=sampling,
+        )
+        out, count = np.asarray(out), np.asarray(count)
+    else:
+        out = np.zeros((B, max_new_tokens), np.int32)
+        count = np.zeros((B,), np.int32)
+        done = np.zeros((B,), bool)
+        tok = first
+        for i in range(max_new_tokens):
+            host_tok = np.asarray(tok)
+            host_tok = np.where(done, out[:, i - 1] if i else host_tok, host_tok)
+            out[:, i] = host_tok
+            count += ~done
+            on_token(host_tok)
+            done |= np.isin(host_tok, eos_ids)
+            if done.all() or i == max_new_tokens - 1:
+                break
+            key, sub = jax.random.split(key)
+            tok, _, cache = decode_step(model.graphdef, model.params, jnp.asarray(host_tok), cache, sub, sampling=sampling)
+    timings["decode_s"] = time.perf_counter() - t0
+    timings["decode_ms_per_token"] = 1000 * timings["decode_s"] / max(int(count.max()) - 1, 1)
+    return out, count, cache, timings
+
+
+def generate(
+    model, prompt: str | Sequence[str], *, method=None, max_new_tokens: int = 64, chat: bool = False,
+    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chunk_size: int | None = None,
+    stream: Callable[[str], None] | None = None, progress: bool = False,
+) -> GenerationResult:
+    """Generate text for one prompt or a batch (left-padded) with a KV-cache ``method``.
+
+    Args:
+      model: from :func:`load`.
+      prompt: a string or a list of strings.
+      method: a method instance (e.g. ``kvjax.methods.FullCache()``), a registered name, or None (full cache).
+      max_new_tokens: generation limit (> 0); generation also stops at the tokenizer's EOS.
+      chat: wrap the prompt in the model's chat template.
+      temperature, top_p, seed: sampling (temperature 0 = greedy).
+      chunk_size: prefill the prompt in chunks of this many tokens (bounded activation memory).
+      stream: called with each new piece of text of the first row, as it is generated.
+      progress: show progress bars (prefill chunks).
+    """
+    from models.tokenizer import format_prompt
+
+    tok = model.tokenizer
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    rows = [tok(format_prompt(tok, p, chat), add_special_tokens=True)["input_ids"] for p in prompts]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+
+    on_token = None
+    if stream is not None:
+        emitted: list[int] = []
+        printed = [""]
+
+        def on_token(step_tokens):
+            t = int(step_tokens[0])
+            if t in eos:
+                return
+            emitted.append(t)
+            text = tok.decode(emitted, skip_special_tokens=True)
+            stream(text[len(printed[0]):])
+            printed[0] = text
+
+    out, count, cache, timings = generate_tokens(
+        model, rows, method=method, max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p),
+        seed=seed, chunk_size=chunk_size, eos_ids=eos, pad_id=pad_id, on_token=on_token, progress=progress,
+    )
+    token_lists = [[int(t) for t in out[b, : count[b]] if t not in eos] for b in range(out.shape[0])]
+    texts = [tok.decode(t, skip_special_tokens=True) for t in token_lists]
+    return GenerationResult(
+        texts=texts, tokens=token_lists, prompt_tokens=[len(r) for r in rows],
+        cache_stats=cache.stats(), timings=timings,
+    )

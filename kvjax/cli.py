@@ -1,0 +1,152 @@
+"""The ``kvjax`` command line: generate, models, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from models import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model name, HF directory or .gguf file (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and cache dtype")
+
+
+def _add_method_args(p: argparse.ArgumentParser) -> None:
+    from kvjax.methods import METHODS
+
+    p.add_argument("--method", default="full", choices=sorted(METHODS), help="KV-cache method")
+    p.add_argument("--implementation", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
+                   help="attention implementation (auto: pallas on TPU/GPU, xla on CPU)")
+
+
+def _method(args):
+    from kvjax.methods import get_method
+
+    return get_method(args.method, implementation=args.implementation)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def cmd_generate(args) -> int:
+    """Stream the answer to a prompt (or a prompt file)."""
+    import kvjax
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise SystemExit("kvjax generate: give exactly one of --prompt or --prompt-file")
+    prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
+    model = kvjax.load(args.model, args.dtype, progress=True)
+    result = kvjax.generate(
+        model, prompt, method=_method(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size,
+        stream=lambda s: print(s, end="", flush=True), progress=True,
+    )
+    s, t = result.cache_stats, result.timings
+    print(
+        f"\n[{result.prompt_tokens[0]} prompt tokens, {len(result.tokens[0])} generated | prefill {t['prefill_s']:.2f} s, "
+        f"decode {t['decode_ms_per_token']:.1f} ms/token (first call includes compilation) | cache {s['method']}: "
+        f"device {_fmt_bytes(s['device_bytes'])}, host {_fmt_bytes(s['host_bytes'])}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_models(args) -> int:
+    """List the ready models and whether their packages are installed."""
+    from models import DEFAULT_MODEL, READY_MODELS, is_installed
+
+    for name, m in READY_MODELS.items():
+        state = "installed" if is_installed(name) else f"not installed ({m.install_command})"
+        default = " [default]" if name == DEFAULT_MODEL else ""
+        print(f"{name}{default}: {m.description}\n    {state}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Passkey hidden in a ~4K-token haystack, answered by the default model with the full cache."""
+    import kvjax
+    from evals.passkey import make_passkey
+
+    t0 = time.perf_counter()
+    model = kvjax.load(args.model, args.dtype, progress=True)
+    load_s = time.perf_counter() - t0
+    sample = make_passkey(model.tokenizer, args.length, depth=args.depth, seed=args.seed)
+    print(f"model {args.model} ({args.dtype}) loaded in {load_s:.1f} s")
+    print(f"prompt: {sample.num_tokens} tokens of filler with a pass key at depth {sample.depth:.0%}; expected answer {sample.answer}")
+    print("answer: ", end="", flush=True)
+    result = kvjax.generate(
+        model, sample.prompt, method=_method(args), max_new_tokens=16, chat=True,
+        chunk_size=args.chunk_size, stream=lambda s: print(s, end="", flush=True), progress=True,
+    )
+    s, t = result.cache_stats, result.timings
+    ok = sample.answer in result.text
+    print(f"\n{'CORRECT' if ok else 'WRONG'} | prefill {t['prefill_s']:.2f} s "
+          f"({result.prompt_tokens[0] / t['prefill_s']:.0f} tokens/s incl. compilation), "
+          f"decode {t['decode_ms_per_token']:.1f} ms/token | cache ({s['method']}): device {_fmt_bytes(s['device_bytes'])}, "
+          f"host {_fmt_bytes(s['host_bytes'])}")
+    return 0 if ok else 1
+
+
+def cmd_bench(args) -> int:
+    """Foundation benchmark vs transformers (see ``evals/bench_foundation.py``)."""
+    from evals.bench_foundation import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``kvjax`` command."""
+    parser = argparse.ArgumentParser(prog="kvjax", description="Llama/Qwen in JAX with compressed KV caches")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text, streaming the answer")
+    _add_model_args(g)
+    _add_method_args(g)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list the ready models")
+    m.set_defaults(func=cmd_models)
+
+    d = sub.add_parser("demo", help="passkey in a ~4K-token haystack on the default model")
+    _add_model_args(d)
+    _add_method_args(d)
+    d.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
+    d.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1]")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--chunk-size", type=int, default=1024)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="latency/memory benchmark against transformers (args passed on)")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``kvjax`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
+        print(f"kvjax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

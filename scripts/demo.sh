@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up .venv (if needed) and run the demo: a pass key hidden in a ~4K-token haystack, answered by
+# the default model (Qwen2.5-Coder-0.5B-Instruct) with the full cache. Extra args go to `kvjax demo`.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$root/scripts/setup_env.sh"
+. "$root/.venv/bin/activate"
+exec kvjax demo "$@"

