@@ -1,0 +1,562 @@
+"""Block-sparse / paged decode attention (one query token per sequence).
+
+Cache layout (one layer)::
+
+    k_pages, v_pages : [num_pages, page_size, D]   page pool shared by all rows and KV heads
+    block_table      : int32 [B, H_kv, max_pages]  (row, kv head, i) -> page index in the pool
+    lengths          : int32 [B, H_kv]             valid tokens of that head, stored in order in
+                                                   pages block_table[b, h, 0], [b, h, 1], ...
+
+The last used page of a head may be partial; block-table entries past
+``ceil(length / page_size)`` are ignored (they may hold any value; the kernels clip them into
+``[0, num_pages)`` so that a stale entry can never cause an out-of-bounds copy).  Because every
+head has its own block table and length, the same kernel serves per-head budgets (HeteroCache,
+AdaKV), per-layer budgets (PyramidKV) and block-sparse selection (a selection *is* a block
+table).
+
+Query ``q: [B, H_q, D]`` with ``H_q = H_kv * G``; the ``G`` query heads of a GQA group share
+one program so K/V are read once per group.  The softmax is computed online in f32; masked
+positions get ``0.7 * finfo(f32).min`` (never ``-inf``, so ``exp(m_prev - m_next)`` stays finite),
+and masked V rows are zeroed before the ``p @ V`` product so garbage in a partial page (even
+NaN from an uninitialised pool) cannot leak into the output.  A head with length 0 returns zeros.
+
+Two kernel forms:
+
+* ``backend="tpu"`` (Mosaic TPU): grid ``(B, H_kv, page_blocks)``; lengths and the block table
+  are scalar-prefetched into SMEM (``pltpu.PrefetchScalarGridSpec``); K/V stay in HBM
+  (``memory_space=pl.ANY``) and the pages of a block are DMA-ed into a double-buffered VMEM
+  scratch with ``pltpu.make_async_copy``: while block ``i`` is computed, block ``i+1`` of the
+  same (row, head) is in flight.  Only the pages below ``ceil(length/page_size)`` are copied;
+  grid steps past the head's length do nothing (block-sparse skip).  The page-block axis is
+  sequential ("arbitrary"); row and head axes are "parallel" (megacore).  The prefetch stays
+  within one (row, head): the first block of each head is not overlapped with the previous
+  head's last block (jax's own TPU paged attention chains across heads at the cost of
+  sequential row/head axes).  Practical limits: ``page_size`` a multiple of 8 (f32) / 16 (bf16)
+  so a block reshapes to ``[tokens, D]`` without relayout, and the flattened block table
+  (``B * H_kv * max_pages`` int32) must fit in SMEM.
+* ``backend="gpu"`` (Triton): split-K ("flash decoding").  Grid ``(B, H_kv, num_splits)``; each
+  program walks its share of the block table in blocks of ``pages_per_block`` pages, gathering
+  pages with vector indices, and writes a partial ``(o, l, m)``; a final ``jnp`` combine
+  rescales the partials.  Splits wholly past a head's length exit immediately.  GPU form
+  constraints (Triton): ``page_size``, ``pages_per_block`` and ``D`` powers of two (and
+  ``D >= 16``); the query group is zero-padded to ``max(16, next_pow2(G))`` rows for ``tl.dot``.
+  Triton is requested explicitly (``pltriton.CompilerParams``): a plain ``pallas_call`` goes to
+  Mosaic GPU by default on recent jax, whose programming model (warpgroups, TMA) this kernel
+  does not use.
+
+Numerics: the TPU form upcasts K/V blocks to f32 (like jax's TPU paged attention); the GPU form
+feeds the matmuls in the K/V dtype (bf16 ``q . k`` and bf16 ``p @ v`` with f32 accumulation,
+the usual flash-decoding choice), so with bf16 K/V it differs from the f32 reference by bf16
+rounding of q and p (~1e-2 relative).
+
+Both run on CPU in interpret mode (``implementation="pallas_interpret"``): the TPU form under
+``pltpu.InterpretParams()`` (which emulates DMAs, semaphores and uninitialised (NaN) VMEM), the
+GPU form under ``interpret=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+__all__ = [
+    "MASK_VALUE",
+    "check_block_table",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+]
+
+MASK_VALUE = 0.7 * float(np.finfo(np.float32).min)
+
+_IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+_BACKENDS = (None, "tpu", "gpu")
+_KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+# Target number of KV tokens per kernel block when pages_per_block is not given: large DMA
+# blocks amortise the per-grid-step cost on TPU; on GPU the block lives in registers.
+_TARGET_BLOCK_TOKENS = {"tpu": 512, "gpu": 128}
+# GPU split-K: aim for this many programs in flight (about 2 waves on a 132-SM H100).
+_GPU_TARGET_PROGRAMS = 256
+
+
+# --------------------------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_block_table(block_table, lengths, num_pages: int, page_size: int) -> None:
+    """Host-side check of a paged-cache block table (eager; pulls both arrays to the host).
+
+    Raises ``ValueError`` if a length is negative or exceeds ``max_pages * page_size``, or if a
+    *used* entry ``block_table[b, h, i]`` (``i < ceil(lengths[b, h] / page_size)``) lies outside
+    ``[0, num_pages)``.  Entries past a head's used pages are not checked.
+    """
+    bt = np.asarray(block_table)
+    ln = np.asarray(lengths)
+    if bt.ndim != 3:
+        raise ValueError(f"block_table must be [B, H_kv, max_pages], got shape {bt.shape}")
+    if ln.shape != bt.shape[:2]:
+        raise ValueError(
+            f"lengths must have shape [B, H_kv] = {bt.shape[:2]} matching block_table, "
+            f"got {ln.shape}"
+        )
+    max_pages = bt.shape[2]
+    capacity = max_pages * page_size
+    if ln.size and ln.min() < 0:
+        b, h = np.argwhere(ln < 0)[0]
+        raise ValueError(f"lengths[{b}, {h}] = {ln[b, h]} is negative; lengths must be >= 0")
+    if ln.size and ln.max() > capacity:
+        b, h = np.argwhere(ln > capacity)[0]
+        raise ValueError(
+            f"lengths[{b}, {h}] = {ln[b, h]} exceeds the block table capacity "
+            f"max_pages * page_size = {max_pages} * {page_size} = {capacity}"
+        )
+    used = np.arange(max_pages)[None, None, :] < (-(-ln // page_size))[..., None]
+    bad = used & ((bt < 0) | (bt >= num_pages))
+    if bad.any():
+        b, h, i = np.argwhere(bad)[0]
+        raise ValueError(
+            f"block_table[{b}, {h}, {i}] = {bt[b, h, i]} is out of range: used entries must be "
+            f"in [0, num_pages) = [0, {num_pages}) ({int(bad.sum())} bad entries in total)"
+        )
+
+
+def _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend, pages_per_block,
+              num_splits):
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; allowed: {_IMPLEMENTATIONS}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {_BACKENDS}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H_q, D], got shape {q.shape}")
+    if k_pages.ndim != 3:
+        raise ValueError(f"k_pages must be [num_pages, page_size, D], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}"
+        )
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, page_size, kv_dim = k_pages.shape
+    if kv_dim != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) != head_dim of k_pages ({kv_dim})")
+    if num_pages < 1 or page_size < 1:
+        raise ValueError(f"k_pages must hold at least one page of >= 1 token, got {k_pages.shape}")
+    if block_table.ndim != 3 or block_table.shape[0] != batch:
+        raise ValueError(
+            f"block_table must be [B={batch}, H_kv, max_pages], got shape {block_table.shape}"
+        )
+    num_kv_heads = block_table.shape[1]
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"H_q={num_q_heads} (from q) must be a positive multiple of H_kv={num_kv_heads} "
+            "(from block_table)"
+        )
+    if block_table.shape[2] < 1:
+        raise ValueError(f"block_table needs max_pages >= 1, got shape {block_table.shape}")
+    if lengths.shape != (batch, num_kv_heads):
+        raise ValueError(
+            f"lengths must have shape [B, H_kv] = {(batch, num_kv_heads)}, got {lengths.shape}"
+        )
+    kv_dtype = jnp.dtype(k_pages.dtype)
+    if kv_dtype not in _KV_DTYPES:
+        raise ValueError(f"k_pages dtype {kv_dtype} not supported; allowed: bfloat16, float32")
+    if jnp.dtype(v_pages.dtype) != kv_dtype:
+        raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {kv_dtype}")
+    if jnp.dtype(q.dtype) not in (kv_dtype, jnp.dtype(jnp.float32)):
+        raise ValueError(
+            f"q dtype {q.dtype} not supported with {kv_dtype} K/V; allowed: {kv_dtype} or float32"
+        )
+    if jnp.dtype(block_table.dtype) != jnp.int32:
+        raise ValueError(f"block_table dtype must be int32, got {block_table.dtype}")
+    if jnp.dtype(lengths.dtype) != jnp.int32:
+        raise ValueError(f"lengths dtype must be int32, got {lengths.dtype}")
+    if pages_per_block is not None and (
+        not isinstance(pages_per_block, (int, np.integer)) or pages_per_block < 1
+    ):
+        raise ValueError(f"pages_per_block={pages_per_block!r}; must be a positive int or None")
+    if num_splits is not None and (
+        not isinstance(num_splits, (int, np.integer)) or num_splits < 1
+    ):
+        raise ValueError(f"num_splits={num_splits!r}; must be a positive int or None")
+
+
+def _resolve_backend(implementation: str, backend: str | None) -> str:
+    if backend is not None:
+        return backend
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "tpu"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    if implementation == "pallas":
+        raise ValueError(
+            f"implementation='pallas' needs a TPU or GPU, but jax.default_backend() is "
+            f"{platform!r}; use implementation='xla' or 'pallas_interpret' on CPU"
+        )
+    return "tpu"  # interpret mode on CPU: emulate the TPU form by default.
+
+
+def _prev_pow2(x: int) -> int:
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, *, scale=None):
+    """Plain-jnp paged decode attention: gather pages through the block table, mask, softmax.
+
+    Shapes as in :func:`paged_decode_attention`; scores and softmax in f32, output in q's dtype,
+    zeros for heads of length 0.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, page_size, _ = k_pages.shape
+    _, num_kv_heads, max_pages = block_table.shape
+    group = num_q_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    bt = jnp.clip(block_table, 0, num_pages - 1)
+    k = k_pages[bt].reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
+    v = v_pages[bt].reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
+    valid = jnp.arange(max_pages * page_size)[None, None, :] < lengths[..., None]  # [B,Hkv,T]
+    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
+    s = jnp.einsum("bhgd,bhtd->bhgt", qg, k.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    s = jnp.where(valid[:, :, None, :], s, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)
+    v = jnp.where(valid[..., None], v.astype(jnp.float32), 0.0)
+    o = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=jax.lax.Precision.HIGHEST)
+    o = jnp.where((lengths > 0)[:, :, None, None], o, 0.0)
+    return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# TPU form
+# --------------------------------------------------------------------------------------------
+
+
+def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
+                q_ref, k_hbm, v_hbm,  # inputs
+                o_ref,  # output
+                k_buf, v_buf, sems, m_ref, l_ref, acc_ref,  # scratch
+                *, scale, pages_per_block, page_size, pages_padded, num_kv_heads, num_blocks):
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bh = b * num_kv_heads + h
+    length = lengths_ref[bh]
+    block_tokens = pages_per_block * page_size
+    pages_used = (length + page_size - 1) // page_size
+    blocks_used = (length + block_tokens - 1) // block_tokens
+
+    def page_copies(block, slot):
+        for j in range(pages_per_block):
+            pos = block * pages_per_block + j
+            page = bt_ref[bh * pages_padded + pos]
+            ck = pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, j], sems.at[0, slot])
+            cv = pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, j], sems.at[1, slot])
+            yield pos < pages_used, ck, cv
+
+    def start_block(block, slot):
+        for used, ck, cv in page_copies(block, slot):
+            @pl.when(used)
+            def _(ck=ck, cv=cv):  # pl.when calls this at once; defaults bind this page
+                ck.start()
+                cv.start()
+
+    def wait_block(block, slot):
+        for used, ck, cv in page_copies(block, slot):
+            @pl.when(used)
+            def _(ck=ck, cv=cv):
+                ck.wait()
+                cv.wait()
+
+    @pl.when(i == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        @pl.when(blocks_used > 0)
+        def _():
+            start_block(0, 0)
+
+    @pl.when(i < blocks_used)
+    def _compute():
+        slot = i % 2
+
+        @pl.when(i + 1 < blocks_used)
+        def _():
+            start_block(i + 1, 1 - slot)
+
+        wait_block(i, slot)
+        head_dim = k_buf.shape[-1]
+        k = k_buf[slot].astype(jnp.float32).reshape(block_tokens, head_dim)
+        v = v_buf[slot].astype(jnp.float32).reshape(block_tokens, head_dim)
+        q = q_ref[...].astype(jnp.float32)  # [G, D]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale  # [G, T]
+        pos_row = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+        s = jnp.where(pos_row < length, s, MASK_VALUE)
+        pos_col = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
+        v = jnp.where(pos_col < length, v, 0.0)
+        m_prev = m_ref[...]  # [G, 1]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.exp(s - m_next)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        m_ref[...] = m_next
+
+    @pl.when(i == num_blocks - 1)
+    def _finalize():
+        l = l_ref[...]
+        o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+
+
+def _paged_tpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_block, interpret):
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, page_size, _ = k_pages.shape
+    _, num_kv_heads, max_pages = block_table.shape
+    group = num_q_heads // num_kv_heads
+    num_blocks = pl.cdiv(max_pages, pages_per_block)
+    pages_padded = num_blocks * pages_per_block
+    bt = jnp.clip(block_table, 0, num_pages - 1)
+    bt = jnp.pad(bt, ((0, 0), (0, 0), (0, pages_padded - max_pages))).reshape(-1)
+
+    # As in jax's TPU paged attention: when G is not a multiple of 8, give q a unit
+    # second-minor dim so XLA picks a <1x128> HBM layout matching the kernel's memref.
+    if group % 8:
+        q_in = q.astype(jnp.float32).reshape(batch, num_q_heads, 1, head_dim)
+        q_spec = pl.BlockSpec((None, group, None, head_dim), lambda b, h, i, *_: (b, h, 0, 0))
+    else:
+        q_in = q.astype(jnp.float32)
+        q_spec = pl.BlockSpec((None, group, head_dim), lambda b, h, i, *_: (b, h, 0))
+
+    kernel = functools.partial(
+        _tpu_kernel, scale=scale, pages_per_block=pages_per_block, page_size=page_size,
+        pages_padded=pages_padded, num_kv_heads=num_kv_heads, num_blocks=num_blocks)
+    buf_shape = (2, pages_per_block, page_size, head_dim)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, num_kv_heads, num_blocks),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[
+                pltpu.VMEM(buf_shape, k_pages.dtype),
+                pltpu.VMEM(buf_shape, v_pages.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((group, 1), jnp.float32),
+                pltpu.VMEM((group, 1), jnp.float32),
+                pltpu.VMEM((group, head_dim), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q_in.shape, jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="paged_decode_attention_tpu",
+    )(lengths.reshape(-1), bt, q_in, k_pages, v_pages)
+    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU form (Triton, split-K)
+# --------------------------------------------------------------------------------------------
+
+
+def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref,  # inputs
+                o_ref, m_ref, l_ref,  # outputs (partials of this split)
+                *, scale, pages_per_block, pages_per_split):
+    split = pl.program_id(2)
+    num_pages, page_size, head_dim = k_ref.shape
+    block_tokens = pages_per_block * page_size
+    rows = q_ref.shape[0]
+    length = len_ref[0]
+    first_page = split * pages_per_split
+    pages_used = (length + page_size - 1) // page_size
+    n_pages = jnp.clip(pages_used - first_page, 0, pages_per_split)
+    n_blocks = (n_pages + pages_per_block - 1) // pages_per_block
+    q = q_ref[...]
+
+    def body(t, carry):
+        o, m, l = carry
+        pages = bt_ref[pl.ds(t * pages_per_block, pages_per_block)]
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale
+        pos = (first_page + t * pages_per_block) * page_size + jnp.arange(block_tokens)
+        valid = pos < length
+        s = jnp.where(valid[None, :], s, MASK_VALUE)
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_next)
+        p = jnp.exp(s - m_next[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        o = alpha[:, None] * o + jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return o, m_next, l
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _paged_gpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_block, num_splits,
+               interpret):
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, page_size, _ = k_pages.shape
+    _, num_kv_heads, max_pages = block_table.shape
+    group = num_q_heads // num_kv_heads
+    for name, val in (("page_size", page_size), ("head_dim", head_dim),
+                      ("pages_per_block", pages_per_block)):
+        if val & (val - 1):
+            raise ValueError(f"GPU (Triton) form needs {name} to be a power of two, got {val}")
+    if head_dim < 16:
+        raise ValueError(f"GPU (Triton) form needs head_dim >= 16, got {head_dim}")
+    if pages_per_block * page_size < 16:
+        raise ValueError(
+            f"GPU (Triton) form needs pages_per_block * page_size >= 16, got "
+            f"{pages_per_block} * {page_size}")
+    total_blocks = pl.cdiv(max_pages, pages_per_block)
+    if num_splits is None:
+        num_splits = pl.cdiv(_GPU_TARGET_PROGRAMS, batch * num_kv_heads)
+    num_splits = max(1, min(num_splits, total_blocks))
+    pages_per_split = pl.cdiv(total_blocks, num_splits) * pages_per_block
+    num_splits = pl.cdiv(max_pages, pages_per_split)
+    pages_padded = num_splits * pages_per_split
+
+    rows = max(16, _next_pow2(group))
+    kv_dtype = k_pages.dtype
+    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(kv_dtype)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    bt = jnp.clip(block_table, 0, num_pages - 1)
+    bt = jnp.pad(bt, ((0, 0), (0, 0), (0, pages_padded - max_pages)))
+    bt = bt.reshape(batch, num_kv_heads, num_splits, pages_per_split)
+
+    from jax.experimental.pallas import triton as pltriton  # GPU-only module, import lazily
+
+    kernel = functools.partial(_gpu_kernel, scale=scale, pages_per_block=pages_per_block,
+                               pages_per_split=pages_per_split)
+    part_shape = (batch, num_kv_heads, num_splits, rows)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((num_pages, page_size, head_dim), lambda b, h, s: (0, 0, 0)),
+            pl.BlockSpec((num_pages, page_size, head_dim), lambda b, h, s: (0, 0, 0)),
+            pl.BlockSpec((None, None, None, pages_per_split), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(part_shape + (head_dim,), jnp.float32),
+            jax.ShapeDtypeStruct(part_shape, jnp.float32),
+            jax.ShapeDtypeStruct(part_shape, jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="paged_decode_attention_gpu",
+    )(qg, k_pages, v_pages, bt, lengths.reshape(batch, num_kv_heads, 1))
+
+    # Combine the split partials (flash-decoding reduction).
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)  # [B, Hkv, S, rows]
+    l_all = jnp.sum(l * w, axis=2)
+    o_all = jnp.sum(o * w[..., None], axis=2)
+    o_all = o_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
+    return o_all[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Public op
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "implementation", "backend",
+                                             "pages_per_block", "num_splits"))
+def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale, implementation,
+                            backend, pages_per_block, num_splits):
+    if implementation == "xla":
+        return paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths,
+                                                scale=scale)
+    interpret = implementation == "pallas_interpret"
+    if backend == "tpu":
+        return _paged_tpu(q, k_pages, v_pages, block_table, lengths, scale=scale,
+                          pages_per_block=pages_per_block, interpret=interpret)
+    return _paged_gpu(q, k_pages, v_pages, block_table, lengths, scale=scale,
+                      pages_per_block=pages_per_block, num_splits=num_splits,
+                      interpret=interpret)
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=None,
+                           implementation="pallas", backend=None, pages_per_block=None,
+                           num_splits=None):
+    """Decode attention of one query token over a paged (block-table) KV cache.
+
+    Args:
+      q: ``[B, H_q, D]`` query (bf16 or f32; same dtype as K/V or f32).
+      k_pages, v_pages: ``[num_pages, page_size, D]`` page pools (bf16 or f32).
+      block_table: int32 ``[B, H_kv, max_pages]``; ``H_q`` must be a multiple of ``H_kv``.
+      lengths: int32 ``[B, H_kv]`` valid tokens per (row, KV head); 0 gives a zero output.
+      scale: logit scale, default ``D ** -0.5``.
+      implementation: ``"pallas"`` (compiled), ``"pallas_interpret"`` (CPU emulation) or
+        ``"xla"`` (:func:`paged_decode_attention_reference`).
+      backend: kernel form, ``"tpu"`` or ``"gpu"``; ``None`` follows ``jax.default_backend()``
+        (the TPU form when interpreting on CPU).
+      pages_per_block: pages per kernel block; ``None`` picks about 512 (TPU) / 128 (GPU)
+        tokens per block (a power of two for the GPU form).
+      num_splits: GPU form only, number of split-K partitions; ``None`` targets ~256 programs.
+
+    Returns ``[B, H_q, D]`` in q's dtype.  With concrete (non-traced) inputs the block table is
+    checked on the host first (:func:`check_block_table`); under ``jit`` the caller is
+    responsible (entries are clipped into range, so bad tables give wrong values, not crashes).
+    """
+    _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend,
+              pages_per_block, num_splits)
+    num_pages, page_size, head_dim = k_pages.shape
+    max_pages = block_table.shape[2]
+    if not (_is_tracer(block_table) or _is_tracer(lengths)):
+        check_block_table(block_table, lengths, num_pages, page_size)
+    if implementation != "xla":
+        backend = _resolve_backend(implementation, backend)
+    else:
+        backend = None
+    if pages_per_block is None:
+        target = _TARGET_BLOCK_TOKENS.get(backend, 512)
+        pages_per_block = max(1, min(max_pages, target // page_size))
+        if backend == "gpu":
+            pages_per_block = _prev_pow2(pages_per_block)
+            while pages_per_block * page_size < 16:
+                pages_per_block *= 2
+    scale = float(head_dim**-0.5 if scale is None else scale)
+    return _paged_decode_attention(
+        q, k_pages, v_pages, block_table, lengths, scale=scale, implementation=implementation,
+        backend=backend, pages_per_block=int(pages_per_block),
+        num_splits=None if num_splits is None else int(num_splits))
