@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.generate import Sampling, decode_loop, decode_step, prefill, sample
+from kvjax.generate import Sampling, compress, decode_loop, decode_step, prefill, sample
 from kvjax.methods import FullCache, get_method
 
 
@@ -92,6 +92,8 @@ def generate_tokens(
             f"{config.max_position_embeddings} tokens"
         )
     B, L = tokens.shape
+    if hasattr(method, "check_prompt_lengths"):
+        method.check_prompt_lengths([len(r) for r in token_rows])
     cache = method.init_cache(config, B, L, max_new_tokens, model.dtype)
     cache = cache.replace(pad=jnp.asarray(pad))
     timings = {}
@@ -110,6 +112,10 @@ def generate_tokens(
     first = sample(logits, sub, sampling)
     first.block_until_ready()
     timings["prefill_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cache = compress(cache)
+    jax.block_until_ready(cache)
+    timings["compress_s"] = time.perf_counter() - t0
     eos_ids = tuple(int(e) for e in eos_ids)
 
     t0 = time.perf_counter()

@@ -67,6 +67,17 @@ def prefill(graphdef, params, tokens: jax.Array, cache: Cache, *, last_chunk: bo
     return logits[:, -1], cache
 
 
+@jax.jit
+def compress(cache: Cache) -> Cache:
+    """Run the method's post-prefill compression (selection + paging) in one jitted call.
+
+    Not donated: the output pytree (page pools) differs from the input (staging), so no buffer could
+    be reused; the staging is freed when the caller drops it.
+    """
+    TRACE_COUNTS["compress"] += 1
+    return cache.method.compress(cache)
+
+
 def _step(graphdef, params, tokens: jax.Array, cache: Cache):
     """One decode forward of ``tokens[B]`` at slot ``cache.length``; returns (logits [B, V], cache)."""
     from models.llama import forward

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 from kvjax.methods.base import CompressionMethod
 from kvjax.methods.full import FullCache
+from kvjax.methods.h2o import H2O
+from kvjax.methods.hbw import HBW
+from kvjax.methods.pyramidkv import PyramidKV
+from kvjax.methods.snapkv import SnapKV
+from kvjax.methods.streaming_llm import StreamingLLM
 
 METHODS: dict[str, type] = {
     "full": FullCache,
+    "snapkv": SnapKV,
+    "streaming_llm": StreamingLLM,
+    "h2o": H2O,
+    "pyramidkv": PyramidKV,
+    "hbw": HBW,
 }
 
 
@@ -17,4 +27,4 @@ def get_method(name: str, **kwargs) -> CompressionMethod:
     return METHODS[name](**kwargs)
 
 
-__all__ = ["CompressionMethod", "FullCache", "METHODS", "get_method"]
+__all__ = ["CompressionMethod", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "METHODS", "get_method"]

@@ -5,6 +5,7 @@ cache) with two jobs:
 
 * ``init_cache(config, batch, prompt_len, max_new_tokens, dtype)`` allocates the
   :class:`kvjax.cache.Cache` (device and host tiers) with static shapes;
+* ``compress(cache)`` runs once after prefill (jitted): static methods select tokens here;
 * ``attend(state, q, k, v, ctx)`` takes one layer's new ``q[B,T,Hq,D]``, ``k, v[B,T,Hkv,D]``
   (post-RoPE, at the slots ``ctx.start..``), writes them into the layer ``state``, runs the
   method's own logic (compression at the end of the prompt, per-step selection, ...) and returns
@@ -34,6 +35,10 @@ class CompressionMethod(Protocol):
 
     def attend(self, state: Any, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttendContext) -> tuple[jax.Array, Any]:
         """Write one layer's new k, v and attend the new queries; return (output, new state)."""
+        ...
+
+    def compress(self, cache: Cache) -> Cache:
+        """After the whole prompt is prefilled: build the compressed state (identity for the full cache)."""
         ...
 
 

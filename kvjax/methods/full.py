@@ -58,6 +58,10 @@ class FullCache:
             capacity=capacity,
         )
 
+    def compress(self, cache: Cache) -> Cache:
+        """Nothing to compress: the full cache keeps every token."""
+        return cache
+
     def attend(self, state: DenseKV, q, k, v, ctx: AttendContext):
         """Write k, v at slots ``ctx.start..`` and attend causally over all written slots."""
         k_new = lax.dynamic_update_slice_in_dim(state.k, k.transpose(0, 2, 1, 3).astype(state.k.dtype), ctx.start, axis=2)

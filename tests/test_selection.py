@@ -1,0 +1,170 @@
+"""Selection logic of the static methods on small hand-computed arrays (and a numpy reference for scores)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvjax.methods import H2O, HBW, SnapKV, StreamingLLM
+from kvjax.methods.compressed import StagedKV, gqa_aggregate, keep_top, mask_to_indices, pool1d
+from kvjax.methods.hbw import hierarchical_block_keep
+from kvjax.methods.pyramidkv import pyramid_capacities
+from kvjax.methods.snapkv import snapkv_scores
+
+
+def kept(mask):
+    return [list(np.flatnonzero(np.asarray(m))) for m in np.asarray(mask).reshape(-1, mask.shape[-1])]
+
+
+def staged(S, prompt_len, Hkv=1, Hq=1, D=4, window=0, acc=None, k=None, q=None):
+    k = jnp.zeros((1, Hkv, S, D)) if k is None else k
+    return StagedKV(k, k, q, acc, prompt_len=prompt_len, capacities=(0,) * Hkv, room=0)
+
+
+def test_keep_top_forced_plus_best():
+    scores = jnp.array([[5.0, 1.0, 4.0, 3.0, 9.0, 0.0]])
+    forced = jnp.array([[False, False, False, False, False, True]])
+    cand = jnp.array([[True, True, True, True, False, False]])
+    # slot 5 forced, slot 4 not a candidate; best two candidates: 0 (5.0) and 2 (4.0)
+    assert kept(keep_top(scores, forced, cand, 3)) == [[0, 2, 5]]
+    assert np.asarray(mask_to_indices(keep_top(scores, forced, cand, 3), 3)).tolist() == [[0, 2, 5]]
+
+
+def test_pooling_avg_and_max_match_hand_values():
+    x = jnp.array([[1.0, 0.0, 0.0, 6.0, 0.0]])
+    valid = jnp.array([[True, True, True, True, False]])
+    np.testing.assert_allclose(np.asarray(pool1d(x, valid, 3, "avg")), [[1 / 3, 1 / 3, 2.0, 2.0, 2.0]])
+    np.testing.assert_allclose(np.asarray(pool1d(x, valid, 3, "max")), [[1.0, 1.0, 6.0, 6.0, 6.0]])
+
+
+def test_gqa_aggregation_mean_and_max():
+    s = jnp.array([[[1.0, 4.0], [3.0, 0.0], [5.0, 5.0], [1.0, 1.0]]])  # Hq=4 -> Hkv=2
+    np.testing.assert_allclose(np.asarray(gqa_aggregate(s, 2, "mean")), [[[2.0, 2.0], [3.0, 3.0]]])
+    np.testing.assert_allclose(np.asarray(gqa_aggregate(s, 2, "max")), [[[3.0, 4.0], [5.0, 5.0]]])
+
+
+def test_streaming_llm_keeps_sinks_and_recent_per_row_padding():
+    m = StreamingLLM(budget=5, sinks=2)
+    pad = jnp.array([0, 3])
+    keep = m.select(0, staged(12, 10, Hkv=2), pad, 5)
+    assert kept(keep) == [[0, 1, 7, 8, 9]] * 2 + [[3, 4, 7, 8, 9]] * 2
+
+
+def test_h2o_recent_plus_heavy_hitters_with_gqa():
+    acc = jnp.array([[[0.0, 9, 1, 7, 2, 0, 0, 0], [0.0, 1, 1, 9, 8, 0, 0, 0]]])  # Hq=2 on one KV head
+    st = staged(8, 8, acc=acc)
+    # cap 4, recent 2 -> slots 6, 7; heavy (mean over group): slot1 5.0, slot3 8.0, slot4 5.0 -> 3 and 1 (tie: lower index)
+    assert kept(H2O(budget=4).select(0, st, jnp.array([0]), 4)) == [[1, 3, 6, 7]]
+    # max over group: slot1 9, slot3 9, slot4 8 -> 1 and 3
+    assert kept(H2O(budget=4, gqa="max").select(0, st, jnp.array([0]), 4)) == [[1, 3, 6, 7]]
+
+
+def numpy_snapkv_scores(q, k, window, kernel, prompt_len):
+    """Independent numpy SnapKV scoring (one row, MHA): window softmax, sum, avg pool (count_include_pad)."""
+    _, W, H, D = q.shape
+    out = []
+    for h in range(H):
+        s = q[0, :, h] @ k[0, h, :prompt_len].T / np.sqrt(D)
+        for w in range(W):
+            s[w, prompt_len - W + w + 1:] = -np.inf
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        agg = p.sum(0)[: prompt_len - W]
+        padded = np.concatenate([np.zeros(kernel // 2), agg, np.zeros(kernel // 2)])
+        pooled = np.array([padded[i:i + kernel].mean() for i in range(len(agg))])
+        out.append(pooled)
+    return np.stack(out)
+
+
+def test_snapkv_scores_match_numpy_reference():
+    rng = np.random.default_rng(0)
+    S, L, W, D, H = 16, 14, 4, 8, 2
+    k = rng.normal(size=(1, H, S, D)).astype(np.float32)
+    q = rng.normal(size=(1, W, H, D)).astype(np.float32)
+    st = staged(S, L, Hkv=H, k=jnp.asarray(k), q=jnp.asarray(q))
+    got = np.asarray(snapkv_scores(st, jnp.array([0]), window=W, kernel=3, pooling="avg", gqa="mean"))[0]
+    np.testing.assert_allclose(got[:, : L - W], numpy_snapkv_scores(q, k, W, 3, L), rtol=1e-5, atol=1e-6)
+
+
+def test_snapkv_select_keeps_window_and_top_prefix():
+    rng = np.random.default_rng(1)
+    S, L, W, D = 16, 12, 3, 8
+    k = rng.normal(size=(1, 1, S, D)).astype(np.float32)
+    q = rng.normal(size=(1, W, 1, D)).astype(np.float32)
+    st = staged(S, L, k=jnp.asarray(k), q=jnp.asarray(q))
+    ref = numpy_snapkv_scores(q, k, W, 1, L)[0]
+    top = sorted(np.argsort(-ref, kind="stable")[:3])
+    keep = SnapKV(budget=6, window=W, kernel=1).select(0, st, jnp.array([0]), 6)
+    assert kept(keep) == [top + [9, 10, 11]]
+
+
+def test_hbw_blocks_and_groups_hand_computed():
+    # prefix of 16 slots (window 2 at slots 16, 17), block 2 -> 8 blocks; scores chosen per block
+    block_scores = [1, 9, 2, 3, 8, 0, 4, 5]
+    scores = jnp.asarray(np.repeat(block_scores, 2).tolist() + [0, 0], jnp.float32)[None, None]
+    pad = jnp.array([0])
+    # cap 10: prefix capacity 8, rounds M=(1, 2): 4 tokens each. Round 1: 2 blocks globally -> blocks 1 (9), 4 (8).
+    # Round 2: 2 groups of 8 slots, 1 block each: group 0 blocks 0-3 unchosen best = 3 (3); group 1 blocks 4-7 -> 7 (5).
+    keep = hierarchical_block_keep(scores, pad, 18, 2, 10, 2, (1, 2))
+    assert kept(keep) == [[2, 3, 6, 7, 8, 9, 14, 15, 16, 17]]
+    # one round of 8 tokens: the 4 best blocks 1, 4, 7, 6
+    keep = hierarchical_block_keep(scores, pad, 18, 2, 10, 2, (1,))
+    assert kept(keep) == [[2, 3, 8, 9, 12, 13, 14, 15, 16, 17]]
+
+
+def test_hbw_leftover_capacity_filled_by_best_tokens():
+    scores = jnp.asarray([1.0, 2, 9, 3, 0, 0, 7, 0, 0, 0], jnp.float32)[None, None]
+    # prefix 8 (window 2), cap 5 -> prefix cap 3, block 2 -> one block (slots 2,3: mean 6) + best single token (6)
+    keep = hierarchical_block_keep(scores, jnp.array([0]), 10, 2, 5, 2, (1,))
+    assert kept(keep) == [[2, 3, 6, 8, 9]]
+
+
+def test_hbw_degenerates_to_snapkv():
+    rng = np.random.default_rng(2)
+    S, L, W, D = 64, 60, 4, 8
+    k = jnp.asarray(rng.normal(size=(2, 2, S, D)).astype(np.float32))
+    q = jnp.asarray(rng.normal(size=(2, W, 4, D)).astype(np.float32))
+    st = StagedKV(k, k, q, None, prompt_len=L, capacities=(20, 20), room=0)
+    pad = jnp.array([0, 5])
+    a = SnapKV(budget=20, window=W).select(0, st, pad, 20)
+    b = HBW(budget=20, window=W, block_size=1, groups=(1,)).select(0, st, pad, 20)
+    assert kept(a) == kept(b)
+
+
+def test_pyramid_capacities_linear_and_total():
+    caps = pyramid_capacities(4, 100, 8, 20.0)
+    # C - w = 92, min = 4.6, max = 179.4: 179.4, 121.67, 63.93, 6.2 (+8), rounding fixed to total 400
+    assert caps == (187, 129, 71, 13) and sum(caps) == 400
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    L=st.integers(20, 80), extra=st.integers(0, 16), pad0=st.integers(0, 6), data=st.data(),
+    method=st.sampled_from(["snapkv", "hbw", "streaming", "h2o"]),
+)
+def test_kept_indices_properties(L, extra, pad0, data, method):
+    rng = np.random.default_rng(L * 7 + extra)
+    S, D, Hkv, Hq, W = L + extra, 4, 2, 4, 4
+    pad = jnp.array([0, pad0])
+    real_len = L - pad0
+    cap = data.draw(st.integers(W + 1, real_len))
+    k = jnp.asarray(rng.normal(size=(2, Hkv, S, D)).astype(np.float32))
+    q = jnp.asarray(rng.normal(size=(2, W, Hq, D)).astype(np.float32))
+    acc = jnp.asarray(rng.random(size=(2, Hq, S)).astype(np.float32))
+    st_ = StagedKV(k, k, q, acc, prompt_len=L, capacities=(cap,) * Hkv, room=0)
+    m = {"snapkv": SnapKV(budget=cap, window=W), "hbw": HBW(budget=cap, window=W, groups=(1, 3)),
+         "streaming": StreamingLLM(budget=cap, sinks=2), "h2o": H2O(budget=cap)}[method]
+    keep = np.asarray(m.select(0, st_, pad, cap))
+    idx = np.asarray(mask_to_indices(jnp.asarray(keep), cap))
+    for b in range(2):
+        for h in range(Hkv):
+            row = idx[b, h]
+            assert keep[b, h].sum() == cap  # count = budget
+            assert len(set(row)) == cap and list(row) == sorted(row)  # unique, sorted
+            assert row.min() >= int(pad[b]) and row.max() < L  # within the real prompt
+            if method in ("snapkv", "hbw"):
+                assert set(range(L - W, L)) <= set(row)  # window kept
+            if method == "streaming":
+                assert {int(pad[b]), int(pad[b]) + 1} <= set(row)  # sinks kept
