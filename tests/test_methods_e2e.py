@@ -10,7 +10,8 @@ import pytest
 import kvjax
 from kvjax.api import generate_tokens
 from kvjax.generate import compress, decode_step, prefill
-from kvjax.methods import H2O, HBW, FullCache, PyramidKV, SnapKV, StreamingLLM
+from kvjax.methods import H2O, HBW, FullCache, PyramidKV, Quest, SnapKV, StreamingLLM
+from kvjax.methods.quest import QuestKV, select_pages
 from kvjax.paged import PagedKV, build_paged, offload, recall_into
 from models import load_model
 from tests.tiny import save_tiny
@@ -40,7 +41,7 @@ def step_logits(model, method, tokens, steps=6):
 ALL = [
     SnapKV(budget=L, window=8, block=16), HBW(budget=L, window=8, block=16), StreamingLLM(budget=L, block=16),
     H2O(budget=L, block=16), PyramidKV(budget=L, window=8, block=16),
-    SnapKV(budget=1.0, window=8, block=16, page_size=5),
+    SnapKV(budget=1.0, window=8, block=16, page_size=5), Quest(budget=L, block=16, page_size=8, dense_layers=0),
 ]
 
 
@@ -133,3 +134,30 @@ def test_bad_input(bad, match):
 def test_budget_larger_than_shortest_row(tiny):
     with pytest.raises(ValueError, match="larger than the shortest prompt"):
         generate_tokens(tiny, [[1] * 40, [1] * 10], method=SnapKV(budget=20, window=4), max_new_tokens=2)
+
+
+def test_quest_selects_top_pages_plus_last_page():
+    # one row, one KV head, 4 pages of 2 tokens, 7 tokens held; keys chosen so page bounds are known
+    keys = jnp.asarray([[1, 0], [0, 0], [-1, 0], [-2, 0], [5, 1], [4, 0], [0, 9]], jnp.float32)
+    k = jnp.zeros((1, 1, 8, 2)).at[0, 0, :7].set(keys)
+    idx = jnp.arange(8, dtype=jnp.int32)[None, None]
+    paged = build_paged(k, k, idx, (7,), room=1, page_size=2).replace(lengths=jnp.array([[7]], jnp.int32))
+    from kvjax.methods.quest import page_bounds
+    kmin, kmax = page_bounds(paged)
+    st = QuestKV(paged, kmin, kmax, pages_per_step=2)  # one top page + the last page
+    # q = (1, 0): bounds = max over page of k_0 -> pages 0: 1, 1: -1, 2: 5; last page (3) always kept
+    table, lengths = select_pages(jnp.asarray([[[1.0, 0.0]]]), st, "mean")
+    assert np.asarray(table).tolist() == [[[2, 3]]] and int(lengths[0, 0]) == 3
+    # q = (-1, 0): page 1 has min -2 -> bound 2, the best
+    table, lengths = select_pages(jnp.asarray([[[-1.0, 0.0]]]), st, "mean")
+    assert np.asarray(table).tolist() == [[[1, 3]]]
+
+
+def test_quest_keeps_everything_on_device(tiny):
+    tokens = np.random.default_rng(5).integers(0, 97, size=(1, L + 6)).astype(np.int32)
+    _, full = step_logits(tiny, FullCache(block=16), tokens)
+    _, quest = step_logits(tiny, Quest(budget=16, block=16, page_size=8), tokens)
+    stats = quest.stats()
+    assert stats["saves"].startswith("bandwidth")
+    assert stats["page_pool_bytes"] >= 2 * L * tiny.config.head_dim * 4 * tiny.config.num_layers * tiny.config.num_kv_heads
+    assert stats["kv_bytes_read_per_step"] < stats["page_pool_bytes"]

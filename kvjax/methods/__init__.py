@@ -7,6 +7,7 @@ from kvjax.methods.full import FullCache
 from kvjax.methods.h2o import H2O
 from kvjax.methods.hbw import HBW
 from kvjax.methods.pyramidkv import PyramidKV
+from kvjax.methods.quest import Quest
 from kvjax.methods.snapkv import SnapKV
 from kvjax.methods.streaming_llm import StreamingLLM
 
@@ -17,6 +18,7 @@ METHODS: dict[str, type] = {
     "h2o": H2O,
     "pyramidkv": PyramidKV,
     "hbw": HBW,
+    "quest": Quest,
 }
 
 
@@ -27,4 +29,4 @@ def get_method(name: str, **kwargs) -> CompressionMethod:
     return METHODS[name](**kwargs)
 
 
-__all__ = ["CompressionMethod", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "METHODS", "get_method"]
+__all__ = ["CompressionMethod", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "METHODS", "get_method"]
