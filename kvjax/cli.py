@@ -18,14 +18,34 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     from kvjax.methods import METHODS
 
     p.add_argument("--method", default="full", choices=sorted(METHODS), help="KV-cache method")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="KV budget: an int = tokens per KV head per layer, a float in (0, 1] = fraction of the prompt's KV kept")
     p.add_argument("--implementation", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
                    help="attention implementation (auto: pallas on TPU/GPU, xla on CPU)")
+
+
+def _budget(text: str):
+    """``1024`` -> int tokens per head; ``0.25`` -> float fraction."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"budget must be an int (tokens) or a float fraction, got {text!r}") from None
 
 
 def _method(args):
     from kvjax.methods import get_method
 
-    return get_method(args.method, implementation=args.implementation)
+    if args.method == "full":
+        if args.budget is not None:
+            raise ValueError("--budget does not apply to --method full (it keeps every token)")
+        return get_method("full", implementation=args.implementation)
+    kwargs = {"implementation": args.implementation}
+    if args.budget is not None:
+        kwargs["budget"] = args.budget
+    return get_method(args.method, **kwargs)
 
 
 def _fmt_bytes(n: int) -> str:
