@@ -161,3 +161,14 @@ def test_quest_keeps_everything_on_device(tiny):
     assert stats["saves"].startswith("bandwidth")
     assert stats["page_pool_bytes"] >= 2 * L * tiny.config.head_dim * 4 * tiny.config.num_layers * tiny.config.num_kv_heads
     assert stats["kv_bytes_read_per_step"] < stats["page_pool_bytes"]
+
+
+@pytest.mark.parametrize("method_cls", [HBW, Quest])
+def test_pallas_interpret_generate_equals_xla(tiny, method_cls):
+    """The Pallas block-sparse kernel (interpret mode) under generate gives the XLA path's tokens."""
+    rows = [list(np.random.default_rng(7).integers(0, 97, size=40)), list(np.random.default_rng(8).integers(0, 97, size=33))]
+    kw = dict(budget=24, block=16, page_size=8) if method_cls is Quest else dict(budget=24, window=4, block=16, page_size=8)
+    xla, _, _, _ = generate_tokens(tiny, rows, method=method_cls(implementation="xla", **kw), max_new_tokens=5)
+    pallas, _, cache, _ = generate_tokens(tiny, rows, method=method_cls(implementation="pallas_interpret", **kw),
+                                          max_new_tokens=5)
+    np.testing.assert_array_equal(pallas, xla)
