@@ -7,6 +7,8 @@ masked scores use ``0.7 * finfo(f32).min`` (never -inf, so fully masked rows sta
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -35,13 +37,35 @@ def _slot_mask(q_start, num_queries: int, kv_start, num_keys: int, pad):
 def dense_causal_attention(q, k, v, *, q_start, pad, scale: float):
     """Causal GQA attention of ``q`` (slots ``q_start..``) over every cache slot, one softmax.
 
-    Cost and memory are O(T * S); used for decode (T = 1) and short prompts.
+    Cost and memory are O(T * S); used for decode (T = 1) and short prompts. For one query (decode)
+    both products read the cache in its stored layout (no transposed copy of the values): the keys
+    are the left operand of the score product ``[S, D] x [D, G]`` and the softmax runs over its rows,
+    the forms XLA:CPU ran fastest.
     """
+    if q.shape[0] == 1:
+        # XLA drops the cache's size-1 batch dim with a reshape; fused with the caller's in-place
+        # cache write (dynamic_update_slice) that reshape becomes a copy of the whole cache, plus
+        # more copies to order the in-place write. Inside a conditional branch the cache is a plain
+        # operand and nothing is copied.
+        attend = functools.partial(_dense_attention, scale=scale)
+        return lax.cond(jnp.asarray(q_start) >= 0, attend, attend, q, k, v, q_start, pad)
+    return _dense_attention(q, k, v, q_start, pad, scale=scale)
+
+
+def _dense_attention(q, k, v, q_start, pad, *, scale: float):
     B, T, Hq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    G = Hq // Hkv
+    mask = _slot_mask(q_start, T, 0, S, pad)  # [B, T, S]
+    if T == 1:
+        qt = q.reshape(B, Hkv, G, D).transpose(0, 1, 3, 2)  # [B, Hkv, D, G]
+        s = lax.dot_general(k, qt, (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32) * scale
+        s = jnp.where(mask[:, None, 0, :, None], s, MASK_VALUE)  # [B, Hkv, S, G]
+        p = jax.nn.softmax(s, axis=2)
+        o = lax.dot_general(p.astype(v.dtype), v, (((2,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
+        return o.reshape(B, 1, Hq, D).astype(q.dtype)  # [B, Hkv, G, D] -> [B, 1, Hq, D]
+    qg = q.reshape(B, T, Hkv, G, D)
     s = jnp.einsum("bthgd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = _slot_mask(q_start, T, 0, S, pad)
     s = jnp.where(mask[:, None, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bhgts,bhsd->bthgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)

@@ -34,42 +34,106 @@ def _param_name(path) -> str:
 
 
 def hf_to_param_name(hf_name: str) -> tuple[str, bool] | None:
-    """Map an HF tensor name to (kvjax parameter name, needs transpose); None for tensors kvjax ignores."""
+    """Map an HF tensor name to (per-tensor parameter name, needs transpose); None for tensors kvjax ignores.
+
+    kvjax keeps HF's ``[out, in]`` layout, so nothing is transposed. The per-tensor name of a fused
+    projection's part (``layers.0.self_attn.q_proj.weight``) is mapped to its rows of the fused
+    parameter by :func:`fused_param_part`.
+    """
     if "rotary_emb" in hf_name:
         return None
     name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
     if name == "embed_tokens.weight":
         return "embed_tokens.embedding", False
-    if name.endswith("_proj.weight") or name == "lm_head.weight":
-        return name[: -len(".weight")] + ".kernel", True
     return name, False
+
+
+# HF projections stored as row blocks of one fused kvjax parameter: part -> (fused, index in order)
+_FUSED_PARTS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _fused_widths(config: ModelConfig, fused: str) -> list[int]:
+    """Output widths (rows) of the parts of a fused projection, in order."""
+    if fused.endswith("qkv_proj"):
+        return [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
+    return [config.intermediate_size] * 2
+
+
+def _fused_parts_of(name: str) -> set[str]:
+    """Per-tensor names of the parts of fused parameter ``name`` (empty if it is not fused)."""
+    parts = name.split(".")
+    if len(parts) != 5 or parts[0] != "layers":
+        return set()
+    fused = f"{parts[2]}.{parts[3]}"
+    return {f"layers.{parts[1]}.{part}.{parts[4]}" for part, (f, _) in _FUSED_PARTS.items() if f == fused}
+
+
+def fused_param_part(config: ModelConfig, name: str) -> tuple[str, int, int] | None:
+    """``layers.3.mlp.up_proj.weight`` -> (``layers.3.mlp.gate_up_proj.weight``, first row, rows); None if unfused."""
+    parts = name.split(".")
+    if len(parts) != 5 or parts[0] != "layers":
+        return None
+    key = f"{parts[2]}.{parts[3]}"
+    if key not in _FUSED_PARTS:
+        return None
+    fused, index = _FUSED_PARTS[key]
+    widths = _fused_widths(config, fused)
+    return f"layers.{parts[1]}.{fused}.{parts[4]}", sum(widths[:index]), widths[index]
 
 
 def build_params(config: ModelConfig, tensors: Iterator[tuple[str, Callable[[], np.ndarray]]], dtype, source: str):
     """Fill the abstract model's parameters from ``(hf_name, load_fn)`` pairs; returns (graphdef, params).
 
-    Raises ValueError naming the tensor on a missing, unexpected or mis-shaped weight.
+    HF's q/k/v and gate/up projections (weights and biases) are written into row blocks of the fused
+    ``qkv_proj`` and ``gate_up_proj`` parameters (see :mod:`models.llama`). Raises ValueError naming the tensor on a
+    missing, unexpected or mis-shaped weight.
     """
     graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
     wanted = {_param_name(path): leaf for path, leaf in leaves}
     loaded: dict[str, jax.Array] = {}
+    fused_buffers: dict[str, np.ndarray] = {}  # fused name -> float32 host buffer being filled
+    fused_filled: dict[str, set[str]] = {}  # fused name -> part names written so far
+    fused_expected = {n: parts for n in wanted if (parts := _fused_parts_of(n))}  # fused name -> its part names
     for hf_name, load in tensors:
         mapped = hf_to_param_name(hf_name)
         if mapped is None:
             continue
         name, transpose = mapped
-        if name == "lm_head.kernel" and config.tie_word_embeddings:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if name not in wanted:
+        fused = fused_param_part(config, name)
+        target = fused[0] if fused else name
+        if target not in wanted:
             raise ValueError(f"{source}: unexpected tensor {hf_name!r} for a {config.architecture} model")
+        expected = tuple(wanted[target].shape)
+        if fused:
+            expected = (fused[2],) + expected[1:]
         array = load()
         if transpose:
             array = array.T
-        if tuple(array.shape) != tuple(wanted[name].shape):
-            raise ValueError(f"{source}: tensor {hf_name!r} has shape {array.shape}, expected {wanted[name].shape}")
+        if tuple(array.shape) != expected:
+            raise ValueError(f"{source}: tensor {hf_name!r} has shape {array.shape}, expected {expected}")
+        if fused:
+            buf = fused_buffers.get(target)
+            if buf is None:
+                buf = fused_buffers[target] = np.empty(wanted[target].shape, np.float32)
+            buf[fused[1] : fused[1] + fused[2]] = array
+            fused_filled.setdefault(target, set()).add(name)
+            if fused_filled[target] == fused_expected[target]:
+                loaded[target] = jnp.asarray(fused_buffers.pop(target), dtype=dtype)
+            continue
         loaded[name] = jnp.asarray(np.asarray(array, dtype=np.float32) if array.dtype != np.float32 else array, dtype=dtype)
-    missing = sorted(set(wanted) - set(loaded))
+    missing = sorted(
+        set(n for n in wanted if n not in loaded and n not in fused_expected)
+        | set(p for n in fused_expected if n not in loaded for p in fused_expected[n] - fused_filled.get(n, set()))
+    )
     if missing:
         raise ValueError(f"{source}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     params = jax.tree_util.tree_unflatten(treedef, [loaded[_param_name(path)] for path, _ in leaves])

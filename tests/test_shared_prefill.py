@@ -1,0 +1,75 @@
+"""One shared prefill gives every method the same cache and logits as the method's own prefill."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.generate import compress, decode_step, prefill
+from kvjax.methods import H2O, HBW, FullCache, PyramidKV, Quest, SnapKV, StreamingLLM
+from kvjax.shared_prefill import cache_for, init_shared_cache, shared_staging
+from models import load_model
+from tests.tiny import save_tiny
+
+L, STEPS = 48, 5
+METHODS = [
+    FullCache(block=16), SnapKV(budget=12, window=4, block=16), HBW(budget=16, window=8, block=16, block_size=2),
+    StreamingLLM(budget=10, block=16), H2O(budget=12, block=16), PyramidKV(budget=0.3, window=4, block=16),
+    Quest(budget=16, block=16, page_size=8, dense_layers=1),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    save_tiny("qwen2", str(path), seed=5)
+    return load_model(str(path), "float32", tokenizer=False)
+
+
+def decode_logits(model, cache, first, tokens):
+    """Teacher-forced decode logits after the prompt (the first entry is the prefill's)."""
+    out = [np.asarray(first)]
+    for t in range(L, L + STEPS - 1):
+        _, logits, cache = decode_step(model.graphdef, model.params, jnp.asarray(tokens[:, t]), cache, jax.random.PRNGKey(0))
+        out.append(np.asarray(logits))
+    return np.stack(out)
+
+
+def test_shared_prefill_equals_own_prefill(tiny):
+    tokens = np.random.default_rng(1).integers(0, 97, size=(2, L + STEPS)).astype(np.int32)
+    tokens[1, :5] = 0  # row 1 is left-padded by 5 slots
+    pad = np.asarray([0, 5], np.int32)  # a fresh device array per cache: prefill donates it
+    staged = init_shared_cache(METHODS, tiny.config, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
+    assert staged.method.window == 8 and staged.method.accumulate
+    for i in range(0, L, 16):  # chunked: the window and accumulation are recorded across chunks
+        first_shared, staged = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, i:i + 16]), staged,
+                                       last_chunk=i + 16 >= L)
+    for method in METHODS:
+        own = method.init_cache(tiny.config, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
+        for i in range(0, L, 16):
+            first_own, own = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, i:i + 16]), own, last_chunk=i + 16 >= L)
+        own = compress(own)
+        derived = compress(cache_for(staged, method))
+        assert jax.tree_util.tree_structure(derived) == jax.tree_util.tree_structure(own), method.name
+        for a, b in zip(jax.tree_util.tree_leaves(derived), jax.tree_util.tree_leaves(own)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=method.name)
+        np.testing.assert_allclose(decode_logits(tiny, derived, first_shared, tokens),
+                                   decode_logits(tiny, own, first_own, tokens), atol=2e-5, rtol=1e-5, err_msg=method.name)
+    # the staging survived every derivation (compress does not donate)
+    assert all(not leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(staged))
+
+
+def test_shared_prefill_errors(tiny):
+    with pytest.raises(ValueError, match="at least one method"):
+        shared_staging([])
+    snap_only = init_shared_cache([SnapKV(budget=12, window=4, block=16)], tiny.config, 1, L, 2, tiny.dtype)
+    with pytest.raises(ValueError, match="observation window of 8"):
+        cache_for(snap_only, SnapKV(budget=12, window=8, block=16))
+    with pytest.raises(ValueError, match="accumulated attention"):
+        cache_for(snap_only, H2O(budget=12, block=16))
+    with pytest.raises(ValueError, match="init_shared_cache"):
+        cache_for(FullCache().init_cache(tiny.config, 1, L, 2, tiny.dtype), SnapKV(budget=12))
+    with pytest.raises(ValueError, match="cannot be compressed"):
+        compress(snap_only)
