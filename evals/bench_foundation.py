@@ -721,7 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
     from models.registry import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(
-        prog="kvjax bench",
+        prog="kvjax bench foundation",
         description="Prefill tokens/s, decode ms/token, memory and compile time of kvjax vs transformers, "
         "and each decode step against the measured memory-bandwidth limit.",
     )
@@ -788,7 +788,7 @@ def main(argv=None) -> int:
     report = {
         "machine": machine_info(),
         "versions": versions(),
-        "command": "kvjax bench " + shlex.join(argv) if argv else "kvjax bench",
+        "command": "kvjax bench foundation " + shlex.join(argv) if argv else "kvjax bench foundation",
         "process_argv": sys.argv,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {k: getattr(args, k) for k in (

@@ -1,4 +1,4 @@
-"""The ``kvjax`` command line: generate, models, demo, bench."""
+"""The ``kvjax`` command line: generate, models, demo, eval, bench."""
 
 from __future__ import annotations
 
@@ -116,10 +116,26 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Foundation benchmark vs transformers (see ``evals/bench_foundation.py``)."""
-    from evals.bench_foundation import main as bench_main
+    """Benchmarks: ``methods`` (default; latency/memory per method vs context) or ``foundation`` (vs transformers)."""
+    return _run_bench(args.bench_args)
 
-    return bench_main(args.bench_args)
+
+def _run_bench(argv) -> int:
+    argv = list(argv)
+    if argv[:1] == ["foundation"]:
+        from evals.bench_foundation import main as bench_main
+
+        return bench_main(argv[1:])
+    from evals.bench_methods import main as bench_main
+
+    return bench_main(argv[1:] if argv[:1] == ["methods"] else argv)
+
+
+def cmd_eval(args) -> int:
+    """Task accuracy and fidelity of methods x budgets (see ``evals/runner.py``)."""
+    from evals.runner import main as eval_main
+
+    return eval_main(args.eval_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,19 +168,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--chunk-size", type=int, default=1024)
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="latency/memory benchmark against transformers (args passed on)")
+    b = sub.add_parser("bench", help="benchmarks: `kvjax bench [methods] ...` latency/memory per method vs context length "
+                       "(default), `kvjax bench foundation ...` kvjax vs transformers; --help after the name for options")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
+
+    e = sub.add_parser("eval", help="accuracy of methods x budgets on synthetic long-context tasks, fidelity vs the full "
+                       "cache; `kvjax eval --help` for options")
+    e.add_argument("eval_args", nargs=argparse.REMAINDER)
+    e.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv=None) -> int:
     """Entry point of the ``kvjax`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # options starting with -- go to the benchmark's own parser
-        from evals.bench_foundation import main as bench_main
+    if argv[:1] in (["bench"], ["eval"]):  # options starting with -- go to the command's own parser
+        try:
+            if argv[0] == "bench":
+                return _run_bench(argv[1:])
+            from evals.runner import main as eval_main
 
-        return bench_main(argv[1:])
+            return eval_main(argv[1:])
+        except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
+            print(f"kvjax {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -34,7 +34,7 @@ def test_bench_report_has_a_row_per_dtype_and_length_with_both_frameworks(tmp_pa
     assert len(rows[0].split("|")) == len(header.split("|"))
 
     assert report["machine"]["cpu"] and report["versions"]["jax"] and report["versions"]["transformers"]
-    assert report["command"].startswith("kvjax bench --model smollm2-135m")
+    assert report["command"].startswith("kvjax bench foundation --model smollm2-135m")
     assert report["bandwidth"]["machine"] > 0
     assert [(r["dtype"], r["prompt_tokens"]) for r in report["rows"]] == [("float32", 64)]
     row = report["rows"][0]

@@ -1,0 +1,775 @@
+"""Methods benchmark: latency and memory vs context length for every KV-cache method, against the full cache.
+
+For one model and dtype, and each prompt length ``L`` (batch 1, exactly ``L`` random token ids,
+``prompt_tokens(vocab, L, --seed)``: the content does not change the cost), it measures in one
+process, for the full cache and each requested method (``kvjax.methods.METHODS``):
+
+* **prefill**: the full cache prefills into its own ``FullCache().init_cache`` (chunked jitted
+  ``prefill``). The static methods share prefills (:mod:`kvjax.shared_prefill`): one staging cache
+  per distinct *staging kind* ``(observation window, accumulate)`` is prefilled and timed once
+  (SnapKV / PyramidKV / HBW-KV record a 32-query window, H2O accumulates attention, StreamingLLM and
+  Quest record nothing), and every method of that kind derives its cache from it
+  (``cache_for``). A method's ``prefill_s`` = its staging prefill time + its own ``compress`` time
+  (the latter also reported alone as ``compress_s``);
+* **decode**: ``decode_loop(..., max_new_tokens=N, eos_ids=())`` (no EOS: all N tokens are
+  generated; the first comes from the prefill logits, so N - 1 decode steps are timed), best of
+  ``--repeats`` runs, each on a freshly derived cache (``decode_loop`` donates it);
+* **compile**: ahead-of-time ``lower`` + ``compile`` of the prefill executables (one per
+  ``last_chunk`` value used, per staging kind), of ``compress`` and of the decode loop per method,
+  with the persistent compilation cache off; every executable then runs once (warm-up) before
+  anything is timed. Timings use ``jax.block_until_ready``;
+* **cache bytes**: ``cache.stats()["device_bytes"]`` / ``["host_bytes"]`` of the compressed cache
+  before decoding (of the prefilled cache for the full cache): every array the cache holds;
+* **peak RSS**: the process's resident-set high-water mark (``ru_maxrss``), reset
+  (``/proc/self/clear_refs``) right before the timed staging prefill and again right before a
+  method's timed compress + decode. It covers everything alive in the process then: the weights,
+  the staging cache of the method's kind (kept for the other methods of the kind), the compressed
+  cache, activations, and memory the allocator has not handed back to the OS. On an accelerator
+  the caches live in device memory, which RSS does not see;
+* **bandwidth limit** of a decode step: bytes read per step = the weights read per step (all
+  parameters except an *untied* input-embedding table, of which one row per step is read, as in
+  ``evals/bench_foundation.py``) + the K/V the method reads per step at the mean decode context
+  (full: K and V of ``L + N/2`` tokens in every layer and KV head; eviction methods: their kept
+  tokens per head ``cache.stats()["kept_tokens_per_head"]`` + N/2 decoded ones; Quest: its own
+  ``kv_bytes_read_per_step``, averaged over the cache before and after decoding, which counts the
+  pages selected per step and the page bounds read to score them). The limit in ms = bytes / the
+  machine's read bandwidth measured in the same run (``bench_foundation.worker_bandwidth``, best of
+  jitted ``jnp.sum`` and numpy sums over a ``--bandwidth-mib`` array);
+* **ratios** vs the full cache of the same run: decode speed-up (full ms/tok ÷ method ms/tok),
+  device-bytes ratio (method ÷ full), prefill ratio (method prefill s ÷ full prefill s).
+
+Usage::
+
+    python -m evals.bench_methods                       # qwen2.5-coder-0.5b, all methods, 1K..16K
+    python -m evals.bench_methods --model smollm2-135m --lengths 256,512 --methods snapkv,quest \\
+        --new-tokens 8 --chunk-size 256 --out /tmp/m.md
+
+Results: Markdown at ``--out`` (default ``docs/results/bench_methods_<model>.md``), the raw
+numbers as JSON and a plot (decode ms/token and device KV bytes vs context length) next to it
+(same stem, ``.json`` / ``.png``). Progress (a tqdm bar and ``[bench]`` lines) goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import re
+import shlex
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from evals.bench_foundation import (
+    GIB,
+    MIB,
+    effective_chunk,
+    machine_info,
+    peak_rss_kib,
+    prompt_tokens,
+    reset_peak_rss,
+    rss_now_kib,
+    versions,
+    worker_bandwidth,
+)
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+DEFAULT_PROG = "kvjax bench"
+REFERENCE = "full"
+KIB_PER_GIB = 1024 ** 2
+
+
+def _log(msg: str) -> None:
+    """A progress line on stderr that does not break the tqdm bar."""
+    try:
+        from tqdm import tqdm
+
+        tqdm.write(msg, file=sys.stderr)
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        print(msg, file=sys.stderr, flush=True)
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# argument parsing
+
+
+def registered_methods() -> tuple[str, ...]:
+    """Names of the registered KV-cache methods (``kvjax.methods.METHODS``), registry order."""
+    from kvjax.methods import METHODS
+
+    return tuple(METHODS)
+
+
+def parse_methods(text: str) -> list[str]:
+    """``"snapkv,quest"`` -> ``["full", "snapkv", "quest"]``: known names, no duplicates, the full cache first."""
+    allowed = registered_methods()
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in allowed]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown method(s) {', '.join(map(repr, bad)) or repr(text)}; allowed: a comma-separated subset of "
+            f"{','.join(allowed)}"
+        )
+    return [REFERENCE] + [n for n in dict.fromkeys(names) if n != REFERENCE]
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"1024,4096"`` -> ``[1024, 4096]``: positive integers, duplicates dropped, order kept."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths: expected comma-separated integers, got {text!r}") from None
+    bad = [v for v in values if v <= 0]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"--lengths: prompt lengths must be integers > 0, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def parse_budget(text: str) -> int | float:
+    """The kvjax CLI's budget: an int = tokens kept per KV head, a float in (0, 1] = fraction of the prompt kept."""
+    from kvjax.cli import _budget
+
+    value = _budget(text)
+    if isinstance(value, int) and value <= 0:
+        raise argparse.ArgumentTypeError(f"--budget: an int budget is tokens per KV head and must be > 0, got {text!r}")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--budget: a float budget is the fraction kept and must be in (0, 1], got {text!r}")
+    return value
+
+
+def default_out(model: str) -> str:
+    """``docs/results/bench_methods_<model>.md`` (a path's last component, unsafe characters replaced)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(os.path.normpath(model))) or "model"
+    return os.path.join("docs", "results", f"bench_methods_{stem}.md")
+
+
+def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
+    """Options of the methods benchmark."""
+    methods = ",".join(registered_methods())
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Prefill s, decode ms/token, KV bytes, peak RSS and compile time of each KV-cache method vs the "
+        "full cache, per context length, with each decode step against the measured memory-bandwidth limit.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model, HF directory or .gguf (default {DEFAULT_MODEL})")
+    p.add_argument("--methods", type=parse_methods, default=parse_methods(methods),
+                   help=f"comma-separated methods (default {methods}); the full cache is always measured as the reference")
+    p.add_argument("--budget", type=parse_budget, default=0.1,
+                   help="KV budget of the compressing methods: an int = tokens per KV head per layer, a float in (0, 1] "
+                   "= fraction of the prompt kept (default 0.1)")
+    p.add_argument("--lengths", type=parse_lengths, default=list(DEFAULT_LENGTHS),
+                   help=f"prompt lengths in tokens (default {','.join(map(str, DEFAULT_LENGTHS))})")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run, >= 2 (N - 1 decode steps timed; default 64)")
+    p.add_argument("--chunk-size", type=int, default=1024,
+                   help="prefill chunk in tokens; prompt lengths must be multiples of it (0 = whole prompt; default 1024)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and cache dtype")
+    p.add_argument("--repeats", type=int, default=1, help="timed decode (and compress) runs per method, best reported (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="prompt ids seed")
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size of the bandwidth measurement (MiB)")
+    p.add_argument("--bandwidth-repeats", type=int, default=5, help="bandwidth measurement runs (best reported)")
+    p.add_argument("--out", default=None,
+                   help="Markdown output; JSON and PNG next to it, same stem (default docs/results/bench_methods_<model>.md)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    return p
+
+
+def check_args(args) -> None:
+    """Reject values argparse cannot check alone (ValueError naming the value and what is allowed)."""
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (the first token comes from the prefill), got {args.new_tokens}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.bandwidth_mib < 1 or args.bandwidth_repeats < 1:
+        raise ValueError(f"--bandwidth-mib and --bandwidth-repeats must be >= 1, got {args.bandwidth_mib}, {args.bandwidth_repeats}")
+    if args.chunk_size < 0:
+        raise ValueError(f"--chunk-size must be >= 0 (0 = whole prompt), got {args.chunk_size}")
+    for L in args.lengths:
+        effective_chunk(L, args.chunk_size)
+
+
+def make_methods(names, budget) -> dict:
+    """Method instances by name: the full cache as is, the others with ``budget`` (ValueError when it is invalid)."""
+    from kvjax.methods import get_method
+
+    return {n: get_method(n) if n == REFERENCE else get_method(n, budget=budget) for n in names}
+
+
+def check_methods_fit(methods: dict, config, lengths, chunk_size: int, new_tokens: int) -> None:
+    """Every (method, length) must be feasible: budget vs prompt, window vs last chunk, model context."""
+    problems = []
+    for L in lengths:
+        if L + new_tokens > config.max_position_embeddings:
+            problems.append(f"L={L}: {L} prompt + {new_tokens} new tokens exceed the model's context of "
+                            f"{config.max_position_embeddings} tokens")
+            continue
+        chunk = effective_chunk(L, chunk_size)
+        for name, m in methods.items():
+            if name == REFERENCE:
+                continue
+            try:
+                m.layer_capacities(config.num_layers, L)
+            except ValueError as e:
+                problems.append(f"{name} at L={L}: {e}")
+            if getattr(m, "window", 0) > chunk:
+                problems.append(f"{name} at L={L}: its observation window of {m.window} tokens is longer than the "
+                                f"last prefill chunk ({chunk}); use a larger --chunk-size")
+    if problems:
+        raise ValueError("infeasible benchmark settings:\n  " + "\n  ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------
+# byte accounting
+
+
+def weights_read_bytes(model) -> dict:
+    """Parameter bytes and the bytes of weights one decode step reads (``bench_foundation``'s rule).
+
+    Every parameter is read once per step except an untied input-embedding table (one row is
+    gathered); with tied embeddings the LM head reads the whole table.
+    """
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(model.params)
+    param_bytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
+    embed = model.params["embed_tokens"]["embedding"]
+    embed_bytes = int(embed.size) * embed.dtype.itemsize
+    tied = bool(model.config.tie_word_embeddings)
+    return {
+        "param_bytes": param_bytes, "embedding_bytes": embed_bytes, "tied_embeddings": tied,
+        "weights_read_bytes": param_bytes if tied else param_bytes - embed_bytes,
+    }
+
+
+def kv_read_bytes_per_step(name: str, stats_before: dict, stats_after: dict | None, config, prompt_len: int,
+                           new_tokens: int, itemsize: int, batch: int = 1) -> float | None:
+    """K/V bytes one decode step reads at the mean decode context (see the module docstring)."""
+    if name == REFERENCE:
+        return batch * config.kv_bytes_per_token(itemsize) * (prompt_len + new_tokens / 2)
+    if "kv_bytes_read_per_step" in stats_before:  # Quest: selected pages + page bounds
+        before = stats_before["kv_bytes_read_per_step"]
+        after = stats_after.get("kv_bytes_read_per_step", before) if stats_after else before
+        return (before + after) / 2
+    kept = stats_before.get("kept_tokens_per_head")
+    if kept is None:
+        return None
+    grow = 0 if stats_before.get("evicts_during_decode") else new_tokens / 2  # H2O with eviction: fixed capacity
+    tokens = sum(c + grow for layer in kept for c in layer)  # over layers and KV heads
+    return batch * 2 * config.head_dim * itemsize * tokens
+
+
+# --------------------------------------------------------------------------------------------
+# measurement
+
+
+def staging_kind(method) -> tuple[int, bool]:
+    """What a static method's staging records: (observation window, accumulate). Equal kinds share a prefill."""
+    return int(getattr(method, "window", 0)), bool(getattr(method, "accumulate", False))
+
+
+def staging_kinds(methods: dict) -> list[dict]:
+    """The distinct stagings of the static methods: ``{"window", "accumulate", "shared_by": [names]}``, in order."""
+    kinds: dict[tuple, list[str]] = {}
+    for name, m in methods.items():
+        if name != REFERENCE:
+            kinds.setdefault(staging_kind(m), []).append(name)
+    return [{"window": w, "accumulate": acc, "shared_by": names} for (w, acc), names in kinds.items()]
+
+
+def _memory_stats() -> dict | None:
+    """Device allocator stats (bytes in use / peak) where the backend has them (not on CPU)."""
+    import jax
+
+    try:
+        s = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - optional information
+        return None
+    if not s:
+        return None
+    return {k: s[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in s}
+
+
+def _error(e: BaseException) -> str:
+    traceback.print_exc(file=sys.stderr)
+    return f"{type(e).__name__}: {e}"
+
+
+def _greedy(logits):
+    """First generated token [B] from the prefill logits (greedy), jitted once."""
+    global _GREEDY
+    if _GREEDY is None:
+        import jax
+        import jax.numpy as jnp
+
+        _GREEDY = jax.jit(lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
+    return _GREEDY(logits)
+
+
+_GREEDY = None
+
+
+def _peak_since_reset(base_kib: int, reset: bool) -> dict:
+    """Peak RSS since the last reset, never below the RSS at the reset (the kernel's counters lag a little)."""
+    return {"rss_base_kib": base_kib, "peak_kib": max(peak_rss_kib(), rss_now_kib(), base_kib), "peak_reset": reset}
+
+
+class _Prefiller:
+    """AOT-compiled chunked prefill of one cache kind (the full cache or one staging kind) for one length."""
+
+    def __init__(self, model, new_cache, chunks):
+        import jax
+
+        from kvjax.generate import prefill
+
+        self.model, self.new_cache, self.chunks = model, new_cache, chunks
+        variants = [False, True] if len(chunks) > 1 else [True]
+        self.exes, self.compile_s = {}, {}
+        spec = new_cache()
+        for last in variants:
+            t = time.perf_counter()
+            self.exes[last] = prefill.lower(model.graphdef, model.params, chunks[0], spec, last_chunk=last).compile()
+            self.compile_s[f"last_chunk_{last}"] = time.perf_counter() - t
+        del spec
+
+    def run(self, chunks, cache=None):
+        """Prefill ``chunks`` into ``cache`` (default a fresh one): (first tokens [1], cache), everything finished."""
+        import jax
+
+        cache = self.new_cache() if cache is None else cache
+        for i, part in enumerate(chunks):
+            logits, cache = self.exes[i == len(chunks) - 1](self.model.params, part, cache)
+        first = _greedy(logits)
+        jax.block_until_ready((first, cache))
+        return first, cache
+
+    def measure(self):
+        """Warm up (at most two chunks: every executable once), then time the whole prompt with its peak RSS."""
+        self.run(self.chunks[:2])
+        gc.collect()
+        cache = self.new_cache()  # allocated before the clock starts (in the peak: it is alive)
+        reset = reset_peak_rss()
+        base = rss_now_kib()
+        t = time.perf_counter()
+        first, cache = self.run(self.chunks, cache)
+        seconds = time.perf_counter() - t
+        return first, cache, seconds, _peak_since_reset(base, reset)
+
+
+def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
+    """Compress + decode one method; ``derive(final)`` returns a fresh uncompressed cache (``final``: last use).
+
+    Returns timings, compile times, cache stats before/after decoding and the peak RSS of the timed part.
+    """
+    import jax
+
+    from kvjax.generate import compress, decode_loop
+
+    N = args.new_tokens
+    t = time.perf_counter()
+    compress_exe = compress.lower(derive(False)).compile()
+    compile_compress = time.perf_counter() - t
+    warm = compress_exe(derive(False))
+    jax.block_until_ready(warm)
+    t = time.perf_counter()
+    decode_exe = decode_loop.lower(model.graphdef, model.params, first, warm, key, max_new_tokens=N, eos_ids=()).compile()
+    compile_decode = time.perf_counter() - t
+    jax.block_until_ready(decode_exe(model.params, first, warm, key))  # warm-up (donates `warm`)
+    del warm
+    gc.collect()
+
+    reset = reset_peak_rss()
+    base = rss_now_kib()
+    compress_times, decode_times = [], []
+    stats_before = stats_after = generated = None
+    for r in range(args.repeats):
+        uncompressed = derive(r == args.repeats - 1)
+        t = time.perf_counter()
+        cache = compress_exe(uncompressed)
+        jax.block_until_ready(cache)
+        compress_times.append(time.perf_counter() - t)
+        del uncompressed
+        if stats_before is None:
+            stats_before = cache.stats()
+        t = time.perf_counter()
+        out, count, cache = decode_exe(model.params, first, cache, key)
+        jax.block_until_ready((out, count, cache))
+        decode_times.append(time.perf_counter() - t)
+        if int(count[0]) != N:
+            raise RuntimeError(f"{name}: the decode loop produced {int(count[0])} tokens, expected {N}")
+        generated = [int(v) for v in np.asarray(out)[0]]
+        if r == args.repeats - 1:
+            stats_after = cache.stats()
+        del cache, out, count
+    memory = _peak_since_reset(base, reset)
+    return {
+        "compress_s": min(compress_times), "compress_times_s": compress_times,
+        "decode_times_s": decode_times, "decode_ms_per_token": 1000 * min(decode_times) / (N - 1),
+        "compile_compress_s": compile_compress, "compile_decode_s": compile_decode,
+        "stats_before": stats_before, "stats_after": stats_after, "generated": generated,
+        "decode_memory": memory,
+    }
+
+
+def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
+    """One row per method (full cache first) at prompt length ``L``; a failing method gets an ``error`` row."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.shared_prefill import cache_for, init_shared_cache
+
+    config, N = model.config, args.new_tokens
+    chunk = effective_chunk(L, args.chunk_size)
+    tokens = prompt_tokens(config.vocab_size, L, args.seed)
+    chunks = [jnp.asarray(tokens[:, i:i + chunk]) for i in range(0, L, chunk)]
+    key = jax.random.PRNGKey(args.seed)
+    rows = {name: {"prompt_tokens": L, "method": name, "new_tokens": N, "chunk": chunk,
+                   "budget": None if name == REFERENCE else args.budget} for name in methods}
+
+    def done(name, result=None, error=None):
+        row = rows[name]
+        if error is not None:
+            row["error"] = error
+            _log(f"[bench] L={L} {name} FAILED: {error}")
+        else:
+            row.update(result)
+            _log(f"[bench] L={L} {name}: prefill {row['prefill_s']:.2f} s (compress {row['compress_s'] * 1000:.1f} ms), "
+                 f"decode {row['decode_ms_per_token']:.2f} ms/tok, device KV {row['device_bytes'] / MIB:.1f} MiB")
+        row["device_memory"] = _memory_stats()
+        jax.clear_caches()  # drop traced/compiled functions (the AOT executables are gone already): RSS per method
+        gc.collect()
+        if bar is not None:
+            bar.update()
+
+    def finish(name, staging, result):
+        """Merge the staging prefill with the method's measurement into a row."""
+        before = result.pop("stats_before")
+        after = result.pop("stats_after")
+        return {
+            "staging": staging["kind"], "staging_prefill_s": staging["seconds"],
+            "prefill_s": staging["seconds"] + result["compress_s"],
+            "compile_prefill_s": staging["compile_s"], "compile_s": {
+                "prefill": sum(staging["compile_s"].values()), "compress": result["compile_compress_s"],
+                "decode": result["compile_decode_s"]},
+            "prefill_memory": staging["memory"],
+            "device_bytes": before["device_bytes"], "host_bytes": before["host_bytes"],
+            "cache_stats": before, "cache_stats_after_decode": after,
+            "kv_read_bytes_per_step": kv_read_bytes_per_step(
+                name, before, after, config, L, N, jnp.dtype(model.dtype).itemsize),
+            **result,
+        }
+
+    # the full cache: its own prefill
+    try:
+        full = methods[REFERENCE]
+        _log(f"[bench] L={L} full cache: compiling and prefilling {L} tokens in chunks of {chunk}")
+        pf = _Prefiller(model, lambda: jax.block_until_ready(full.init_cache(config, 1, L, N, model.dtype)), chunks)
+        first, cache, seconds, memory = pf.measure()
+        staging = {"kind": "own (full cache)", "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
+        del pf
+        holder = [cache]
+
+        def derive_full(final):
+            if final:
+                c, holder[0] = holder[0], None
+                return c
+            return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, holder[0]))
+
+        result = measure_method(model, REFERENCE, derive_full, first, key, args, L)
+        del cache, holder
+        done(REFERENCE, finish(REFERENCE, staging, result))
+    except Exception as e:  # noqa: BLE001 - recorded in the row, the run goes on
+        done(REFERENCE, error=_error(e))
+    gc.collect()
+
+    # static methods: one measured staging prefill per kind
+    for kind in staging_kinds(methods):
+        names, window, accumulate = kind["shared_by"], kind["window"], kind["accumulate"]
+        group = [methods[n] for n in names]
+        try:
+            _log(f"[bench] L={L} staging (window {window}, accumulate {accumulate}) for {', '.join(names)}")
+            pf = _Prefiller(model, lambda: jax.block_until_ready(init_shared_cache(group, config, 1, L, N, model.dtype)), chunks)
+            first, staged, seconds, memory = pf.measure()
+            staging = {"kind": kind, "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
+            del pf
+        except Exception as e:  # noqa: BLE001
+            err = f"staging prefill failed: {_error(e)}"
+            for n in names:
+                done(n, error=err)
+            continue
+        for n in names:
+            try:
+                m = methods[n]
+                result = measure_method(model, n, lambda final, m=m: cache_for(staged, m), first, key, args, L)
+                done(n, finish(n, staging, result))
+            except Exception as e:  # noqa: BLE001
+                done(n, error=_error(e))
+            gc.collect()
+        del staged
+        gc.collect()
+    return [rows[n] for n in methods]
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def add_derived(rows: list[dict], weights: dict, bandwidth: float | None) -> None:
+    """Bytes per step, bandwidth limit and the ratios vs the full cache of the same length (in place)."""
+    full_by_length = {r["prompt_tokens"]: r for r in rows if r["method"] == REFERENCE and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            continue
+        kv = r.get("kv_read_bytes_per_step")
+        r["weights_read_bytes"] = weights["weights_read_bytes"]
+        r["step_bytes"] = None if kv is None else weights["weights_read_bytes"] + kv
+        r["limit_ms_per_token"] = 1000 * r["step_bytes"] / bandwidth if r["step_bytes"] and bandwidth else None
+        r["over_limit"] = _ratio(r["decode_ms_per_token"], r["limit_ms_per_token"])
+        full = full_by_length.get(r["prompt_tokens"])
+        r["decode_speedup"] = _ratio(full and full["decode_ms_per_token"], r["decode_ms_per_token"])
+        r["device_bytes_ratio"] = _ratio(r["device_bytes"], full and full["device_bytes"])
+        r["prefill_ratio"] = _ratio(r["prefill_s"], full and full["prefill_s"])
+        peaks = [m["peak_kib"] for m in (r["prefill_memory"], r["decode_memory"])]
+        r["peak_rss_kib"] = max(peaks)
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def _f(x, fmt="{:.2f}"):
+    return "—" if x is None else fmt.format(x)
+
+
+def render_markdown(report: dict) -> str:
+    """The Markdown report: set-up, one table per model/dtype, the limit's inputs and notes on every column."""
+    m, v, bw, a = report["machine"], report["versions"], report["bandwidth"], report["args"]
+    w = report["weights"]
+    budget = a["budget"]
+    budget_text = f"{budget} tokens per KV head" if isinstance(budget, int) else f"{budget:g} of the prompt's KV"
+    lines = [
+        "# KV-cache methods: latency and memory vs context length",
+        "",
+        f"Model `{a['model']}` ({a['dtype']}), batch 1, random prompt ids (seed {a['seed']}), budget {budget_text}, "
+        f"{a['new_tokens']} greedy new tokens ({a['new_tokens'] - 1} timed decode steps, no EOS), prefill chunk "
+        f"{a['chunk_size'] or 'none (whole prompt)'}, best of {a['repeats']} decode run(s), after AOT compilation "
+        "and a warm-up run.",
+        "",
+        f"- command: `{report['command']}`",
+        f"- machine: {m['cpu']}, {m['usable_cores']} usable cores ({m['logical_cores']} logical), "
+        f"{_f(m['memory_bytes'] and m['memory_bytes'] / GIB, '{:.1f}')} GiB RAM, {m['os']}; "
+        f"JAX backend {report['backend']} ({', '.join(report['devices'])})",
+        f"- versions: python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        f"- date: {report['date']}, total time {report['total_s'] / 60:.1f} min",
+    ]
+    if "error" in bw:
+        lines.append(f"- bandwidth measurement failed: {bw['error']} (no limits)")
+    else:
+        lines.append(
+            f"- machine read bandwidth {bw['machine'] / 1e9:.1f} GB/s (best of jitted `jnp.sum` {bw['jax_sum'] / 1e9:.1f}, "
+            f"numpy `a.sum()` {bw['numpy_sum'] / 1e9:.1f}, numpy in {bw['threads']} threads "
+            f"{bw['numpy_threaded_sum'] / 1e9:.1f} GB/s over a {bw['array_bytes'] / MIB:.0f} MiB f32 array, "
+            f"best of {bw['repeats']})"
+        )
+    what = ("all parameters (tied embeddings: the LM head reads the whole table)" if w["tied_embeddings"]
+            else f"all parameters except the untied input-embedding table ({w['embedding_bytes'] / MIB:.0f} MiB)")
+    lines += [
+        f"- weights read per decode step: {w['weights_read_bytes'] / MIB:.1f} MiB = {what}",
+        "",
+        f"## {a['model']} {a['dtype']}",
+        "",
+        "| L | method | prefill s | prefill ÷ full | compress s | decode ms/tok | decode speed-up vs full | "
+        "limit ms/tok | ÷ limit | device KV MiB | ÷ full bytes | host KV MiB | peak RSS GiB (prefill / decode) | "
+        "compile s (prefill / decode) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        head = [str(r["prompt_tokens"]), r["method"]]
+        if "error" in r:
+            lines.append("| " + " | ".join(head + ["error"] + ["—"] * 12) + " |")
+            continue
+        c = r["compile_s"]
+        lines.append("| " + " | ".join(head + [
+            _f(r["prefill_s"]), _f(r["prefill_ratio"]), _f(r["compress_s"], "{:.3f}"),
+            _f(r["decode_ms_per_token"]), _f(r["decode_speedup"], "{:.2f}×"),
+            _f(r["limit_ms_per_token"]), _f(r["over_limit"]),
+            _f(r["device_bytes"] / MIB, "{:.1f}"), _f(r["device_bytes_ratio"], "{:.3f}"), _f(r["host_bytes"] / MIB, "{:.1f}"),
+            f"{r['prefill_memory']['peak_kib'] / KIB_PER_GIB:.2f} / {r['decode_memory']['peak_kib'] / KIB_PER_GIB:.2f}",
+            f"{c['prefill'] + c['compress']:.1f} / {c['decode']:.1f}",
+        ]) + " |")
+
+    lines += ["", "## Prefill sharing", "", "- full: its own `FullCache().init_cache` prefill."]
+    for kind in report["staging_kinds"]:
+        lines.append(f"- one staging prefill (observation window {kind['window']}, accumulated attention "
+                     f"{'yes' if kind['accumulate'] else 'no'}) per length, shared by {', '.join(kind['shared_by'])}")
+
+    lines += [
+        "", "## Columns", "",
+        "- **prefill s**: the full cache: its chunked jitted `prefill` of the prompt (incl. the argmax of the first "
+        "token). A static method: the shared staging prefill of its kind (same window / accumulation; "
+        "`kvjax.shared_prefill`, timed once and reported for every method of the kind) + its own `compress`. "
+        "**prefill ÷ full**: that time ÷ the full cache's prefill s at the same L.",
+        "- **compress s**: the method's jitted `compress` (selection + gathering into page pools) alone; "
+        "the full cache's is the identity.",
+        "- **decode ms/tok**: `decode_loop` (one jitted `lax.while_loop`, no EOS) time ÷ (N − 1) steps, best of the "
+        "repeats, each run on a freshly derived cache. **decode speed-up vs full**: full ms/tok ÷ method ms/tok.",
+        "- **limit ms/tok**: bytes one decode step must read ÷ the machine read bandwidth above. Bytes = weights "
+        "read per step + K/V read at the mean decode context: full: every layer and KV head's `L + N/2` tokens; "
+        "eviction methods: `kept_tokens_per_head` + N/2 per head; Quest: its `kv_bytes_read_per_step` (selected "
+        "pages + page bounds; dense layers whole), averaged before/after decoding. The dense full cache's XLA "
+        "attention reads its whole buffer (L + N rounded up to 256 slots), i.e. somewhat more than counted. "
+        "**÷ limit**: measured ms/tok ÷ limit (1.00 = at the memory-bandwidth limit).",
+        "- **device KV MiB / host KV MiB**: `cache.stats()` of the compressed cache before decoding: every array "
+        "the cache holds (pools, block tables, lengths, Quest's page bounds; the full cache: its dense buffer of "
+        "L + N slots rounded up to 256). **÷ full bytes**: device bytes ÷ the full cache's at the same L "
+        "(Quest keeps every token: it saves bandwidth, not memory).",
+        "- **peak RSS GiB (prefill / decode)**: process resident-set high-water mark (`ru_maxrss`), reset right before "
+        "the timed prefill of the method's staging (prefill) and right before its timed compress + decode "
+        "(decode). It includes the weights, everything still alive (the staging kept for the other methods of its "
+        "kind), compiled code and memory the allocator kept (JAX's caches are cleared after every method); the RSS at "
+        "each reset is `rss_base_kib` in the JSON. On an "
+        "accelerator the caches are in device memory, not in RSS (`device_memory` in the JSON).",
+        "- **compile s (prefill / decode)**: ahead-of-time `lower` + `compile` (persistent compilation cache off) of "
+        "the prefill executables of the method's staging kind (one per `last_chunk` value, shared by the kind) "
+        "+ its `compress`, and of its decode loop.",
+    ]
+    for r in report["rows"]:
+        if "error" in r:
+            lines.append(f"- L={r['prompt_tokens']} {r['method']} failed: {r['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: str) -> None:
+    """PNG: decode ms/token vs context length per method (+ the full cache's limit, dashed), device KV bytes vs length."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = [r for r in report["rows"] if "error" not in r]
+    a = report["args"]
+    fig = Figure(figsize=(12, 4.8))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+    for name in a["methods"]:
+        rs = sorted((r for r in rows if r["method"] == name), key=lambda r: r["prompt_tokens"])
+        if not rs:
+            continue
+        x = [r["prompt_tokens"] for r in rs]
+        ax1.plot(x, [r["decode_ms_per_token"] for r in rs], marker="o", label=name)
+        ax2.plot(x, [r["device_bytes"] / MIB for r in rs], marker="o", label=name)
+    limit = sorted((r["prompt_tokens"], r["limit_ms_per_token"]) for r in rows
+                   if r["method"] == REFERENCE and r.get("limit_ms_per_token"))
+    if limit:
+        ax1.plot(*zip(*limit), linestyle="--", color="black", label="full: bandwidth limit")
+    ax1.set(xlabel="context length (tokens)", ylabel="decode ms / token", title=f"decode latency, {a['model']} {a['dtype']}")
+    ax2.set(xlabel="context length (tokens)", ylabel="device KV cache (MiB)", title=f"KV cache bytes, budget {a['budget']}")
+    lengths = sorted({r["prompt_tokens"] for r in rows})
+    labels = [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths]
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        if lengths:
+            ax.set_xticks(lengths, labels)
+            ax.minorticks_off()
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax2.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+
+
+def main(argv=None, prog: str = DEFAULT_PROG) -> int:
+    """Run the methods benchmark; write the Markdown, JSON and PNG reports. Returns 0 when every row succeeded.
+
+    ``prog`` is the command the report says produced it (``<prog> <options>``).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    args = build_parser(prog).parse_args(argv)
+    check_args(args)
+    methods = make_methods(args.methods, args.budget)
+    out = args.out or default_out(args.model)
+
+    import jax
+    from tqdm import tqdm
+
+    from kvjax.generate import TRACE_COUNTS
+    from models import load_model
+
+    start = time.perf_counter()
+    old_cache_flag = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # compile times are real compilations
+    try:
+        _log(f"[bench] {args.model} {args.dtype}: bandwidth, then {len(args.lengths)} lengths x "
+             f"{len(methods)} methods ({', '.join(methods)})")
+        try:
+            bandwidth = worker_bandwidth(args)
+            _log(f"[bench] machine read bandwidth {bandwidth['machine'] / 1e9:.1f} GB/s ({bandwidth['machine_source']})")
+        except Exception as e:  # noqa: BLE001
+            bandwidth = {"error": _error(e)}
+        gc.collect()
+
+        _log(f"[bench] loading {args.model} ({args.dtype})")
+        t = time.perf_counter()
+        model = load_model(args.model, args.dtype, tokenizer=False)
+        jax.block_until_ready(model.params)
+        load_s = time.perf_counter() - t
+        check_methods_fit(methods, model.config, args.lengths, args.chunk_size, args.new_tokens)
+        weights = weights_read_bytes(model)
+        traces0 = dict(TRACE_COUNTS)
+
+        rows = []
+        with tqdm(total=len(args.lengths) * len(methods), desc="bench (length, method)", unit="run", file=sys.stderr) as bar:
+            for L in args.lengths:
+                bar.set_postfix_str(f"L={L}")
+                rows += measure_length(model, L, methods, args, bar)
+                gc.collect()
+        add_derived(rows, weights, bandwidth.get("machine"))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", old_cache_flag)
+
+    report = {
+        "command": f"{prog} {shlex.join(argv)}" if argv else prog,
+        "args": {k: getattr(args, k) for k in (
+            "model", "methods", "budget", "lengths", "new_tokens", "chunk_size", "dtype", "repeats", "seed",
+            "bandwidth_mib", "bandwidth_repeats")} | {"out": out, "model_path": model.path},
+        "machine": machine_info(),
+        "versions": versions(),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "bandwidth": bandwidth,
+        "weights": weights,
+        "load_s": load_s,
+        "method_configs": {n: repr(m) for n, m in methods.items()},
+        "staging_kinds": staging_kinds(methods),
+        "trace_counts": {k: TRACE_COUNTS[k] - traces0.get(k, 0) for k in TRACE_COUNTS},
+        "rows": rows,
+        "total_s": time.perf_counter() - start,
+    }
+    md = render_markdown(report)
+    stem = os.path.splitext(out)[0]
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(md)
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    written = [out, stem + ".json"]
+    if not args.no_plot:
+        plot(report, stem + ".png")
+        written.append(stem + ".png")
+    print(md)
+    _log(f"[bench] wrote {', '.join(written)} in {report['total_s'] / 60:.1f} min")
+    failed = any("error" in r for r in rows) or "error" in bandwidth
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

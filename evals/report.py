@@ -1,0 +1,225 @@
+"""Summaries, Markdown tables and PNG plots of an evaluation run, rebuilt from its JSONL records.
+
+:func:`write_report` reads ``config.json``, ``samples.jsonl`` and ``fidelity.jsonl`` of a run
+directory and writes ``summary.json``, ``README.md``, ``accuracy_vs_budget.png`` and
+``depth_heatmap.png``. Accuracy is the mean exact-match score (RULER's ``string_match_all``: the
+fraction of expected strings found in the answer), in percent.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import numpy as np
+
+DEPTH_BINS = 5
+SHORTFALL_POINTS = 5.0  # a method "falls short" when its mean accuracy is this many points below the full cache
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    from evals.runner import _read_jsonl as read
+
+    return read(path)
+
+
+def _budget_key(label: str):
+    return (0, 0.0) if label == "full" else (1, float(label))
+
+
+def _config_key(method: str, budget: str, methods_order: list[str]):
+    return (0 if method == "full" else 1, methods_order.index(method) if method in methods_order else 99, _budget_key(budget))
+
+
+def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
+    """Aggregate per-sample records into accuracy and byte tables (plain dicts, JSON-ready)."""
+    methods_order = list(config.get("methods", []))
+    cells = collections.defaultdict(list)  # (method, budget, task, length) -> scores
+    by_config = collections.defaultdict(list)
+    bytes_ = collections.defaultdict(list)  # (method, budget, length) -> device bytes per sample
+    host = collections.defaultdict(list)
+    depth = collections.defaultdict(list)  # (method, budget, length, depth bin) -> scores
+    for r in records:
+        key = (r["method"], r["budget"])
+        cells[key + (r["task"], r["length"])].append(r["score"])
+        by_config[key].append(r["score"])
+        bytes_[key + (r["length"],)].append(r["device_bytes"])
+        host[key + (r["length"],)].append(r["host_bytes"])
+        b = min(int(r["depth"] * DEPTH_BINS), DEPTH_BINS - 1)
+        depth[key + (r["length"], b)].append(r["score"])
+    configs = sorted(by_config, key=lambda k: _config_key(k[0], k[1], methods_order))
+    tasks = sorted({k[2] for k in cells}, key=lambda t: list(config.get("tasks", [])).index(t) if t in config.get("tasks", []) else 99)
+    lengths = sorted({k[3] for k in cells})
+    rows = []
+    for m, b in configs:
+        full_bytes = [np.mean(bytes_[("full", "full", n)]) for n in lengths if bytes_.get(("full", "full", n))]
+        my_bytes = [np.mean(bytes_[(m, b, n)]) for n in lengths if bytes_.get((m, b, n))]
+        row = {
+            "method": m, "budget": b,
+            "accuracy": {f"{t}@{n}": 100 * float(np.mean(cells[(m, b, t, n)])) for t in tasks for n in lengths if cells.get((m, b, t, n))},
+            "samples": {f"{t}@{n}": len(cells[(m, b, t, n)]) for t in tasks for n in lengths if cells.get((m, b, t, n))},
+            "mean_accuracy": 100 * float(np.mean(by_config[(m, b)])),
+            "device_bytes": {str(n): float(np.mean(bytes_[(m, b, n)])) for n in lengths if bytes_.get((m, b, n))},
+            "host_bytes": {str(n): float(np.mean(host[(m, b, n)])) for n in lengths if host.get((m, b, n))},
+            "device_bytes_vs_full": float(np.mean(my_bytes) / np.mean(full_bytes)) if my_bytes and full_bytes and len(my_bytes) == len(full_bytes) else None,
+        }
+        rows.append(row)
+    heat = {}
+    for m, b in configs:
+        grid = np.full((DEPTH_BINS, len(lengths)), np.nan)
+        for j, n in enumerate(lengths):
+            for i in range(DEPTH_BINS):
+                s = depth.get((m, b, n, i))
+                if s:
+                    grid[i, j] = 100 * float(np.mean(s))
+        heat[f"{m}@{b}"] = grid.tolist()
+    fid = sorted(fidelity, key=lambda r: (r["prefix_tokens"], _config_key(r["method"], r["budget"], methods_order)))
+    return {"tasks": tasks, "lengths": lengths, "rows": rows, "depth_heatmap": heat, "depth_bins": DEPTH_BINS,
+            "fidelity": fid, "num_records": len(records)}
+
+
+def shortfalls(summary: dict) -> list[str]:
+    """Plain-language list of configurations whose mean accuracy is clearly below the full cache's."""
+    full = next((r for r in summary["rows"] if r["method"] == "full"), None)
+    if full is None:
+        return []
+    out = []
+    for r in summary["rows"]:
+        if r["method"] == "full":
+            continue
+        gap = full["mean_accuracy"] - r["mean_accuracy"]
+        if gap >= SHORTFALL_POINTS:
+            worst = min(r["accuracy"].items(), key=lambda kv: kv[1] - full["accuracy"].get(kv[0], kv[1]))
+            out.append(f"{r['method']} at budget {r['budget']}: {r['mean_accuracy']:.1f}% vs full {full['mean_accuracy']:.1f}% "
+                       f"(worst: {worst[0]} {worst[1]:.1f}% vs {full['accuracy'].get(worst[0], float('nan')):.1f}%)")
+    return out
+
+
+def render_markdown(summary: dict, config: dict) -> str:
+    """The run's README.md: settings, accuracy table, bytes, fidelity, shortfalls, plots."""
+    mib = 1024 ** 2
+    lines = [f"# Evaluation run `{config.get('run_name', '')}`", ""]
+    if config.get("command"):
+        lines += ["Produced by:", "", "```", config["command"], "```", ""]
+    lines += [
+        f"Model `{config.get('model')}` ({config.get('dtype')}), seed {config.get('seed')}, greedy decoding, "
+        f"{config.get('samples')} samples per (task, length) with needle depths spread evenly, batches of "
+        f"{config.get('batch_size')} sharing one prefill (the full cache and every method are derived from it). "
+        f"Budget = fraction of the prompt's KV kept on the device (of the padded prompt length; prompts are 98-100% "
+        f"of the target). Score = exact match of every expected string (RULER `string_match_all`), in %.",
+        "",
+    ]
+    if summary["rows"]:
+        cols = list(summary["rows"][0]["accuracy"].keys())
+        for r in summary["rows"][1:]:
+            cols += [c for c in r["accuracy"] if c not in cols]
+        lens = summary["lengths"]
+        lines += ["## Accuracy (%)", ""]
+        head = ["method", "budget"] + [c.replace("@", " @ ") for c in cols] + ["mean"] + [f"KV MiB @ {n}" for n in lens] + ["KV ÷ full"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+        for r in summary["rows"]:
+            cells = [r["method"], r["budget"]] + [f"{r['accuracy'][c]:.1f}" if c in r["accuracy"] else "—" for c in cols]
+            cells += [f"**{r['mean_accuracy']:.1f}**"]
+            cells += [f"{r['device_bytes'][str(n)] / mib:.1f}" if str(n) in r["device_bytes"] else "—" for n in lens]
+            ratio = r["device_bytes_vs_full"]
+            cells += [f"{ratio:.3f}" if ratio is not None else "—"]
+            lines.append("| " + " | ".join(cells) + " |")
+        n_per = sorted({v for r in summary["rows"] for v in r["samples"].values()})
+        lines += ["", f"Samples per cell: {', '.join(map(str, n_per))}. KV MiB = device bytes of one sample's cache after "
+                  "compression (including the pre-allocated room for the answer); Quest keeps the whole prompt on the "
+                  "device (it saves bandwidth, not memory): its bytes differ from the full cache's only because the "
+                  "full cache rounds its buffer up to 256-slot blocks.", ""]
+    if summary["fidelity"]:
+        lines += ["## Fidelity vs the full cache (teacher forcing on real prose)", "",
+                  "| method | budget | prefix tokens | continuation | KL(full ‖ method) nats/token | top-1 agreement | NLL nats/token | KV MiB |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in summary["fidelity"]:
+            lines.append(f"| {r['method']} | {r['budget']} | {r['prefix_tokens']} | {r['continuation_tokens']} | "
+                         f"{r['kl']:.4f} | {100 * r['top1']:.1f}% | {r['nll']:.3f} | {r['device_bytes'] / r['texts'] / mib:.1f} |")
+        lines += ["", "KL and top-1 compare each step's next-token distribution with the full cache's; NLL is the "
+                  "method's loss on the true next token (the full cache's row is the reference). Averaged over "
+                  f"{summary['fidelity'][0]['texts']} texts.", ""]
+    short = shortfalls(summary)
+    lines += ["## Where methods fall short of the full cache", ""]
+    lines += [f"- {s}" for s in short] if short else [f"- no method is {SHORTFALL_POINTS:.0f}+ points below the full cache on mean accuracy."]
+    lines += ["", "## Plots", ""]
+    for name, caption in (("accuracy_vs_budget.png", "accuracy vs budget per method"),
+                          ("depth_heatmap.png", "accuracy by needle depth x length per method and budget")):
+        lines.append(f"![{caption}]({name})")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, out_dir: str) -> list[str]:
+    """Write ``accuracy_vs_budget.png`` and ``depth_heatmap.png``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    rows = summary["rows"]
+    if not rows:
+        return paths
+    full = next((r for r in rows if r["method"] == "full"), None)
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "full"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for m in methods:
+        pts = sorted((float(r["budget"]), r["mean_accuracy"]) for r in rows if r["method"] == m)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    if full is not None:
+        ax.axhline(full["mean_accuracy"], color="black", linestyle="--", label="full cache")
+    ax.set_xlabel("budget (fraction of the prompt's KV kept)")
+    ax.set_ylabel("mean accuracy (%)")
+    ax.set_ylim(-3, 103)
+    ax.set_title(f"accuracy vs budget ({', '.join(summary['tasks'])} @ {', '.join(map(str, summary['lengths']))})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "accuracy_vs_budget.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=_budget_key)
+    names = (["full"] if full is not None else []) + methods
+    ncols = max(len(budgets), 1)
+    fig, axes = plt.subplots(len(names), ncols, figsize=(2.4 * ncols + 1.2, 1.9 * len(names) + 0.6), squeeze=False,
+                             constrained_layout=True)
+    lens = summary["lengths"]
+    image = None
+    for i, m in enumerate(names):
+        for j in range(ncols):
+            ax = axes[i][j]
+            key = "full@full" if m == "full" else f"{m}@{budgets[j]}" if budgets else None
+            grid = np.asarray(summary["depth_heatmap"].get(key, np.full((DEPTH_BINS, len(lens)), np.nan)), float)
+            if m == "full" and j > 0:
+                ax.axis("off")
+                continue
+            image = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="upper")
+            ax.set_xticks(range(len(lens)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lens], fontsize=7)
+            ax.set_yticks(range(DEPTH_BINS), [f"{k / DEPTH_BINS:.1f}-{(k + 1) / DEPTH_BINS:.1f}" for k in range(DEPTH_BINS)], fontsize=6)
+            ax.set_title(m if m == "full" else f"{m} @ {budgets[j]}", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("depth", fontsize=7)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="accuracy (%)")
+    paths.append(os.path.join(out_dir, "depth_heatmap.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def write_report(out_dir: str) -> dict:
+    """Rebuild ``summary.json``, ``README.md`` and the plots of the run in ``out_dir``; returns the summary."""
+    with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    records = _read_jsonl(os.path.join(out_dir, "samples.jsonl"))
+    fidelity = _read_jsonl(os.path.join(out_dir, "fidelity.jsonl"))
+    summary = summarize(records, fidelity, config)
+    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump({"config": config, **summary}, f, indent=1)
+    plot(summary, out_dir)
+    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
+        f.write(render_markdown(summary, config))
+    return summary

@@ -1,0 +1,336 @@
+"""``kvjax eval``: methods x budgets x tasks x lengths on the same prompts, results under ``docs/results/<run>``.
+
+For each (task, length) the runner builds the samples (:mod:`evals.tasks`, deterministic from the
+seed), batches them, and per batch prefills the prompt **once** into a shared staging cache
+(:mod:`kvjax.shared_prefill`): the full cache and every static method are derived from that one
+prefill, compressed and decoded greedily. Answers are scored by exact match (:func:`evals.tasks.score`).
+
+Budgets are fractions of the prompt's KV kept on the device (:mod:`kvjax.budgets`), applied to the
+batch's padded prompt length, which is the target length rounded up to the prefill chunk. Prompts
+are 98-100% of the target, so a method keeps at most ~2% more than the fraction of the real prompt.
+
+Outputs in ``<out_root>/<run_name>/``:
+* ``samples.jsonl``: one record per (sample, method, budget), appended and flushed per batch, so an
+  interrupted run resumes where it stopped (records already present are skipped);
+* ``fidelity.jsonl``: one record per (method, budget, length) of the fidelity check (:mod:`evals.fidelity`);
+* ``config.json`` (the run's settings), ``summary.json``, ``README.md`` (tables) and PNG plots, rebuilt
+  from the JSONL files at the end of every run (:mod:`evals.report`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DEFAULT_METHODS = ("snapkv", "streaming_llm", "h2o", "pyramidkv", "hbw", "quest")
+MAX_NEW_TOKENS = {
+    "passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48,
+    "variable_tracking": 40,
+}
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Settings of one evaluation run (saved as ``config.json``; a resumed run must match them)."""
+
+    model: str = "qwen2.5-coder-0.5b"
+    dtype: str = "float32"
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    budgets: tuple[float, ...] = (0.1, 0.25, 0.5)
+    tasks: tuple[str, ...] = ("niah_single", "passkey")
+    lengths: tuple[int, ...] = (4096,)
+    samples: int = 8
+    seed: int = 0
+    batch_size: int = 4
+    chunk_size: int = 1024
+    run_name: str = "eval"
+    out_root: str = os.path.join("docs", "results")
+    fidelity_texts: int = 0  # 0 = no fidelity check
+    fidelity_prefix: int = 4096
+    fidelity_tokens: int = 256
+    command: str = ""
+
+    def __post_init__(self):
+        from evals.tasks import TASKS
+        from kvjax.methods import METHODS
+
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; available: {', '.join(sorted(METHODS))}")
+        bad_tasks = [t for t in self.tasks if t not in TASKS]
+        if bad_tasks:
+            raise ValueError(f"unknown tasks {bad_tasks}; available: {', '.join(TASKS)}")
+        for b in self.budgets:
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or (isinstance(b, float) and not 0 < b <= 1) or b <= 0:
+                raise ValueError(f"budget {b!r} must be a float fraction in (0, 1] or an int number of tokens per KV head")
+        for name, v in (("samples", self.samples), ("batch_size", self.batch_size), ("chunk_size", self.chunk_size)):
+            if v <= 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
+        if any(n <= 0 for n in self.lengths):
+            raise ValueError(f"lengths must be > 0, got {list(self.lengths)}")
+        if not self.tasks and self.fidelity_texts <= 0:
+            raise ValueError("nothing to run: give tasks, or fidelity_texts > 0 for the fidelity check alone")
+
+    @property
+    def out_dir(self) -> str:
+        """Directory of this run's outputs."""
+        return os.path.join(self.out_root, self.run_name)
+
+    def identity(self) -> dict:
+        """Settings a resumed run must share with the records already written."""
+        return {"model": self.model, "dtype": self.dtype, "seed": self.seed, "chunk_size": self.chunk_size}
+
+
+def budget_label(budget) -> str:
+    """``0.25`` -> ``"0.25"``; ``512`` -> ``"512"``; the full cache's budget is ``"full"``."""
+    return "full" if budget is None else (f"{budget:g}" if isinstance(budget, float) else str(budget))
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """EOS plus the chat end-of-turn tokens the vocabulary has (a chat answer ends at either)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    ids.update(int(vocab[t]) for t in END_TOKENS if t in vocab)
+    return tuple(sorted(ids))
+
+
+def method_grid(cfg: EvalConfig) -> list[tuple[str, str, object]]:
+    """``(method name, budget label, method instance)`` for the full cache and every method x budget."""
+    from kvjax.methods import FullCache, get_method
+
+    grid = [("full", "full", FullCache())]
+    for name in cfg.methods:
+        if name == "full":
+            continue
+        for b in cfg.budgets:
+            grid.append((name, budget_label(b), get_method(name, budget=b)))
+    return grid
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by an interrupted write: redo that record
+                    continue
+    return out
+
+
+def _record_key(r: dict) -> tuple:
+    return (r["task"], r["length"], r["index"], r["method"], r["budget"])
+
+
+def _prepare_out_dir(cfg: EvalConfig) -> None:
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = os.path.join(cfg.out_dir, "config.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        mismatch = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
+        if mismatch:
+            raise ValueError(f"{cfg.out_dir} holds a run with different settings {mismatch} (old, new); "
+                             "use another --run-name or delete the directory")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+
+
+def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
+    """Run every missing (sample, method, budget) record; returns how many records were written."""
+    from evals.tasks import make_samples, score
+    from kvjax.generate import compress, decode_loop, prefill
+    from kvjax.methods.base import round_up
+    from kvjax.shared_prefill import cache_for, init_shared_cache
+
+    tok = model.tokenizer
+    path = os.path.join(cfg.out_dir, "samples.jsonl")
+    done = {_record_key(r) for r in _read_jsonl(path)}
+    grid = method_grid(cfg)
+    eos = stop_token_ids(tok)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    work = []  # (task, length, batch of samples, missing configs)
+    for length in cfg.lengths:
+        for task in cfg.tasks:
+            samples = make_samples(task, tok, length, cfg.samples, seed=cfg.seed)
+            for i in range(0, len(samples), cfg.batch_size):
+                batch = samples[i:i + cfg.batch_size]
+                missing = [g for g in grid if any((task, length, s.index, g[0], g[1]) not in done for s in batch)]
+                if missing:
+                    work.append((task, length, batch, missing))
+    total = sum(len(w[3]) for w in work)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"eval {cfg.run_name}", unit="config", file=sys.stderr)
+    written = 0
+    with open(path, "a", encoding="utf-8") as out:
+        for task, length, batch, missing in work:
+            L = round_up(length, cfg.chunk_size)
+            rows = [list(s.prompt_ids) for s in batch]
+            rows += [rows[0]] * (cfg.batch_size - len(rows))  # fixed batch shape: no recompilation
+            tokens = np.full((len(rows), L), pad_id, np.int32)
+            for b, r in enumerate(rows):
+                tokens[b, L - len(r):] = r
+            pad = np.asarray([L - len(r) for r in rows], np.int32)
+            max_new = MAX_NEW_TOKENS[task]
+            if bar is not None:
+                bar.set_postfix_str(f"{task} {length} prefill")
+            t0 = time.perf_counter()
+            staged = init_shared_cache([g[2] for g in missing], model.config, len(rows), L, max_new, model.dtype)
+            staged = staged.replace(pad=jnp.asarray(pad))
+            for c in range(0, L, cfg.chunk_size):
+                logits, staged = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, c:c + cfg.chunk_size]), staged,
+                                         last_chunk=c + cfg.chunk_size >= L)
+            first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            first.block_until_ready()
+            prefill_s = time.perf_counter() - t0
+            records = []
+            for name, blabel, method in missing:
+                if bar is not None:
+                    bar.set_postfix_str(f"{task} {length} {name} {blabel}")
+                t0 = time.perf_counter()
+                cache = compress(cache_for(staged, method))
+                stats = cache.stats()
+                gen, count, _ = decode_loop(model.graphdef, model.params, first, cache, jax.random.PRNGKey(0),
+                                            max_new_tokens=max_new, eos_ids=eos)
+                gen, count = np.asarray(gen), np.asarray(count)
+                elapsed = time.perf_counter() - t0
+                for b, s in enumerate(batch):
+                    if (task, length, s.index, name, blabel) in done:
+                        continue
+                    ids = [int(t) for t in gen[b, : count[b]] if int(t) not in eos]
+                    text = tok.decode(ids, skip_special_tokens=True)
+                    records.append({
+                        "task": task, "length": length, "index": s.index, "depth": s.depth, "haystack": s.haystack,
+                        "method": name, "budget": blabel, "prompt_tokens": len(s.prompt_ids), "padded_length": L,
+                        "answers": list(s.answers), "output": text, "score": score(text, s.answers),
+                        "device_bytes": stats["device_bytes"] // len(rows), "host_bytes": stats["host_bytes"] // len(rows),
+                        "prefill_s": prefill_s / len(rows), "compress_decode_s": elapsed / len(rows),
+                    })
+                if bar is not None:
+                    bar.update()
+            del staged
+            for r in records:
+                out.write(json.dumps(r) + "\n")
+            out.flush()
+            written += len(records)
+    if bar is not None:
+        bar.close()
+    return written
+
+
+def run_fidelity_checks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
+    """Fidelity (KL, top-1, NLL) of every method x budget vs the full cache; returns records written."""
+    from evals.fidelity import fidelity_texts, run_fidelity
+
+    if cfg.fidelity_texts <= 0:
+        return 0
+    path = os.path.join(cfg.out_dir, "fidelity.jsonl")
+    done = {(r["method"], r["budget"], r["prefix_tokens"]) for r in _read_jsonl(path)}
+    full_done = ("full", "full", cfg.fidelity_prefix) in done
+    missing = [g for g in method_grid(cfg) if g[0] != "full" and (g[0], g[1], cfg.fidelity_prefix) not in done]
+    if not missing and full_done:
+        return 0
+    texts = fidelity_texts(model.tokenizer, cfg.fidelity_texts, cfg.fidelity_prefix, cfg.fidelity_tokens, seed=cfg.seed)
+    results = run_fidelity(model, {f"{n}@{b}": m for n, b, m in missing}, texts, cfg.fidelity_prefix,
+                           chunk_size=cfg.chunk_size, progress=progress)  # the full cache is always the reference
+    rows = ([] if full_done else [("full", "full", "full")]) + [(n, b, f"{n}@{b}") for n, b, _ in missing]
+    with open(path, "a", encoding="utf-8") as out:
+        for name, blabel, label in rows:
+            out.write(json.dumps({"method": name, "budget": blabel, "prefix_tokens": cfg.fidelity_prefix,
+                                  "continuation_tokens": cfg.fidelity_tokens, "texts": cfg.fidelity_texts,
+                                  **results[label]}) + "\n")
+    n = len(rows)
+    return n
+
+
+def run_eval(cfg: EvalConfig, model=None, *, progress: bool = True) -> dict:
+    """Run (or resume) an evaluation and rebuild its report; returns the summary."""
+    from evals.report import write_report
+
+    _prepare_out_dir(cfg)
+    if model is None:
+        import kvjax
+
+        model = kvjax.load(cfg.model, cfg.dtype, progress=progress)
+    t0 = time.perf_counter()
+    n = run_tasks(cfg, model, progress=progress) if cfg.tasks else 0
+    f = run_fidelity_checks(cfg, model, progress=progress)
+    print(f"[eval] {n} sample records, {f} fidelity records in {time.perf_counter() - t0:.0f} s -> {cfg.out_dir}",
+          file=sys.stderr)
+    return write_report(cfg.out_dir)
+
+
+def _csv(kind):
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        return tuple(kind(x) for x in items)
+
+    return parse
+
+
+def _budget(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def build_parser():
+    """Arguments of ``kvjax eval``."""
+    import argparse
+
+    from models import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="kvjax eval", description="accuracy of KV-cache methods on synthetic long-context tasks")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS, help="comma list (the full cache always runs)")
+    p.add_argument("--budgets", type=_csv(_budget), default=(0.1, 0.25, 0.5), help="comma list of fractions (or ints: tokens/head)")
+    p.add_argument("--tasks", type=_csv(str), default=("niah_single", "passkey"), help="comma list; '' with --fidelity-texts for fidelity only")
+    p.add_argument("--lengths", type=_csv(int), default=(2048,), help="target prompt lengths in the model's tokens")
+    p.add_argument("--samples", type=int, default=4, help="samples per (task, length), needle depths spread evenly")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=4, help="samples per shared prefill")
+    p.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (the padded length is a multiple)")
+    p.add_argument("--run-name", default=None, help="output directory name under --out-root (default: eval-<model>)")
+    p.add_argument("--out-root", default=os.path.join("docs", "results"))
+    p.add_argument("--fidelity-texts", type=int, default=0, help="texts for the KL / top-1 fidelity check (0 = skip)")
+    p.add_argument("--fidelity-prefix", type=int, default=4096)
+    p.add_argument("--fidelity-tokens", type=int, default=256)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``kvjax eval``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    cfg = EvalConfig(
+        model=args.model, dtype=args.dtype, methods=tuple(args.methods), budgets=tuple(args.budgets),
+        tasks=tuple(t for t in args.tasks if t), lengths=tuple(args.lengths), samples=args.samples, seed=args.seed,
+        batch_size=args.batch_size, chunk_size=args.chunk_size,
+        run_name=args.run_name or f"eval-{os.path.basename(args.model)}", out_root=args.out_root,
+        fidelity_texts=args.fidelity_texts, fidelity_prefix=args.fidelity_prefix, fidelity_tokens=args.fidelity_tokens,
+        command="kvjax eval " + " ".join(argv),
+    )
+    run_eval(cfg, progress=not args.no_progress)
+    print(os.path.join(cfg.out_dir, "README.md"))
+    return 0

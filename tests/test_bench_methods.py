@@ -1,0 +1,93 @@
+"""Structure of the methods benchmark's report (latency / memory vs context length per KV-cache method)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evals import bench_methods
+from tests.conftest import ready_model_or_skip
+
+pytestmark = pytest.mark.real_model
+
+
+def test_bench_methods_report_has_a_row_per_length_and_method(tmp_path):
+    ready_model_or_skip("smollm2-135m")
+    out = tmp_path / "x.md"
+    code = bench_methods.main([
+        "--model", "smollm2-135m", "--lengths", "256", "--methods", "snapkv,quest", "--new-tokens", "4",
+        "--budget", "0.25", "--chunk-size", "256", "--bandwidth-mib", "64", "--bandwidth-repeats", "2",
+        "--out", str(out),
+    ])
+    assert code == 0
+    md = out.read_text()
+    report = json.loads((tmp_path / "x.json").read_text())
+    assert (tmp_path / "x.png").stat().st_size > 0
+
+    assert report["command"].startswith("kvjax bench --model smollm2-135m")
+    assert "`kvjax bench --model smollm2-135m" in md
+    assert report["machine"]["cpu"] and report["versions"]["jax"]
+    assert report["bandwidth"]["machine"] > 0
+    assert report["args"]["methods"] == ["full", "snapkv", "quest"]
+
+    rows = report["rows"]
+    assert [(r["prompt_tokens"], r["method"]) for r in rows] == [
+        (L, m) for L in (256,) for m in ("full", "snapkv", "quest")]
+    assert not [r for r in rows if "error" in r]
+    by = {(r["prompt_tokens"], r["method"]): r for r in rows}
+    header = next(line for line in md.splitlines() if line.startswith("| L | method |"))
+    for column in ("prefill s", "compress s", "decode ms/tok", "decode speed-up vs full", "limit ms/tok", "÷ limit",
+                   "device KV MiB", "÷ full bytes", "host KV MiB", "peak RSS GiB", "compile s"):
+        assert column in header
+    table = [line for line in md.splitlines() if line.startswith("| 256 |")]
+    assert len(table) == 3 and all(len(line.split("|")) == len(header.split("|")) for line in table)
+
+    kv_per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads of 64, float32
+    for L in (256,):
+        full, snap, quest = by[L, "full"], by[L, "snapkv"], by[L, "quest"]
+        assert full["decode_speedup"] == 1 and full["device_bytes_ratio"] == 1 and full["prefill_ratio"] == 1
+        for r in (full, snap, quest):
+            assert r["prefill_s"] >= r["compress_s"] > 0 and r["decode_ms_per_token"] > 0
+            assert r["limit_ms_per_token"] > 0 and r["over_limit"] > 0
+            assert r["compile_s"]["prefill"] > 0 and r["compile_s"]["decode"] > 0
+            assert r["decode_memory"]["peak_kib"] >= r["decode_memory"]["rss_base_kib"] > 0
+            assert r["host_bytes"] == 0 and len(r["generated"]) == 4
+        assert full["device_bytes"] >= kv_per_token * (L + 4)
+        # SnapKV evicts: a quarter of the prompt (+ room for the new tokens) per head
+        assert snap["device_bytes"] < full["device_bytes"]
+        assert snap["cache_stats"]["kept_tokens_per_head"] == [[L // 4] * 3] * 30
+        assert snap["kv_read_bytes_per_step"] < full["kv_read_bytes_per_step"]
+        # Quest keeps every prompt token on the device (its pools hold at least the prompt's K/V; the full cache is
+        # larger here only because its buffer is rounded up to 256 slots) and saves reads, not memory
+        assert quest["cache_stats"]["page_pool_bytes"] >= kv_per_token * (L + 4)
+        assert quest["device_bytes"] > snap["device_bytes"]
+        assert snap["kv_read_bytes_per_step"] < quest["kv_read_bytes_per_step"] < full["kv_read_bytes_per_step"]
+        assert quest["staging"]["shared_by"] == ["quest"] and snap["staging"]["window"] == 32
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--methods", "snapkv,nope"], "unknown method"),
+    (["--lengths", "128,0"], "lengths"),
+    (["--budget", "1.5"], "budget"),
+    (["--budget", "abc"], "budget"),
+])
+def test_bad_options_are_argparse_errors(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_methods.main(argv)
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bad_values_are_value_errors(tmp_path):
+    out = ["--model", "smollm2-135m", "--out", str(tmp_path / "x.md")]  # rejected before anything runs
+    with pytest.raises(ValueError, match="--new-tokens must be >= 2"):
+        bench_methods.main(out + ["--new-tokens", "1"])
+    with pytest.raises(ValueError, match="not a multiple of --chunk-size"):
+        bench_methods.main(out + ["--lengths", "1500", "--chunk-size", "1024"])
+    with pytest.raises(ValueError, match="unknown method"):
+        bench_methods.make_methods(["full", "nope"], 0.1)
+    with pytest.raises(ValueError, match="budget"):
+        bench_methods.make_methods(["full", "snapkv"], 0)
+    assert bench_methods.parse_methods("quest,snapkv,quest") == ["full", "quest", "snapkv"]
+    assert bench_methods.parse_budget("64") == 64 and bench_methods.parse_budget("0.1") == 0.1
