@@ -40,7 +40,7 @@ process, for the full cache and each requested method (``kvjax.methods.METHODS``
 
 Usage::
 
-    python -m evals.bench_methods                       # qwen2.5-coder-0.5b, all methods, 1K..16K
+    python -m evals.bench_methods                       # qwen2.5-coder-0.5b, all methods, 1K..8K (kvjax bench)
     python -m evals.bench_methods --model smollm2-135m --lengths 256,512 --methods snapkv,quest \\
         --new-tokens 8 --chunk-size 256 --out /tmp/m.md
 
@@ -78,7 +78,7 @@ from evals.bench_foundation import (
 )
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
-DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)  # 16384 by --lengths: the defaults fit in ~20 min on 2 cores
 DEFAULT_PROG = "kvjax bench"
 REFERENCE = "full"
 KIB_PER_GIB = 1024 ** 2
