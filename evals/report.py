@@ -110,6 +110,17 @@ def render_markdown(summary: dict, config: dict) -> str:
         f"of the target). Score = exact match of every expected string (RULER `string_match_all`), in %.",
         "",
     ]
+    methods = [m for m in config.get("methods", []) if m != "full"]
+    expected = (len(config.get("tasks", [])) * len(config.get("lengths", [])) * int(config.get("samples", 0))
+                * (1 + len(methods) * len(config.get("budgets", []))))
+    pending = []
+    if summary["num_records"] < expected:
+        pending.append(f"{summary['num_records']} of {expected} task records written")
+    if config.get("fidelity_texts", 0) > 0 and not summary["fidelity"]:
+        pending.append("the fidelity check not run yet")
+    if pending:
+        lines += [f"**Incomplete run**: {'; '.join(pending)}. Running the command again resumes it "
+                  "(records already written are kept).", ""]
     if summary["rows"]:
         cols = list(summary["rows"][0]["accuracy"].keys())
         for r in summary["rows"][1:]:
@@ -127,9 +138,9 @@ def render_markdown(summary: dict, config: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         n_per = sorted({v for r in summary["rows"] for v in r["samples"].values()})
         lines += ["", f"Samples per cell: {', '.join(map(str, n_per))}. KV MiB = device bytes of one sample's cache after "
-                  "compression (including the pre-allocated room for the answer); Quest keeps the whole prompt on the "
-                  "device (it saves bandwidth, not memory): its bytes differ from the full cache's only because the "
-                  "full cache rounds its buffer up to 256-slot blocks.", ""]
+                  "compression (including the pre-allocated room for the answer). Quest keeps the whole prompt on the "
+                  "device plus per-page key bounds (it saves bandwidth, not memory); its bytes differ from the full "
+                  "cache's by those bounds and by the full cache's rounding of its buffer to 256-slot blocks.", ""]
     if summary["fidelity"]:
         lines += ["## Fidelity vs the full cache (teacher forcing on real prose)", "",
                   "| method | budget | prefix tokens | continuation | KL(full ‖ method) nats/token | top-1 agreement | NLL nats/token | KV MiB |",

@@ -65,7 +65,7 @@ def test_kvjax_eval_writes_every_output_and_resumes(tiny_chat_model, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert [(r["method"], r["budget"]) for r in summary["rows"]][:3] == [("full", "full"), ("snapkv", "0.25"), ("snapkv", "0.5")]
     md = (run / "README.md").read_text()
-    assert "kvjax eval --model" in md and "| snapkv | 0.25 |" in md and "Fidelity" in md
+    assert "kvjax eval --model" in md and "| snapkv | 0.25 |" in md and "Fidelity" in md and "Incomplete" not in md
 
     # resume: nothing is recomputed; a lost record (interrupted run) is recomputed alone
     assert cli_main(argv) == 0
