@@ -286,17 +286,11 @@ def _csv(kind):
     return parse
 
 
-def _budget(text: str):
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
 def build_parser():
     """Arguments of ``kvjax eval``."""
     import argparse
 
+    from kvjax.cli import _budget
     from models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="kvjax eval", description="accuracy of KV-cache methods on synthetic long-context tasks")
