@@ -583,6 +583,26 @@ def build_rows(args, results: dict, bandwidth: float | None) -> list[dict]:
     return rows
 
 
+DECODE_LIMIT_TARGET = 1.3  # kvjax decode ms/token <= 1.3x the bandwidth limit (issue 2)
+PREFILL_SPEEDUP_TARGET = 1.2  # kvjax prefill tok/s >= 1.2x transformers' (issue 2)
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """One Markdown bullet per row saying whether kvjax meets the decode and prefill targets."""
+    lines = []
+    for row in rows:
+        where = f"{row['dtype']} L={row['prompt_tokens']}"
+        over, speedup = row.get("kvjax_over_limit"), row.get("prefill_speedup")
+        decode = ("decode: not measured" if over is None else
+                  f"decode {over:.2f}× limit ({'met' if over <= DECODE_LIMIT_TARGET else 'MISSED'}, "
+                  f"target ≤ {DECODE_LIMIT_TARGET}×)")
+        prefill = ("prefill: not measured" if speedup is None else
+                   f"prefill {speedup:.2f}× transformers ({'met' if speedup >= PREFILL_SPEEDUP_TARGET else 'MISSED'}, "
+                   f"target ≥ {PREFILL_SPEEDUP_TARGET}×)")
+        lines.append(f"- {where}: {decode}; {prefill}.")
+    return lines
+
+
 def _f(x, fmt="{:.1f}"):
     return "—" if x is None else fmt.format(x)
 
@@ -650,6 +670,7 @@ def render_markdown(report: dict) -> str:
             _mem_cell(row, "kvjax"), _mem_cell(row, "transformers"),
         ]) + " |")
 
+    lines += ["", "## Targets", ""] + target_lines(report["rows"])
     lines += ["", "## Decode limit", ""]
     if "error" in bw:
         lines.append(f"- bandwidth measurement failed: {bw['error']}")

@@ -116,7 +116,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Benchmarks: ``methods`` (default; latency/memory per method vs context) or ``foundation`` (vs transformers)."""
+    """Benchmarks: ``methods`` (default; latency/memory per method vs context) ``foundation`` (vs transformers) or ``matvec`` (f32 vs bf16 products)."""
     return _run_bench(args.bench_args)
 
 
@@ -124,6 +124,10 @@ def _run_bench(argv) -> int:
     argv = list(argv)
     if argv[:1] == ["foundation"]:
         from evals.bench_foundation import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv[:1] == ["matvec"]:
+        from evals.bench_matvec import main as bench_main
 
         return bench_main(argv[1:])
     from evals.bench_methods import main as bench_main
@@ -169,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks: `kvjax bench [methods] ...` latency/memory per method vs context length "
-                       "(default), `kvjax bench foundation ...` kvjax vs transformers; --help after the name for options")
+                       "(default), `kvjax bench foundation ...` kvjax vs transformers, `kvjax bench matvec ...` f32 vs bf16 "
+                       "weight products; --help after the name for options")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
 

@@ -57,3 +57,15 @@ def test_prompt_length_must_be_a_multiple_of_the_chunk():
     assert bench_foundation.effective_chunk(1000, 0) == 1000
     with pytest.raises(ValueError, match="multiple"):
         bench_foundation.effective_chunk(1500, 1024)
+
+
+def test_target_lines_flag_each_missed_target():
+    rows = [
+        {"dtype": "float32", "prompt_tokens": 1024, "kvjax_over_limit": 1.29, "prefill_speedup": 1.2},
+        {"dtype": "bfloat16", "prompt_tokens": 4096, "kvjax_over_limit": 3.1, "prefill_speedup": 0.8},
+        {"dtype": "float32", "prompt_tokens": 8192, "kvjax_over_limit": None, "prefill_speedup": None},
+    ]
+    met, missed, absent = bench_foundation.target_lines(rows)
+    assert met.startswith("- float32 L=1024:") and "MISSED" not in met and "1.29× limit (met" in met
+    assert "3.10× limit (MISSED" in missed and "0.80× transformers (MISSED" in missed
+    assert "decode: not measured" in absent and "prefill: not measured" in absent
