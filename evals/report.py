@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 DEPTH_BINS = 5
-SHORTFALL_POINTS = 5.0  # a method "falls short" when its mean accuracy is this many points below the full cache
+SHORTFALL_POINTS = 5.0  # a method "falls short" when its mean, or any one task, is this many points below the full cache
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -80,7 +80,7 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
 
 
 def shortfalls(summary: dict) -> list[str]:
-    """Plain-language list of configurations whose mean accuracy is clearly below the full cache's."""
+    """Plain-language list of configurations clearly below the full cache: on mean accuracy or on any one task."""
     full = next((r for r in summary["rows"] if r["method"] == "full"), None)
     if full is None:
         return []
@@ -88,11 +88,12 @@ def shortfalls(summary: dict) -> list[str]:
     for r in summary["rows"]:
         if r["method"] == "full":
             continue
-        gap = full["mean_accuracy"] - r["mean_accuracy"]
-        if gap >= SHORTFALL_POINTS:
-            worst = min(r["accuracy"].items(), key=lambda kv: kv[1] - full["accuracy"].get(kv[0], kv[1]))
+        gaps = {cell: full["accuracy"][cell] - acc for cell, acc in r["accuracy"].items() if cell in full["accuracy"]}
+        worst = max(gaps, key=gaps.get, default=None)
+        mean_gap = full["mean_accuracy"] - r["mean_accuracy"]
+        if mean_gap >= SHORTFALL_POINTS or (worst is not None and gaps[worst] >= SHORTFALL_POINTS):
             out.append(f"{r['method']} at budget {r['budget']}: {r['mean_accuracy']:.1f}% vs full {full['mean_accuracy']:.1f}% "
-                       f"(worst: {worst[0]} {worst[1]:.1f}% vs {full['accuracy'].get(worst[0], float('nan')):.1f}%)")
+                       f"(worst: {worst} {r['accuracy'][worst]:.1f}% vs {full['accuracy'][worst]:.1f}%)")
     return out
 
 
@@ -149,11 +150,12 @@ def render_markdown(summary: dict, config: dict) -> str:
             lines.append(f"| {r['method']} | {r['budget']} | {r['prefix_tokens']} | {r['continuation_tokens']} | "
                          f"{r['kl']:.4f} | {100 * r['top1']:.1f}% | {r['nll']:.3f} | {r['device_bytes'] / r['texts'] / mib:.1f} |")
         lines += ["", "KL and top-1 compare each step's next-token distribution with the full cache's; NLL is the "
-                  "method's loss on the true next token (the full cache's row is the reference). Averaged over "
+                  "method's loss on the true next token (the full cache's row is the reference). KV MiB includes the room "
+                  "for the teacher-forced continuation, so a budget's bytes exceed the task table's. Averaged over "
                   f"{summary['fidelity'][0]['texts']} texts.", ""]
     short = shortfalls(summary)
     lines += ["## Where methods fall short of the full cache", ""]
-    lines += [f"- {s}" for s in short] if short else [f"- no method is {SHORTFALL_POINTS:.0f}+ points below the full cache on mean accuracy."]
+    lines += [f"- {s}" for s in short] if short else [f"- no method is {SHORTFALL_POINTS:.0f}+ points below the full cache on mean accuracy or on any task."]
     lines += ["", "## Plots", ""]
     for name, caption in (("accuracy_vs_budget.png", "accuracy vs budget per method"),
                           ("depth_heatmap.png", "accuracy by needle depth x length per method and budget")):

@@ -1,0 +1,28 @@
+"""The evaluation report's plain-language shortfall list, on hand-made summaries."""
+
+from __future__ import annotations
+
+from evals.report import shortfalls
+
+
+def _row(method, budget, acc):
+    return {"method": method, "budget": budget, "accuracy": acc, "mean_accuracy": sum(acc.values()) / len(acc)}
+
+
+def test_shortfalls_flag_a_low_mean_and_a_single_low_task_but_not_small_gaps():
+    full = _row("full", "full", {"a@4096": 100.0, "b@4096": 87.5})
+    rows = [
+        full,
+        _row("x", "0.1", {"a@4096": 100.0, "b@4096": 75.0}),    # mean 4 points lower; task b 12.5 lower -> flagged
+        _row("y", "0.1", {"a@4096": 50.0, "b@4096": 87.5}),     # mean 25 lower -> flagged, worst a
+        _row("z", "0.1", {"a@4096": 96.0, "b@4096": 87.5}),     # 4 points on one task -> not flagged
+        _row("w", "0.1", {"a@4096": 100.0, "b@4096": 93.75}),   # above the full cache -> not flagged
+    ]
+    out = shortfalls({"rows": rows})
+    assert len(out) == 2
+    assert out[0].startswith("x at budget 0.1: 87.5% vs full 93.8%") and "worst: b@4096 75.0% vs 87.5%" in out[0]
+    assert out[1].startswith("y at budget 0.1: 68.8% vs full 93.8%") and "worst: a@4096 50.0% vs 100.0%" in out[1]
+
+
+def test_no_full_cache_row_means_no_shortfalls():
+    assert shortfalls({"rows": [_row("x", "0.1", {"a@4096": 0.0})]}) == []
