@@ -116,7 +116,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Benchmarks: ``methods`` (default; latency/memory per method vs context) ``foundation`` (vs transformers) or ``matvec`` (f32 vs bf16 products)."""
+    """Benchmarks: ``methods`` (default; latency/memory per method vs context), ``foundation`` (vs transformers), ``matvec``."""
     return _run_bench(args.bench_args)
 
 
