@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         print(f"[matvec] {name}: {r['ms_per_step']:.2f} ms/step, {r['gb_s']:.1f} GB/s, "
               f"{r['over_limit']:.2f}x limit", file=sys.stderr, flush=True)
     report = {
-        "command": "kvjax bench matvec " + " ".join(argv),
+        "command": " ".join(["kvjax bench matvec", *argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.processor() or platform.machine(),
         "jax": jax.__version__, "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
