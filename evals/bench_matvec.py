@@ -15,7 +15,7 @@ feeding the next, like a decode step) inside one jitted ``lax.fori_loop``, for
 
 and reports ms per step, the weight bytes read per step, the achieved GB/s and the ratio of the
 step time to its bandwidth limit (bytes / the machine's read bandwidth, measured in the same run
-with a jitted ``jnp.sum`` over a large f32 array). Random weights; the numbers do not depend on
+by ``bench_foundation.worker_bandwidth``, as in the other benchmarks). Random weights; the numbers do not depend on
 their values. ``XLA_FLAGS`` from the environment apply (e.g. ``--xla_cpu_use_onednn=true``).
 
 Usage::
@@ -112,22 +112,6 @@ def time_variant(product, dtype, shapes, num_layers: int, steps: int, repeats: i
     return {"ms_per_step": 1000 * best / steps, "weight_bytes": nbytes}
 
 
-def read_bandwidth(mib: int, repeats: int) -> float:
-    """Bytes/s of a jitted ``jnp.sum`` over a ``mib`` MiB f32 array (best of ``repeats``)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((mib * MIB // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return a.nbytes / best
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Options of ``kvjax bench matvec``."""
     p = argparse.ArgumentParser(prog="kvjax bench matvec", description=__doc__.split("\n\n")[0])
@@ -135,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="number of layers (default: the model's)")
     p.add_argument("--steps", type=int, default=10, help="chained steps per timed run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (best is kept)")
-    p.add_argument("--bandwidth-mib", type=int, default=1024)
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size of the bandwidth measurement (MiB)")
+    p.add_argument("--bandwidth-repeats", type=int, default=5, help="bandwidth measurement runs (best reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=DEFAULT_OUT, help="Markdown report (JSON next to it)")
     return p
@@ -145,16 +130,20 @@ def main(argv=None) -> int:
     """``kvjax bench matvec``: time each variant, write the Markdown + JSON report."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.steps < 1 or args.repeats < 1 or args.bandwidth_mib < 1 or (args.layers is not None and args.layers < 1):
-        raise ValueError("--steps, --repeats, --bandwidth-mib and --layers must be >= 1")
+    if (args.steps < 1 or args.repeats < 1 or args.bandwidth_mib < 1 or args.bandwidth_repeats < 1
+            or (args.layers is not None and args.layers < 1)):
+        raise ValueError("--steps, --repeats, --bandwidth-mib, --bandwidth-repeats and --layers must be >= 1")
     import jax
+
+    from evals.bench_foundation import worker_bandwidth
 
     config = _config(args.model)
     layers = args.layers or config.num_layers
     shapes = layer_shapes(config)
     start = time.perf_counter()
-    bandwidth = read_bandwidth(args.bandwidth_mib, 5)
-    print(f"[matvec] read bandwidth {bandwidth / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
+    measured = worker_bandwidth(args)
+    bandwidth = measured["machine"]
+    print(f"[matvec] read bandwidth {bandwidth / 1e9:.1f} GB/s ({measured['machine_source']})", file=sys.stderr, flush=True)
     rows = []
     for name, (dtype, product) in _variants().items():
         r = time_variant(product, dtype, shapes, layers, args.steps, args.repeats, args.seed)
@@ -170,7 +159,7 @@ def main(argv=None) -> int:
         "machine": platform.processor() or platform.machine(),
         "jax": jax.__version__, "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "model": args.model, "layers": layers, "shapes": shapes, "steps": args.steps,
-        "bandwidth": bandwidth, "rows": rows, "total_s": time.perf_counter() - start,
+        "bandwidth": measured, "rows": rows, "total_s": time.perf_counter() - start,
     }
     f32 = next(r for r in rows if r["variant"] == "f32 dot")
     lines = [
@@ -179,8 +168,10 @@ def main(argv=None) -> int:
         f"Layer shapes of `{args.model}` ({', '.join(f'{n} {o}×{i}' for n, o, i in shapes)}) × {layers} layers, "
         f"batch 1, {args.steps} chained steps in one jitted `lax.fori_loop`, best of {args.repeats}.",
         f"jax {report['jax']} ({report['backend']}), XLA_FLAGS `{report['xla_flags'] or '(none)'}`, {report['date']}.",
-        f"Command: `{report['command']}`. Machine read bandwidth (jitted `jnp.sum`, {args.bandwidth_mib} MiB f32): "
-        f"{bandwidth / 1e9:.1f} GB/s.",
+        f"Command: `{report['command']}`. Machine read bandwidth {bandwidth / 1e9:.1f} GB/s (best of jitted `jnp.sum` "
+        f"{measured['jax_sum'] / 1e9:.1f}, numpy `a.sum()` {measured['numpy_sum'] / 1e9:.1f}, numpy in "
+        f"{measured['threads']} threads {measured['numpy_threaded_sum'] / 1e9:.1f} GB/s over a {args.bandwidth_mib} MiB "
+        f"f32 array, best of {args.bandwidth_repeats}).",
         "",
         "| variant | weight MiB read per step | ms/step | GB/s achieved | limit ms/step | ÷ limit | time ÷ f32 dot |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -30,7 +30,7 @@ def test_report_has_every_variant(tmp_path):
     ready_model_or_skip("smollm2-135m")
     out = tmp_path / "m.md"
     assert bench_matvec.main(["--model", "smollm2-135m", "--layers", "1", "--steps", "1", "--repeats", "1",
-                              "--bandwidth-mib", "8", "--out", str(out)]) == 0
+                              "--bandwidth-mib", "8", "--bandwidth-repeats", "1", "--out", str(out)]) == 0
     report = json.loads((tmp_path / "m.json").read_text())
     assert [r["variant"] for r in report["rows"]] == list(bench_matvec._variants())
     f32, bf16 = report["rows"][0], report["rows"][1]
