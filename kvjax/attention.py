@@ -72,40 +72,61 @@ def _dense_attention(q, k, v, q_start, pad, *, scale: float):
     return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
-def blocked_causal_attention(q, k, v, *, q_start, pad, scale: float, block: int):
+def blocked_causal_attention(q, k, v, *, q_start, pad, scale: float, block: int, q_block: int = 512):
     """Causal GQA attention with an online softmax over key blocks (flash-attention style, in XLA).
 
-    Only blocks up to the last query's slot are visited, so a prompt chunk costs O(T * (start + T))
-    and holds O(T * block) scores. ``S`` must be a multiple of ``block``.
+    Queries go in blocks of ``q_block`` rows; each query block visits only the key blocks up to its
+    own last slot, so a prompt chunk costs about O(T * (start + T / 2)) and holds
+    O(G * q_block * block) scores per KV head. Inside a block the ``G`` query heads of a KV head and
+    the block's queries form the rows of one matrix product with the key block (``[G * q_block, D] x
+    [D, block]``); this layout ran ~3x faster on XLA:CPU than a per-head einsum over the whole chunk
+    (docs/results/foundation_bench.md). ``S`` must be a multiple of ``block``.
     """
     B, T, Hq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
     if S % block:
         raise ValueError(f"cache slots {S} must be a multiple of the attention block {block}")
-    qg = q.reshape(B, T, Hkv, G, D)
-    n_blocks = jnp.minimum((q_start + T + block - 1) // block, S // block)
+    if q_block <= 0:
+        raise ValueError(f"q_block must be positive, got {q_block}")
+    qb = min(T, q_block)
+    nq = -(-T // qb)
+    rows = G * qb
+    # [B, T, Hq, D] -> [nq, B, Hkv, G * qb, D]; padded queries (T not a multiple of qb) are dropped at the end
+    qp = jnp.pad(q, ((0, 0), (0, nq * qb - T), (0, 0), (0, 0)))
+    qp = qp.reshape(B, nq, qb, Hkv, G, D).transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, Hkv, rows, D)
+    row_offsets = jnp.tile(jnp.arange(qb, dtype=jnp.int32), G)  # query of each row within its block
 
-    def body(i, carry):
-        m, l, acc = carry
-        kb = lax.dynamic_slice_in_dim(k, i * block, block, axis=2)
-        vb = lax.dynamic_slice_in_dim(v, i * block, block, axis=2)
-        s = jnp.einsum("bthgd,bhsd->bhgts", qg, kb, preferred_element_type=jnp.float32) * scale
-        mask = _slot_mask(q_start, T, i * block, block, pad)
-        s = jnp.where(mask[:, None, None], s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        l_new = l * corr + p.sum(axis=-1)
-        pv = jnp.einsum("bhgts,bhsd->bhgtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-        return m_new, l_new, acc * corr[..., None] + pv
+    def query_block(j, out):
+        qj = qp[j]
+        q_slots = q_start + j * qb + row_offsets
+        n_blocks = jnp.minimum((q_start + (j + 1) * qb + block - 1) // block, S // block)
 
-    m0 = jnp.full((B, Hkv, G, T), MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((B, Hkv, G, T), jnp.float32)
-    a0 = jnp.zeros((B, Hkv, G, T, D), jnp.float32)
-    _, l, acc = lax.fori_loop(0, n_blocks, body, (m0, l0, a0))
-    o = acc / l[..., None]
-    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
+        def key_block(i, carry):
+            m, l, acc = carry
+            kb = lax.dynamic_slice_in_dim(k, i * block, block, axis=2)
+            vb = lax.dynamic_slice_in_dim(v, i * block, block, axis=2)
+            s = lax.dot_general(qj, kb, (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32) * scale
+            k_slots = i * block + jnp.arange(block, dtype=jnp.int32)
+            mask = (k_slots[None, None, :] <= q_slots[None, :, None]) & (k_slots[None, None, :] >= pad[:, None, None])
+            s = jnp.where(mask[:, None], s, MASK_VALUE)  # [B, Hkv, rows, block]
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            l_new = l * corr + p.sum(axis=-1)
+            pv = lax.dot_general(p.astype(vb.dtype), vb, (((3,), (2,)), ((0, 1), (0, 1))),
+                                 preferred_element_type=jnp.float32)
+            return m_new, l_new, acc * corr[..., None] + pv
+
+        m0 = jnp.full((B, Hkv, rows), MASK_VALUE, jnp.float32)
+        l0 = jnp.zeros((B, Hkv, rows), jnp.float32)
+        a0 = jnp.zeros((B, Hkv, rows, D), jnp.float32)
+        _, l, acc = lax.fori_loop(0, n_blocks, key_block, (m0, l0, a0))
+        return out.at[j].set((acc / l[..., None]).astype(q.dtype))
+
+    out = lax.fori_loop(0, nq, query_block, jnp.zeros((nq, B, Hkv, rows, D), q.dtype))
+    o = out.reshape(nq, B, Hkv, G, qb, D).transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * qb, Hq, D)
+    return o[:, :T]
 
 
 def causal_cache_attention(q, k, v, *, q_start, pad, scale: float, block: int, implementation: str = "auto"):
