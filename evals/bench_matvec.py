@@ -12,6 +12,8 @@ feeding the next, like a decode step) inside one jitted ``lax.fori_loop``, for
 * ``bf16 dot``: bf16 weights and activations, ``lax.dot_general`` (kvjax's bfloat16 path),
 * ``bf16 dot → f32``: bf16 operands, ``preferred_element_type=float32``,
 * ``bf16 → f32, f32 dot``: the weights converted to f32 inside the step, then an f32 product,
+* ``f32 multiply-reduce`` / ``bf16 multiply-reduce (f32)``: no dot at all: ``(w * x).sum(-1)`` as one
+  elementwise-and-reduce fusion (bf16 weights converted to f32 inside it),
 
 and reports ms per step, the weight bytes read per step, the achieved GB/s and the ratio of the
 step time to its bandwidth limit (bytes / the machine's read bandwidth, measured in the same run
@@ -72,6 +74,9 @@ def _variants():
             x, w, contract, preferred_element_type=jnp.float32).astype(x.dtype)),
         "bf16 → f32, f32 dot": (jnp.bfloat16, lambda x, w: jax.lax.dot_general(
             x.astype(jnp.float32), w.astype(jnp.float32), contract).astype(x.dtype)),
+        "f32 multiply-reduce": (jnp.float32, lambda x, w: (w * x[None, :]).sum(axis=1)),
+        "bf16 multiply-reduce (f32)": (jnp.bfloat16, lambda x, w: (
+            w.astype(jnp.float32) * x.astype(jnp.float32)[None, :]).sum(axis=1).astype(x.dtype)),
     }
 
 
