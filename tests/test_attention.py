@@ -1,4 +1,7 @@
-"""XLA attention paths of kvjax.attention against a float64 numpy reference (causal, GQA, left padding)."""
+"""XLA attention paths (kvjax.attention, H2O's accumulated attention) against float64 numpy references.
+
+Covers causal masking, GQA, left padding, later prompt chunks and uneven block sizes.
+"""
 
 import numpy as np
 import pytest
@@ -86,3 +89,39 @@ def test_blocked_attention_rejects_bad_blocks():
     with pytest.raises(ValueError, match="q_block must be positive"):
         blocked_causal_attention(q, k[:, :, :32], v[:, :, :32], q_start=0, pad=jnp.zeros((1,), jnp.int32), scale=1.0,
                                  block=16, q_block=0)
+
+
+def reference_column_sums(q, k, q_start, pad):
+    """H2O's accumulated attention in float64: each real query's softmax weights added to its keys' columns."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    acc = np.zeros((B, Hq, S))
+    for b in range(B):
+        for h in range(Hq):
+            for t in range(T):
+                slot = q_start + t
+                if slot < pad[b]:
+                    continue  # left padding does not vote
+                visible = np.arange(pad[b], slot + 1)
+                scores = k[b, h // (Hq // Hkv)][visible] @ q[b, t, h] / np.sqrt(D)
+                w = np.exp(scores - scores.max())
+                acc[b, h, visible] += w / w.sum()
+    return acc
+
+
+@pytest.mark.parametrize(
+    "T,q_start,S,block,q_block,pad",
+    [
+        (64, 0, 64, 16, 16, (0, 0)),
+        (50, 0, 80, 16, 24, (0, 5)),  # uneven query blocks, empty future slots, left padding
+        (40, 24, 80, 16, 512, (0, 30)),  # a later chunk; padding past the chunk start
+    ],
+)
+def test_chunk_attention_sums_match_reference(T, q_start, S, block, q_block, pad):
+    from kvjax.methods.compressed import chunk_attention_sums
+
+    q, k, _ = _inputs(len(pad), T, Hq=6, Hkv=2, S=S)
+    got = np.asarray(chunk_attention_sums(jnp.asarray(q), jnp.asarray(k), q_start, jnp.asarray(pad, jnp.int32),
+                                          block, q_block=q_block))
+    np.testing.assert_allclose(got, reference_column_sums(q, k, q_start, pad), rtol=1e-5, atol=1e-5)

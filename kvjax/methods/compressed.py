@@ -248,25 +248,57 @@ class StaticMethod:
         }
 
 
-def chunk_attention_sums(q, k, start, pad, block: int):
-    """Column sums of the causal softmax of a chunk's queries over all keys: [B, Hq, S] (f32, by query blocks)."""
+def chunk_attention_sums(q, k, start, pad, block: int, q_block: int = 512):
+    """Column sums of the causal softmax of a chunk's queries over all keys: [B, Hq, S] (f32).
+
+    Queries at slots ``start..start+T-1`` (real queries only: left padding does not vote) attend to
+    key slots ``pad .. own slot``. Computed by query blocks of ``q_block`` rows in the layout of
+    :func:`kvjax.attention.blocked_causal_attention`: a first pass over the visible key blocks gives
+    each row's log-sum-exp, a second adds ``exp(score - lse)`` into the column sums. Both passes stop
+    at the block's causal frontier, so empty future slots of the staging buffer cost nothing.
+    """
     B, T, Hq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    qb = min(T, block)
-    n = -(-T // qb)
-    qp = jnp.pad(q, ((0, 0), (0, n * qb - T), (0, 0), (0, 0))).reshape(B, n, qb, Hkv, Hq // Hkv, D)
-    slots = jnp.arange(S)
-    kf = k.astype(jnp.float32)
+    G = Hq // Hkv
+    if S % block:
+        raise ValueError(f"cache slots {S} must be a multiple of the attention block {block}")
+    qb = min(T, q_block)
+    nq = -(-T // qb)
+    rows = G * qb
+    scale = D**-0.5
+    qp = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, nq * qb - T), (0, 0), (0, 0)))
+    qp = qp.reshape(B, nq, qb, Hkv, G, D).transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, Hkv, rows, D)
+    row_offsets = jnp.tile(jnp.arange(qb, dtype=jnp.int32), G)
 
-    def one(i, acc):
-        qi = lax.dynamic_index_in_dim(qp, i, axis=1, keepdims=False).astype(jnp.float32)
-        s = jnp.einsum("bthgd,bhsd->bhgts", qi, kf, precision=lax.Precision.HIGHEST) * D**-0.5
-        q_slots = start + i * qb + jnp.arange(qb)
-        valid_q = (i * qb + jnp.arange(qb)) < T
-        mask = (slots[None, None, :] <= q_slots[None, :, None]) & (slots[None, None, :] >= pad[:, None, None])
-        p = jax.nn.softmax(jnp.where(mask[:, None, None], s, MASK_VALUE), axis=-1)
-        real_q = valid_q[None, :] & (q_slots[None, :] >= pad[:, None])  # padding queries do not vote
-        p = jnp.where(real_q[:, None, None, :, None], p, 0.0)
-        return acc + p.sum(axis=3).reshape(B, Hq, S)
+    def query_block(j, acc):
+        qj = qp[j]
+        q_slots = start + j * qb + row_offsets
+        real = ((j * qb + row_offsets)[None, :] < T) & (q_slots[None, :] >= pad[:, None])  # [B, rows]
+        n_blocks = jnp.minimum((start + (j + 1) * qb + block - 1) // block, S // block)
 
-    return lax.fori_loop(0, n, one, jnp.zeros((B, Hq, S), jnp.float32))
+        def scores(i):
+            kb = lax.dynamic_slice_in_dim(k, i * block, block, axis=2).astype(jnp.float32)
+            s = lax.dot_general(qj, kb, (((3,), (3,)), ((0, 1), (0, 1))), precision=lax.Precision.HIGHEST) * scale
+            k_slots = i * block + jnp.arange(block, dtype=jnp.int32)
+            mask = (k_slots[None, None, :] <= q_slots[None, :, None]) & (k_slots[None, None, :] >= pad[:, None, None])
+            return jnp.where(mask[:, None], s, MASK_VALUE)  # [B, Hkv, rows, block]
+
+        def normalizer(i, carry):
+            m, l = carry
+            s = scores(i)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            return m_new, l * jnp.exp(m - m_new) + jnp.exp(s - m_new[..., None]).sum(axis=-1)
+
+        m0 = jnp.full((B, Hkv, rows), MASK_VALUE, jnp.float32)
+        m, l = lax.fori_loop(0, n_blocks, normalizer, (m0, jnp.zeros((B, Hkv, rows), jnp.float32)))
+        lse = jnp.where(real[:, None], m + jnp.log(l), jnp.inf)  # padding rows: exp(s - inf) = 0
+
+        def column_sums(i, acc):
+            p = jnp.exp(scores(i) - lse[..., None]).reshape(B, Hkv, G, qb, block).sum(axis=3)
+            old = lax.dynamic_slice_in_dim(acc, i * block, block, axis=3)
+            return lax.dynamic_update_slice_in_dim(acc, old + p, i * block, axis=3)
+
+        return lax.fori_loop(0, n_blocks, column_sums, acc)
+
+    acc = lax.fori_loop(0, nq, query_block, jnp.zeros((B, Hkv, G, S), jnp.float32))
+    return acc.reshape(B, Hq, S)
