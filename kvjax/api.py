@@ -16,7 +16,13 @@ from kvjax.methods import FullCache, get_method
 
 @dataclasses.dataclass
 class GenerationResult:
-    """Output of :func:`generate`: texts and tokens per row, cache statistics and timings (seconds)."""
+    """Output of :func:`generate`: texts and tokens per row, cache statistics and timings.
+
+    ``timings``: ``prefill_s``, ``compress_s``, ``decode_s`` and ``decode_ms_per_token`` (each includes
+    the compilation of its jitted function on first use); when streaming and at least 3 tokens were
+    generated also ``first_step_s`` (the first decode step, incl. its compilation) and
+    ``decode_steady_ms_per_token`` (the steps after it).
+    """
 
     texts: list[str]
     tokens: list[list[int]]
@@ -107,6 +113,8 @@ def generate_tokens(
         iterator = tqdm(chunks, desc=f"prefill {L} tokens", unit="chunk", leave=False)
     for i, chunk in enumerate(iterator):
         logits, cache = prefill(model.graphdef, model.params, jnp.asarray(chunk), cache, last_chunk=i == len(chunks) - 1)
+        if progress:
+            logits.block_until_ready()  # the bar follows the computation, not the asynchronous dispatch
     key = jax.random.PRNGKey(seed)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sampling)
@@ -130,8 +138,10 @@ def generate_tokens(
         count = np.zeros((B,), np.int32)
         done = np.zeros((B,), bool)
         tok = first
+        arrivals = []  # when each token reached the host
         for i in range(max_new_tokens):
             host_tok = np.asarray(tok)
+            arrivals.append(time.perf_counter())
             host_tok = np.where(done, out[:, i - 1] if i else host_tok, host_tok)
             out[:, i] = host_tok
             count += ~done
@@ -143,6 +153,11 @@ def generate_tokens(
             tok, _, cache = decode_step(model.graphdef, model.params, jnp.asarray(host_tok), cache, sub, sampling=sampling)
     timings["decode_s"] = time.perf_counter() - t0
     timings["decode_ms_per_token"] = 1000 * timings["decode_s"] / max(int(count.max()) - 1, 1)
+    if on_token is not None and len(arrivals) >= 3:
+        # token 1 waits for the first decode_step call (its compilation, once per process and shape);
+        # the steps after it are the steady-state decode speed
+        timings["first_step_s"] = arrivals[1] - arrivals[0]
+        timings["decode_steady_ms_per_token"] = 1000 * (arrivals[-1] - arrivals[1]) / (len(arrivals) - 2)
     return out, count, cache, timings
 
 

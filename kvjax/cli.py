@@ -72,7 +72,7 @@ def cmd_generate(args) -> int:
     s, t = result.cache_stats, result.timings
     print(
         f"\n[{result.prompt_tokens[0]} prompt tokens, {len(result.tokens[0])} generated | prefill {t['prefill_s']:.2f} s, "
-        f"decode {t['decode_ms_per_token']:.1f} ms/token (first call includes compilation) | cache {s['method']}: "
+        f"decode {_decode_speed(t)} | cache {s['method']}: "
         f"device {_fmt_bytes(s['device_bytes'])}, host {_fmt_bytes(s['host_bytes'])}]",
         file=sys.stderr,
     )
@@ -88,6 +88,14 @@ def cmd_models(args) -> int:
         default = " [default]" if name == DEFAULT_MODEL else ""
         print(f"{name}{default}: {m.description}\n    {state}")
     return 0
+
+
+def _decode_speed(timings: dict) -> str:
+    """Decode speed for the console: steady-state ms/token when known, else the average incl. compilation."""
+    if "decode_steady_ms_per_token" in timings:
+        return (f"{timings['decode_steady_ms_per_token']:.1f} ms/token "
+                f"(first step incl. compilation {timings['first_step_s']:.1f} s)")
+    return f"{timings['decode_ms_per_token']:.1f} ms/token (incl. compilation)"
 
 
 def cmd_demo(args) -> int:
@@ -110,7 +118,7 @@ def cmd_demo(args) -> int:
     ok = sample.answer in result.text
     print(f"\n{'CORRECT' if ok else 'WRONG'} | prefill {t['prefill_s']:.2f} s "
           f"({result.prompt_tokens[0] / t['prefill_s']:.0f} tokens/s incl. compilation), "
-          f"decode {t['decode_ms_per_token']:.1f} ms/token | cache ({s['method']}): device {_fmt_bytes(s['device_bytes'])}, "
+          f"decode {_decode_speed(t)} | cache ({s['method']}): device {_fmt_bytes(s['device_bytes'])}, "
           f"host {_fmt_bytes(s['host_bytes'])}")
     return 0 if ok else 1
 

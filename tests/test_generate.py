@@ -74,6 +74,18 @@ def test_streaming_equals_while_loop(tiny):
     assert seen == list(loop[0])
 
 
+def test_streaming_timings_split_the_first_step(tiny):
+    """Streaming reports the first (compiling) step apart from the steady steps; the loop path does not."""
+    row = list(np.random.default_rng(3).integers(0, 97, size=25))
+    _, count, _, t = generate_tokens(tiny, [row], max_new_tokens=9, on_token=lambda t: None)
+    assert int(count[0]) == 9
+    assert {"first_step_s", "decode_steady_ms_per_token"} <= set(t)
+    # the first step and the 7 steady steps together fit in the whole decode time
+    assert t["first_step_s"] + 7 * t["decode_steady_ms_per_token"] / 1000 <= t["decode_s"] + 1e-9
+    _, _, _, t_loop = generate_tokens(tiny, [row], max_new_tokens=9)
+    assert "decode_steady_ms_per_token" not in t_loop
+
+
 def test_eos_stops_and_is_counted(tiny):
     row = list(np.random.default_rng(4).integers(0, 97, size=12))
     free, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=8)
