@@ -26,12 +26,48 @@ def resolve_implementation(implementation: str) -> str:
     return implementation
 
 
+def _visible(q_slots, k_slots, pad):
+    """Bool [B, len(q_slots), len(k_slots)]: key slot visible to query slot (causal, at or after the row's padding)."""
+    return (k_slots[None, None, :] <= q_slots[None, :, None]) & (k_slots[None, None, :] >= pad[:, None, None])
+
+
 def _slot_mask(q_start, num_queries: int, kv_start, num_keys: int, pad):
-    """Bool [B, T, S]: key slot visible to query slot (causal, at or after the row's padding)."""
+    """Bool [B, T, S]: :func:`_visible` for contiguous query slots ``q_start..`` and key slots ``kv_start..``."""
     q_slots = q_start + jnp.arange(num_queries, dtype=jnp.int32)
     k_slots = kv_start + jnp.arange(num_keys, dtype=jnp.int32)
-    causal = k_slots[None, :] <= q_slots[:, None]
-    return causal[None] & (k_slots[None, None, :] >= pad[:, None, None])
+    return _visible(q_slots, k_slots, pad)
+
+
+def query_block_rows(q, q_block: int, num_kv_heads: int):
+    """Regroup queries ``[B, T, Hq, D]`` for block-wise attention over a KV-head cache.
+
+    Returns ``(rows [nq, B, Hkv, G * qb, D], qb, row_offsets [G * qb])``: query block ``j`` holds, per
+    KV head, its ``G`` query heads' ``qb`` queries as the rows of one matrix (row ``r`` is query
+    ``j * qb + row_offsets[r]``). ``T`` is zero-padded to a multiple of ``qb = min(T, q_block)``.
+    """
+    if q_block <= 0:
+        raise ValueError(f"q_block must be positive, got {q_block}")
+    B, T, Hq, D = q.shape
+    G = Hq // num_kv_heads
+    qb = min(T, q_block)
+    nq = -(-T // qb)
+    qp = jnp.pad(q, ((0, 0), (0, nq * qb - T), (0, 0), (0, 0)))
+    qp = qp.reshape(B, nq, qb, num_kv_heads, G, D).transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, num_kv_heads, G * qb, D)
+    return qp, qb, jnp.tile(jnp.arange(qb, dtype=jnp.int32), G)
+
+
+def visible_key_blocks(q_start, j, qb: int, block: int, num_slots: int):
+    """Number of key blocks query block ``j`` (slots ``q_start + j*qb ..``) can see: up to its last query."""
+    return jnp.minimum((q_start + (j + 1) * qb + block - 1) // block, num_slots // block)
+
+
+def masked_block_scores(qj, kb, kv_start, q_slots, pad, scale: float, precision=None):
+    """Scores ``[B, Hkv, rows, block]`` (f32) of query rows ``qj`` against key block ``kb`` (slots
+    ``kv_start..``); pairs the query may not see are ``MASK_VALUE``."""
+    s = lax.dot_general(qj, kb, (((3,), (3,)), ((0, 1), (0, 1))), precision=precision,
+                        preferred_element_type=jnp.float32) * scale
+    mask = _visible(q_slots, kv_start + jnp.arange(kb.shape[2], dtype=jnp.int32), pad)
+    return jnp.where(mask[:, None], s, MASK_VALUE)
 
 
 def dense_causal_attention(q, k, v, *, q_start, pad, scale: float):
@@ -87,29 +123,18 @@ def blocked_causal_attention(q, k, v, *, q_start, pad, scale: float, block: int,
     G = Hq // Hkv
     if S % block:
         raise ValueError(f"cache slots {S} must be a multiple of the attention block {block}")
-    if q_block <= 0:
-        raise ValueError(f"q_block must be positive, got {q_block}")
-    qb = min(T, q_block)
-    nq = -(-T // qb)
-    rows = G * qb
-    # [B, T, Hq, D] -> [nq, B, Hkv, G * qb, D]; padded queries (T not a multiple of qb) are dropped at the end
-    qp = jnp.pad(q, ((0, 0), (0, nq * qb - T), (0, 0), (0, 0)))
-    qp = qp.reshape(B, nq, qb, Hkv, G, D).transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, Hkv, rows, D)
-    row_offsets = jnp.tile(jnp.arange(qb, dtype=jnp.int32), G)  # query of each row within its block
+    qp, qb, row_offsets = query_block_rows(q, q_block, Hkv)
+    nq, rows = qp.shape[0], qp.shape[3]
 
     def query_block(j, out):
         qj = qp[j]
         q_slots = q_start + j * qb + row_offsets
-        n_blocks = jnp.minimum((q_start + (j + 1) * qb + block - 1) // block, S // block)
 
         def key_block(i, carry):
             m, l, acc = carry
             kb = lax.dynamic_slice_in_dim(k, i * block, block, axis=2)
             vb = lax.dynamic_slice_in_dim(v, i * block, block, axis=2)
-            s = lax.dot_general(qj, kb, (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32) * scale
-            k_slots = i * block + jnp.arange(block, dtype=jnp.int32)
-            mask = (k_slots[None, None, :] <= q_slots[None, :, None]) & (k_slots[None, None, :] >= pad[:, None, None])
-            s = jnp.where(mask[:, None], s, MASK_VALUE)  # [B, Hkv, rows, block]
+            s = masked_block_scores(qj, kb, i * block, q_slots, pad, scale)  # [B, Hkv, rows, block]
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])
             corr = jnp.exp(m - m_new)
@@ -121,7 +146,7 @@ def blocked_causal_attention(q, k, v, *, q_start, pad, scale: float, block: int,
         m0 = jnp.full((B, Hkv, rows), MASK_VALUE, jnp.float32)
         l0 = jnp.zeros((B, Hkv, rows), jnp.float32)
         a0 = jnp.zeros((B, Hkv, rows, D), jnp.float32)
-        _, l, acc = lax.fori_loop(0, n_blocks, key_block, (m0, l0, a0))
+        _, l, acc = lax.fori_loop(0, visible_key_blocks(q_start, j, qb, block, S), key_block, (m0, l0, a0))
         return out.at[j].set((acc / l[..., None]).astype(q.dtype))
 
     out = lax.fori_loop(0, nq, query_block, jnp.zeros((nq, B, Hkv, rows, D), q.dtype))

@@ -24,7 +24,10 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from kvjax.attention import MASK_VALUE, causal_cache_attention, resolve_implementation
+from kvjax.attention import (
+    MASK_VALUE, causal_cache_attention, masked_block_scores, query_block_rows, resolve_implementation,
+    visible_key_blocks,
+)
 from kvjax.budgets import tokens_per_head
 from kvjax.cache import AttendContext, Cache
 from kvjax.methods.base import round_up
@@ -262,26 +265,19 @@ def chunk_attention_sums(q, k, start, pad, block: int, q_block: int = 512):
     G = Hq // Hkv
     if S % block:
         raise ValueError(f"cache slots {S} must be a multiple of the attention block {block}")
-    qb = min(T, q_block)
-    nq = -(-T // qb)
-    rows = G * qb
     scale = D**-0.5
-    qp = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, nq * qb - T), (0, 0), (0, 0)))
-    qp = qp.reshape(B, nq, qb, Hkv, G, D).transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, Hkv, rows, D)
-    row_offsets = jnp.tile(jnp.arange(qb, dtype=jnp.int32), G)
+    qp, qb, row_offsets = query_block_rows(q.astype(jnp.float32), q_block, Hkv)
+    nq, rows = qp.shape[0], qp.shape[3]
 
     def query_block(j, acc):
         qj = qp[j]
         q_slots = start + j * qb + row_offsets
         real = ((j * qb + row_offsets)[None, :] < T) & (q_slots[None, :] >= pad[:, None])  # [B, rows]
-        n_blocks = jnp.minimum((start + (j + 1) * qb + block - 1) // block, S // block)
+        n_blocks = visible_key_blocks(start, j, qb, block, S)
 
         def scores(i):
             kb = lax.dynamic_slice_in_dim(k, i * block, block, axis=2).astype(jnp.float32)
-            s = lax.dot_general(qj, kb, (((3,), (3,)), ((0, 1), (0, 1))), precision=lax.Precision.HIGHEST) * scale
-            k_slots = i * block + jnp.arange(block, dtype=jnp.int32)
-            mask = (k_slots[None, None, :] <= q_slots[None, :, None]) & (k_slots[None, None, :] >= pad[:, None, None])
-            return jnp.where(mask[:, None], s, MASK_VALUE)  # [B, Hkv, rows, block]
+            return masked_block_scores(qj, kb, i * block, q_slots, pad, scale, precision=lax.Precision.HIGHEST)
 
         def normalizer(i, carry):
             m, l = carry
