@@ -50,6 +50,7 @@ import tempfile
 import time
 
 import numpy as np
+from kvjax.cache import new_cache as make_cache
 
 DEFAULT_OUT = os.path.join("docs", "results", "foundation_bench.md")
 FRAMEWORKS = ("kvjax", "transformers")
@@ -266,7 +267,7 @@ def worker_kvjax(args) -> dict:
     method = FullCache()
 
     def new_cache():
-        return jax.block_until_ready(method.init_cache(config, 1, L, N, model.dtype))
+        return jax.block_until_ready(make_cache(method, config, 1, L, N, model.dtype))
 
     mem = _memory_after_load()
 
@@ -278,7 +279,7 @@ def worker_kvjax(args) -> dict:
     compiled, lower_s, compile_s = {}, {}, {}
     for last in variants:
         t = time.perf_counter()
-        lowered = prefill.lower(model.graphdef, model.params, chunks[0], cache, last_chunk=last)
+        lowered = prefill.lower(model.graphdef, model.params, chunks[0], cache)
         lower_s[f"prefill_last_chunk_{last}"] = time.perf_counter() - t
         t = time.perf_counter()
         compiled[last] = lowered.compile()

@@ -65,6 +65,7 @@ import traceback
 import numpy as np
 
 from evals.bench_foundation import (
+from kvjax.cache import new_cache
     GIB,
     MIB,
     effective_chunk,
@@ -332,7 +333,7 @@ class _Prefiller:
         spec = new_cache()
         for last in variants:
             t = time.perf_counter()
-            self.exes[last] = prefill.lower(model.graphdef, model.params, chunks[0], spec, last_chunk=last).compile()
+            self.exes[last] = prefill.lower(model.graphdef, model.params, chunks[0], spec).compile()
             self.compile_s[f"last_chunk_{last}"] = time.perf_counter() - t
         del spec
 
@@ -467,7 +468,7 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
     try:
         full = methods[REFERENCE]
         _log(f"[bench] L={L} full cache: compiling and prefilling {L} tokens in chunks of {chunk}")
-        pf = _Prefiller(model, lambda: jax.block_until_ready(full.init_cache(config, 1, L, N, model.dtype)), chunks)
+        pf = _Prefiller(model, lambda: jax.block_until_ready(new_cache(full, config, 1, L, N, model.dtype)), chunks)
         first, cache, seconds, memory = pf.measure()
         staging = {"kind": "own (full cache)", "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
         del pf

@@ -92,8 +92,7 @@ def run_fidelity(model, methods, texts: np.ndarray, prefix_tokens: int, *, chunk
     all_methods = {"full": full, **{k: v for k, v in methods.items() if k != "full"}}
     staged = init_shared_cache(list(all_methods.values()), model.config, B, prefix_tokens, N, model.dtype)
     for i in range(0, prefix_tokens, chunk_size):
-        _, staged = prefill(model.graphdef, model.params, jnp.asarray(texts[:, i:min(i + chunk_size, prefix_tokens)]), staged,
-                            last_chunk=i + chunk_size >= prefix_tokens)
+        _, staged = prefill(model.graphdef, model.params, jnp.asarray(texts[:, i:min(i + chunk_size, prefix_tokens)]), staged)
     feed = jnp.asarray(texts[:, prefix_tokens:prefix_tokens + N])
     targets = texts[:, prefix_tokens + 1:]
     items = list(all_methods.items())

@@ -196,8 +196,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
             staged = init_shared_cache([g[2] for g in missing], model.config, len(rows), L, max_new, model.dtype)
             staged = staged.replace(pad=jnp.asarray(pad))
             for c in range(0, L, cfg.chunk_size):
-                logits, staged = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, c:c + cfg.chunk_size]), staged,
-                                         last_chunk=c + cfg.chunk_size >= L)
+                logits, staged = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, c:c + cfg.chunk_size]), staged)
             first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             first.block_until_ready()
             prefill_s = time.perf_counter() - t0

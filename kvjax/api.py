@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.generate import Sampling, compress, decode_loop, decode_step, prefill, sample
+from kvjax.cache import CacheSpec
+from kvjax.generate import Sampling, compress, decode_loop, decode_step, prefill, prefill_prompt, sample
 from kvjax.methods import FullCache, get_method
 
 
@@ -77,12 +78,15 @@ def generate_tokens(
     model, token_rows: Sequence[Sequence[int]], *, method=None, max_new_tokens: int = 64,
     sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
     eos_ids: Sequence[int] = (), pad_id: int = 0, on_token: Callable[[np.ndarray], None] | None = None,
-    progress: bool = False,
+    progress: bool = False, question_rows: Sequence[Sequence[int]] | None = None, artifact=None,
 ):
     """Generate from token-id prompts; returns (tokens [B, n], num_generated [B], cache, timings).
 
-    ``on_token`` switches to the per-step jitted function and is called with each step's tokens [B]
-    (streaming); otherwise the whole decode runs in one jitted ``while_loop``.
+    ``question_rows`` (optional, one per prompt, all of one length): the prompts are the *context*,
+    compressed alone, and the questions are then prefilled onto the compressed cache uncompressed
+    (the query-agnostic setting). ``on_token`` switches to the per-step jitted function and is
+    called with each step's tokens [B] (streaming); otherwise the whole decode runs in one jitted
+    ``while_loop``.
     """
     config = model.config
     if max_new_tokens <= 0:
@@ -91,39 +95,43 @@ def generate_tokens(
         raise ValueError(f"chunk_size must be > 0 or None, got {chunk_size}")
     method = _resolve_method(method)
     tokens, pad = left_pad(token_rows, pad_id, multiple=chunk_size or 1)
+    question = None
+    if question_rows is not None:
+        if len(question_rows) != len(token_rows):
+            raise ValueError(f"need one question per prompt: {len(question_rows)} questions for {len(token_rows)} prompts")
+        lengths = {len(q) for q in question_rows}
+        if len(lengths) != 1 or 0 in lengths:
+            raise ValueError(f"the questions of a batch must have one non-zero length in tokens, got {sorted(lengths)}")
+        question = np.asarray(question_rows, np.int32)
+    q_len = 0 if question is None else question.shape[1]
     longest = max(len(r) for r in token_rows)
-    if longest + max_new_tokens > config.max_position_embeddings:
+    if longest + q_len + max_new_tokens > config.max_position_embeddings:
         raise ValueError(
-            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of "
-            f"{config.max_position_embeddings} tokens"
+            f"prompt of {longest} tokens + {q_len} question tokens + max_new_tokens={max_new_tokens} exceeds the "
+            f"model's context of {config.max_position_embeddings} tokens"
         )
     B, L = tokens.shape
-    if hasattr(method, "check_prompt_lengths"):
-        method.check_prompt_lengths([len(r) for r in token_rows])
-    cache = method.init_cache(config, B, L, max_new_tokens, model.dtype)
+    spec = CacheSpec.for_model(config, B, L, q_len + max_new_tokens, model.dtype, longest_row=longest)
+    cache = method.init_cache(spec, artifact)
     cache = cache.replace(pad=jnp.asarray(pad))
     timings = {}
 
     t0 = time.perf_counter()
-    chunks = [tokens] if chunk_size is None else [tokens[:, i:i + chunk_size] for i in range(0, L, chunk_size)]
-    iterator = chunks
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(chunks, desc=f"prefill {L} tokens", unit="chunk", leave=False)
-    for i, chunk in enumerate(iterator):
-        logits, cache = prefill(model.graphdef, model.params, jnp.asarray(chunk), cache, last_chunk=i == len(chunks) - 1)
-        if progress:
-            logits.block_until_ready()  # the bar follows the computation, not the asynchronous dispatch
-    key = jax.random.PRNGKey(seed)
-    key, sub = jax.random.split(key)
-    first = sample(logits, sub, sampling)
-    first.block_until_ready()
+    logits, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk_size, progress=progress)
+    jax.block_until_ready(logits)
     timings["prefill_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     cache = compress(cache)
     jax.block_until_ready(cache)
     timings["compress_s"] = time.perf_counter() - t0
+    if question is not None:
+        t0 = time.perf_counter()
+        logits, cache = prefill(model.graphdef, model.params, jnp.asarray(question), cache)
+        jax.block_until_ready(logits)
+        timings["question_s"] = time.perf_counter() - t0
+    key = jax.random.PRNGKey(seed)
+    key, sub = jax.random.split(key)
+    first = sample(logits, sub, sampling)
     eos_ids = tuple(int(e) for e in eos_ids)
 
     t0 = time.perf_counter()
@@ -164,7 +172,8 @@ def generate_tokens(
 def generate(
     model, prompt: str | Sequence[str], *, method=None, max_new_tokens: int = 64, chat: bool = False,
     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chunk_size: int | None = None,
-    stream: Callable[[str], None] | None = None, progress: bool = False,
+    stream: Callable[[str], None] | None = None, progress: bool = False, question: str | Sequence[str] | None = None,
+    artifact=None,
 ) -> GenerationResult:
     """Generate text for one prompt or a batch (left-padded) with a KV-cache ``method``.
 
@@ -178,12 +187,30 @@ def generate(
       chunk_size: prefill the prompt in chunks of this many tokens (bounded activation memory).
       stream: called with each new piece of text of the first row, as it is generated.
       progress: show progress bars (prefill chunks).
+      question: None (the prompt is compressed whole), or one question per prompt: the prompt is
+        then the *context*, compressed alone, and the question (with the chat template's end of
+        turn) is prefilled onto the compressed cache. The full text is formatted as
+        ``prompt + "\n" + question`` and split in front of the question; the questions of a batch
+        must have one length in tokens.
+      artifact: calibration data / trained weights of methods that need them.
     """
     from models.tokenizer import format_prompt
 
     tok = model.tokenizer
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    rows = [tok(format_prompt(tok, p, chat), add_special_tokens=True)["input_ids"] for p in prompts]
+    question_rows = None
+    if question is None:
+        rows = [tok(format_prompt(tok, p, chat), add_special_tokens=True)["input_ids"] for p in prompts]
+    else:
+        questions = [question] if isinstance(question, str) else list(question)
+        if len(questions) != len(prompts):
+            raise ValueError(f"need one question per prompt: {len(questions)} questions for {len(prompts)} prompts")
+        rows, question_rows = [], []
+        for p, q in zip(prompts, questions):
+            text = format_prompt(tok, p + "\n" + q, chat)
+            cut = text.rindex(q)
+            rows.append(tok(text[:cut], add_special_tokens=True)["input_ids"])
+            question_rows.append(tok(text[cut:], add_special_tokens=False)["input_ids"])
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
 
@@ -204,6 +231,7 @@ def generate(
     out, count, cache, timings = generate_tokens(
         model, rows, method=method, max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p),
         seed=seed, chunk_size=chunk_size, eos_ids=eos, pad_id=pad_id, on_token=on_token, progress=progress,
+        question_rows=question_rows, artifact=artifact,
     )
     token_lists = [[int(t) for t in out[b, : count[b]] if t not in eos] for b in range(out.shape[0])]
     texts = [tok.decode(t, skip_special_tokens=True) for t in token_lists]

@@ -166,3 +166,73 @@ def causal_cache_attention(q, k, v, *, q_start, pad, scale: float, block: int, i
     if T == 1 or S <= block or S % block:
         return dense_causal_attention(q, k, v, q_start=q_start, pad=pad, scale=scale)
     return blocked_causal_attention(q, k, v, q_start=q_start, pad=pad, scale=scale, block=block)
+
+
+def chunk_attention_sums(q, k, start, pad, block: int, q_block: int = 512):
+    """Column sums of the causal softmax of a chunk's queries over all keys: [B, Hq, S] (f32).
+
+    Queries at slots ``start..start+T-1`` (real queries only: left padding does not vote) attend to
+    key slots ``pad .. own slot``. Computed by query blocks of ``q_block`` rows in the layout of
+    :func:`blocked_causal_attention`: a first pass over the visible key blocks gives
+    each row's log-sum-exp, a second adds ``exp(score - lse)`` into the column sums. Both passes stop
+    at the block's causal frontier, so empty future slots of the staging buffer cost nothing.
+    """
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if S % block:
+        raise ValueError(f"cache slots {S} must be a multiple of the attention block {block}")
+    scale = D**-0.5
+    qp, qb, row_offsets = query_block_rows(q.astype(jnp.float32), q_block, Hkv)
+    nq, rows = qp.shape[0], qp.shape[3]
+
+    def query_block(j, acc):
+        qj = qp[j]
+        q_slots = start + j * qb + row_offsets
+        real = ((j * qb + row_offsets)[None, :] < T) & (q_slots[None, :] >= pad[:, None])  # [B, rows]
+        n_blocks = visible_key_blocks(start, j, qb, block, S)
+
+        def scores(i):
+            kb = lax.dynamic_slice_in_dim(k, i * block, block, axis=2).astype(jnp.float32)
+            return masked_block_scores(qj, kb, i * block, q_slots, pad, scale, precision=lax.Precision.HIGHEST)
+
+        def normalizer(i, carry):
+            m, l = carry
+            s = scores(i)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            return m_new, l * jnp.exp(m - m_new) + jnp.exp(s - m_new[..., None]).sum(axis=-1)
+
+        m0 = jnp.full((B, Hkv, rows), MASK_VALUE, jnp.float32)
+        m, l = lax.fori_loop(0, n_blocks, normalizer, (m0, jnp.zeros((B, Hkv, rows), jnp.float32)))
+        lse = jnp.where(real[:, None], m + jnp.log(l), jnp.inf)  # padding rows: exp(s - inf) = 0
+
+        def column_sums(i, acc):
+            p = jnp.exp(scores(i) - lse[..., None]).reshape(B, Hkv, G, qb, block).sum(axis=3)
+            old = lax.dynamic_slice_in_dim(acc, i * block, block, axis=3)
+            return lax.dynamic_update_slice_in_dim(acc, old + p, i * block, axis=3)
+
+        return lax.fori_loop(0, n_blocks, column_sums, acc)
+
+    acc = lax.fori_loop(0, nq, query_block, jnp.zeros((B, Hkv, G, S), jnp.float32))
+    return acc.reshape(B, Hq, S)
+
+
+def attention_by_slots(q, q_slots, k, v, k_slots, pad, *, scale: float):
+    """GQA attention where each stored key carries its own slot: masks come from stored positions.
+
+    ``q[B, T, Hq, D]`` at slots ``q_slots[T]``; ``k, v[B, Hkv, S, D]`` with ``k_slots[B, Hkv, S]``
+    (int32, -1 = empty). A key is visible to a query when ``pad[b] <= k_slot <= q_slot``. Used by
+    caches whose buffers are compacted (evicting during chunked prefill), where a buffer index is
+    no longer a slot. Dense: O(T * S) scores.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    visible = (k_slots[:, :, None, :] <= q_slots[None, None, :, None]) & (k_slots[:, :, None, :] >= pad[:, None, None, None])
+    qg = q.reshape(B, T, Hkv, G, D)
+    s = jnp.einsum("bthgd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(visible[:, :, None], s, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(visible[:, :, None], p, 0.0)
+    o = jnp.einsum("bhgts,bhsd->bthgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, Hq, D).astype(q.dtype)

@@ -7,26 +7,64 @@
   ``floor(fraction * prompt_len)`` tokens per head; per-layer methods (PyramidKV) spread the same
   total differently.
 It is never the fraction *removed* (kvpress' ``compression_ratio`` is ``1 - fraction``).
+
+In a left-padded batch every row's budget applies to **its own real length**: a float keeps
+``floor(fraction * row_length)`` tokens of that row, an int keeps ``min(budget, row_length)`` (a
+row shorter than the budget keeps all its tokens). Device memory is allocated for the longest row.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+
+
+def check_budget(budget) -> None:
+    """Raise for a budget that is neither a positive int nor a float in (0, 1]."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be an int (tokens per head) or a float fraction in (0, 1], got {budget!r}")
+    if isinstance(budget, int) and budget <= 0:
+        raise ValueError(f"budget must be > 0 tokens per KV head, got {budget}")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"a fractional budget must be in (0, 1] (fraction of the prompt's KV kept), got {budget}")
 
 
 def tokens_per_head(budget: int | float, prompt_len: int) -> int:
     """Average tokens kept per KV head per layer for ``budget`` on a prompt of ``prompt_len`` tokens."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"budget must be an int (tokens per head) or a float fraction in (0, 1], got {budget!r}")
+    check_budget(budget)
     if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"budget must be > 0 tokens per KV head, got {budget}")
         if budget > prompt_len:
             raise ValueError(f"budget of {budget} tokens per KV head is larger than the prompt ({prompt_len} tokens)")
         return budget
-    if not 0.0 < budget <= 1.0:
-        raise ValueError(f"a fractional budget must be in (0, 1] (fraction of the prompt's KV kept), got {budget}")
     tokens = math.floor(budget * prompt_len)
     if tokens <= 0:
         raise ValueError(f"budget {budget} of a {prompt_len}-token prompt keeps no token")
     return tokens
+
+
+def row_tokens(budget: int | float, row_length):
+    """Tokens per KV head a row of ``row_length`` real tokens keeps (numpy or jax arrays work too).
+
+    A float is a fraction of the row's own length (at least 1 token); an int is capped by the row.
+    """
+    import jax.numpy as jnp
+
+    if isinstance(budget, int):
+        return jnp.minimum(budget, row_length)
+    return jnp.maximum(jnp.floor(budget * row_length).astype(jnp.int32), jnp.minimum(row_length, 1))
+
+
+def parse_budget(text: str) -> int | float:
+    """Command-line budget: ``"1024"`` -> 1024 tokens per head; ``"0.25"`` -> the fraction 0.25."""
+    try:
+        value: int | float = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"budget must be an int (tokens) or a float fraction, got {text!r}") from None
+    try:
+        check_budget(value)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value

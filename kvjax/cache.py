@@ -1,10 +1,21 @@
 """The immutable KV-cache pytree passed into and returned from every jitted model call.
 
-A :class:`Cache` holds one state per layer (whatever pytree its compression method defines), the
-number of cache *slots* written so far and each row's left padding. Slots are the sequence
-positions of the padded batch: row ``b`` holds real tokens from slot ``pad[b]`` on, and its token
-at slot ``s`` has position ``s - pad[b]``. All rows share the slot counter, so a batch decodes in
-lock step. Static facts (the method and its hyper-parameters, capacities) are not pytree leaves.
+A :class:`Cache` holds one state per layer (whatever pytree its method defines), the number of
+cache *slots* written so far, each row's left padding and the method's artifact (calibration
+results, codebooks, trained heads: data, never attributes of the hashable method). Slots are the
+sequence positions of the padded batch: row ``b`` holds real tokens from slot ``pad[b]`` on, and
+its token at slot ``s`` has position ``s - pad[b]``. All rows share the slot counter, so a batch
+decodes in lock step.
+
+Static facts are not pytree leaves: the method (its hyper-parameters), the :class:`CacheSpec` the
+cache was allocated for, and the ``stage``:
+
+* ``"prefill"``: prompt chunks go to ``method.prefill_chunk`` (the method records, may evict);
+* ``"compressed"``: after ``kvjax.generate.compress`` ran ``method.finish_prefill`` on every layer;
+  every later token (a question of any length, a second turn, one decoded token per step) goes to
+  ``method.decode_attend``, which appends it uncompressed and attends.
+
+The model calls :meth:`Cache.attend` and nothing else, so adding a method never touches the model.
 """
 
 from __future__ import annotations
@@ -16,19 +27,69 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+STAGES = ("prefill", "compressed")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What a cache is allocated for (static, hashable).
+
+    Attributes:
+      num_layers, num_heads, num_kv_heads, head_dim: the model's attention shape.
+      batch: rows.
+      prompt_slots: slots of the (left-padded) prompt.
+      longest_row: real tokens of the longest prompt row (budgets allocate for it).
+      room: slots per head after the prompt (question tokens + generated tokens).
+      dtype: name of the K/V dtype ("float32" | "bfloat16").
+      model_id: identity of the model (:func:`kvjax.artifacts.model_identity`), checked against artifacts.
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    batch: int
+    prompt_slots: int
+    longest_row: int
+    room: int
+    dtype: str = "float32"
+    model_id: str = ""
+
+    def __post_init__(self):
+        if self.batch <= 0 or self.prompt_slots <= 0 or self.room < 0:
+            raise ValueError(f"need batch > 0, prompt_slots > 0, room >= 0; got {self.batch}, {self.prompt_slots}, {self.room}")
+        if not 0 < self.longest_row <= self.prompt_slots:
+            raise ValueError(f"longest_row must be in [1, prompt_slots={self.prompt_slots}], got {self.longest_row}")
+
+    @classmethod
+    def for_model(cls, config, batch: int, prompt_slots: int, room: int, dtype, *, longest_row: int | None = None) -> "CacheSpec":
+        """Spec for a model ``config`` (``models.ModelConfig``); ``longest_row`` defaults to ``prompt_slots``."""
+        from kvjax.artifacts import model_identity
+
+        return cls(
+            num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, batch=batch, prompt_slots=prompt_slots,
+            longest_row=prompt_slots if longest_row is None else longest_row, room=room,
+            dtype=jnp.dtype(dtype).name, model_id=model_identity(config),
+        )
+
+    @property
+    def total_slots(self) -> int:
+        """Slots the cache can ever hold: the prompt plus the room."""
+        return self.prompt_slots + self.room
+
 
 @struct.dataclass
 class AttendContext:
-    """What a method's ``attend`` may need besides q, k, v (all arrays except ``layer`` and ``phase``).
+    """What a method's attend functions may need besides q, k, v.
 
     Attributes:
       layer: layer index (static).
-      phase: "prefill" (a prompt chunk, T >= 1) or "decode" (one generated token); static.
-      last_chunk: the prefill call that ends the prompt (static); compressing methods act on it.
       start: int32 scalar, slot of the first query token of this call.
       pad: int32 [B], left-padding slots per row (never attended).
       positions: int32 [B, T], RoPE positions of the query tokens.
-      q_pre_rope, k_pre_rope: [B, T, H, D] projections before RoPE (used by Locret; dead code otherwise).
+      q_pre_rope, k_pre_rope: [B, T, H, D] projections before RoPE (Locret scores these).
+      artifact: the cache's artifact pytree (or None).
     """
 
     start: jax.Array
@@ -36,69 +97,103 @@ class AttendContext:
     positions: jax.Array
     q_pre_rope: jax.Array | None = None
     k_pre_rope: jax.Array | None = None
+    artifact: Any = None
     layer: int = struct.field(pytree_node=False, default=0)
-    phase: str = struct.field(pytree_node=False, default="prefill")
-    last_chunk: bool = struct.field(pytree_node=False, default=True)
+
+
+@struct.dataclass
+class FinishContext:
+    """What ``method.finish_prefill`` may need for one layer: padding, the artifact, the spec."""
+
+    pad: jax.Array
+    artifact: Any = None
+    layer: int = struct.field(pytree_node=False, default=0)
+    spec: CacheSpec | None = struct.field(pytree_node=False, default=None)
 
 
 @struct.dataclass
 class Cache:
-    """Per-layer method states plus the shared slot counter and per-row left padding."""
+    """Per-layer method states, the shared slot counter, per-row left padding and the artifact."""
 
     layers: tuple
     length: jax.Array  # int32 [] slots written so far
     pad: jax.Array  # int32 [B] left-padding slots per row
-    method: Any = struct.field(pytree_node=False)
-    capacity: int = struct.field(pytree_node=False, default=0)  # slots that fit without compression
+    artifact: Any = None
+    method: Any = struct.field(pytree_node=False, default=None)
+    spec: CacheSpec | None = struct.field(pytree_node=False, default=None)
+    stage: str = struct.field(pytree_node=False, default="prefill")
 
     @property
     def batch_size(self) -> int:
         """Rows in the batch."""
         return int(self.pad.shape[0])
 
+    @property
+    def capacity(self) -> int:
+        """Slots the cache can ever hold (prompt + room)."""
+        return self.spec.total_slots
+
+    def attend(self, q, k, v, ctx: AttendContext):
+        """Hand one layer's new ``q[B,T,Hq,D]``, ``k, v[B,T,Hkv,D]`` (post-RoPE) to the method for this stage.
+
+        Returns ``(attention output [B, T, Hq, D], the layer's new state)``.
+        """
+        state = self.layers[ctx.layer]
+        ctx = ctx.replace(artifact=self.artifact)
+        if self.stage == "prefill":
+            return self.method.prefill_chunk(state, q, k, v, ctx)
+        return self.method.decode_attend(state, q, k, v, ctx)
+
     def device_bytes(self) -> int:
         """Bytes of all device-memory arrays held by the cache (from the arrays' sizes)."""
-        return _bytes_by_kind(self)[0]
+        return bytes_by_memory_kind(self)[0]
 
     def host_bytes(self) -> int:
         """Bytes of all host-memory (``pinned_host`` / ``unpinned_host``) arrays held by the cache."""
-        return _bytes_by_kind(self)[1]
+        return bytes_by_memory_kind(self)[1]
 
     def stats(self) -> dict:
-        """Cache statistics: device and host bytes actually held, slots used, the method's own facts."""
-        device, host = _bytes_by_kind(self)
-        out = {
-            "method": getattr(self.method, "name", type(self.method).__name__),
+        """Device and host bytes actually held (artifact included), slots used, the method's own facts."""
+        device, host = bytes_by_memory_kind(self)
+        return {
+            "method": self.method.name,
+            "stage": self.stage,
             "device_bytes": device,
             "host_bytes": host,
             "length": int(self.length),
             "capacity": self.capacity,
+            "kv_bytes_read_per_step": self.method.bytes_read_per_step(self),
+            **self.method.stats(self),
         }
-        extra = getattr(self.method, "cache_stats", None)
-        if extra is not None:
-            out.update(extra(self))
-        return out
 
 
-def _memory_kind(x: jax.Array) -> str:
+def array_bytes(x) -> int:
+    """Bytes of one array from its shape and dtype."""
+    return int(x.size) * jnp.dtype(x.dtype).itemsize
+
+
+def memory_kind(x: jax.Array) -> str:
+    """The memory kind an array lives in ("device" when the platform does not say)."""
     sharding = getattr(x, "sharding", None)
     kind = getattr(sharding, "memory_kind", None)
     return kind or "device"
 
 
-def _bytes_by_kind(tree) -> tuple[int, int]:
+def bytes_by_memory_kind(tree) -> tuple[int, int]:
+    """(device bytes, host bytes) of every array leaf of ``tree``."""
     device = host = 0
     for leaf in jax.tree_util.tree_leaves(tree):
         if not hasattr(leaf, "dtype"):
             continue
-        nbytes = int(leaf.size) * jnp.dtype(leaf.dtype).itemsize
-        if "host" in _memory_kind(leaf):
-            host += nbytes
+        if "host" in memory_kind(leaf):
+            host += array_bytes(leaf)
         else:
-            device += nbytes
+            device += array_bytes(leaf)
     return device, host
 
 
-def cache_fields(cache: Cache) -> dict[str, Any]:
-    """The dataclass fields of a cache, for debugging and tests."""
-    return {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
+def new_cache(method, config, batch: int, prompt_slots: int, room: int, dtype, *, longest_row: int | None = None,
+              artifact: Any = None) -> Cache:
+    """``method.init_cache`` for a model ``config``: the spec built with :meth:`CacheSpec.for_model`."""
+    spec = CacheSpec.for_model(config, batch, prompt_slots, room, dtype, longest_row=longest_row)
+    return method.init_cache(spec, artifact)

@@ -1,5 +1,9 @@
 """Jitted prefill, per-step decode and the ``lax.while_loop`` generate loop (cache donated).
 
+The model's forward comes from the loaded model itself (``nnx.merge(graphdef, params)``), so this
+module imports no model code. Each public function checks the cache's room on the host and calls
+its jitted body (``*_jit``, also usable for ahead-of-time lowering).
+
 Batches are left-padded: row ``b`` has ``pad[b]`` padding slots first, its real token at slot ``s``
 has position ``s - pad[b]``; padding slots are never attended. Everything here is a pure function of
 ``(graphdef, params, ..., cache)``; the cache is donated so decode updates it in place.
@@ -9,13 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections import Counter
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
-from kvjax.cache import Cache
+from kvjax.cache import Cache, FinishContext
 
 # Incremented each time a function below is traced (= compiled for new shapes / static args).
 TRACE_COUNTS: Counter = Counter()
@@ -56,53 +62,138 @@ def prompt_positions(pad: jax.Array, start: int, length: int) -> jax.Array:
     return jnp.maximum(slots[None, :] - pad[:, None], 0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "last_chunk"), donate_argnames=("cache",))
-def prefill(graphdef, params, tokens: jax.Array, cache: Cache, *, last_chunk: bool = True):
-    """Run a prompt chunk ``tokens[B, T]`` at slots ``cache.length..``; returns (last logits [B, V], cache)."""
-    from models.llama import forward
+def _forward(graphdef, params, tokens, positions, cache: Cache, *, last_only: bool):
+    """The loaded model's own forward (``graphdef`` + ``params`` merged inside the trace)."""
+    return nnx.merge(graphdef, params)(tokens, positions, cache, last_only=last_only)
 
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def prefill_jit(graphdef, params, tokens: jax.Array, cache: Cache):
+    """Jitted body of :func:`prefill` (no room check; use it for ahead-of-time lowering)."""
     TRACE_COUNTS["prefill"] += 1
     positions = jnp.maximum(cache.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] - cache.pad[:, None], 0)
-    logits, cache = forward(graphdef, params, tokens, positions, cache, last_only=True, last_chunk=last_chunk)
+    logits, cache = _forward(graphdef, params, tokens, positions, cache, last_only=True)
     return logits[:, -1], cache
 
 
-@jax.jit
-def compress(cache: Cache) -> Cache:
-    """Run the method's post-prefill compression (selection + paging) in one jitted call.
+def check_room(cache: Cache, new_tokens: int) -> None:
+    """Raise ValueError when ``new_tokens`` more slots would not fit in the cache's stage.
 
-    Not donated: the output pytree (page pools) differs from the input (staging), so no buffer could
-    be reused; the staging is freed when the caller drops it.
+    Before compression the prompt may fill ``spec.prompt_slots``; after it, later tokens fill the
+    room (``spec.room`` slots per head). Reads ``cache.length`` (one small device-to-host copy).
     """
+    spec = cache.spec
+    length = int(cache.length)
+    if cache.stage == "prefill":
+        if length + new_tokens > spec.prompt_slots:
+            raise ValueError(f"prefill of {new_tokens} tokens at slot {length} overflows the prompt's {spec.prompt_slots} "
+                             "slots the cache was made for; compress first (kvjax.generate.compress), then add tokens")
+    elif length + new_tokens > spec.total_slots:
+        raise ValueError(f"{new_tokens} more tokens at slot {length} exceed the cache's room: it was made for "
+                         f"{spec.prompt_slots} prompt slots + {spec.room} later tokens; allocate more room "
+                         "(max_new_tokens / question length) when creating the cache")
+
+
+def prefill(graphdef, params, tokens: jax.Array, cache: Cache):
+    """Run ``tokens[B, T]`` at slots ``cache.length..``; returns (last logits [B, V], cache) (cache donated).
+
+    Before compression this is a prompt chunk (``method.prefill_chunk``); after it, the tokens (a
+    question, a second turn) are appended uncompressed (``method.decode_attend``).
+    """
+    check_room(cache, tokens.shape[1])
+    return prefill_jit(graphdef, params, tokens, cache)
+
+
+def prefill_prompt(graphdef, params, tokens, cache: Cache, *, chunk_size: int | None = None, progress: bool = False,
+                   step=None):
+    """Prefill a whole prompt ``tokens[B, L]`` in chunks of ``chunk_size`` (None: one call); (last logits, cache).
+
+    The one prefill loop of kvjax (API, evaluation, fidelity, benchmarks). ``progress`` shows a bar
+    that follows the computation (each chunk is waited for); ``step`` replaces the jitted chunk
+    call (e.g. an ahead-of-time compiled executable taking ``(params, chunk, cache)``).
+    """
+    L = tokens.shape[1]
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0 or None, got {chunk_size}")
+    size = L if chunk_size is None else chunk_size
+    starts = list(range(0, L, size))
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc=f"prefill {L} tokens", unit="chunk", leave=False)
+    check_room(cache, L)
+    logits = None
+    for s in starts:
+        chunk = jnp.asarray(tokens[:, s:s + size])
+        if step is None:
+            logits, cache = prefill_jit(graphdef, params, chunk, cache)
+        else:
+            logits, cache = step(params, chunk, cache)
+        if progress:
+            logits.block_until_ready()  # the bar follows the computation, not the asynchronous dispatch
+    return logits, cache
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def compress_jit(cache: Cache) -> Cache:
+    """Jitted body of :func:`compress` (the prefill-stage cache is donated)."""
     TRACE_COUNTS["compress"] += 1
-    return cache.method.compress(cache)
+    layers = tuple(
+        cache.method.finish_prefill(st, FinishContext(pad=cache.pad, artifact=cache.artifact, layer=i, spec=cache.spec))
+        for i, st in enumerate(cache.layers)
+    )
+    return cache.replace(layers=layers, stage="compressed")
+
+
+def compress(cache: Cache) -> Cache:
+    """After the prompt: run ``method.finish_prefill`` on every layer (selection + layout), in one jitted call.
+
+    The prefill-stage cache is donated (the full cache keeps its buffers; other methods free the
+    staging); derive caches from a shared staging with :func:`kvjax.shared_prefill.cache_for`,
+    which copies.
+    """
+    if cache.stage != "prefill":
+        raise ValueError("the cache is already compressed")
+    length = int(cache.length)
+    if length != cache.spec.prompt_slots:
+        raise ValueError(f"compress after the whole prompt: the cache holds {length} of its {cache.spec.prompt_slots} prompt slots")
+    with warnings.catch_warnings():  # staging buffers a method does not keep cannot be reused: expected
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return compress_jit(cache)
 
 
 def _step(graphdef, params, tokens: jax.Array, cache: Cache):
     """One decode forward of ``tokens[B]`` at slot ``cache.length``; returns (logits [B, V], cache)."""
-    from models.llama import forward
-
     positions = (cache.length - cache.pad)[:, None]
-    logits, cache = forward(graphdef, params, tokens[:, None], positions, cache)
+    logits, cache = _forward(graphdef, params, tokens[:, None], positions, cache, last_only=False)
     return logits[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def decode_step(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Array, *, sampling: Sampling = Sampling()):
-    """Per-step jitted decode for streaming: feed ``tokens[B]``, return (next tokens [B], logits [B, V], cache)."""
+def decode_step_jit(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Array, *, sampling: Sampling = Sampling()):
+    """Jitted body of :func:`decode_step`."""
     TRACE_COUNTS["decode_step"] += 1
     logits, cache = _step(graphdef, params, tokens, cache)
     return sample(logits, key, sampling), logits, cache
 
 
+def decode_step(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Array, *, sampling: Sampling = Sampling()):
+    """Per-step decode for streaming: feed ``tokens[B]``, return (next tokens [B], logits [B, V], cache).
+
+    Raises ValueError when the cache has no room left for the token.
+    """
+    check_room(cache, 1)
+    return decode_step_jit(graphdef, params, tokens, cache, key, sampling=sampling)
+
+
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_ids", "sampling"), donate_argnames=("cache",)
 )
-def decode_loop(
+def decode_loop_jit(
     graphdef, params, first_tokens: jax.Array, cache: Cache, key: jax.Array, *,
     max_new_tokens: int, eos_ids: tuple[int, ...] = (), sampling: Sampling = Sampling(),
 ):
-    """Generate up to ``max_new_tokens`` tokens in one ``lax.while_loop``.
+    """Jitted body of :func:`decode_loop`: generate up to ``max_new_tokens`` tokens in one ``lax.while_loop``.
 
     ``first_tokens[B]`` are the tokens sampled from the prefill logits (they count as generated).
     Stops when every row has produced an EOS token or at the length limit. Returns
@@ -139,3 +230,18 @@ def decode_loop(
     # positions past a row's last generated token (loop ended early) repeat that token (its EOS)
     last = jnp.minimum(jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :], count[:, None] - 1)
     return jnp.take_along_axis(out, last, axis=1), count, cache
+
+
+def decode_loop(graphdef, params, first_tokens: jax.Array, cache: Cache, key: jax.Array, *,
+                max_new_tokens: int, eos_ids: tuple[int, ...] = (), sampling: Sampling = Sampling()):
+    """Generate up to ``max_new_tokens`` tokens in one jitted ``lax.while_loop`` (cache donated).
+
+    ``first_tokens[B]`` are the tokens sampled from the prefill logits (they count as generated), so
+    ``max_new_tokens - 1`` tokens are fed to the cache; raises ValueError when they do not fit.
+    Returns ``(tokens int32 [B, max_new_tokens], num_generated int32 [B] (EOS included), cache)``.
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    check_room(cache, max_new_tokens - 1)
+    return decode_loop_jit(graphdef, params, first_tokens, cache, key, max_new_tokens=max_new_tokens,
+                           eos_ids=tuple(eos_ids), sampling=sampling)

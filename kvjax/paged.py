@@ -6,15 +6,13 @@
   ``ceil((capacity_h + room) / page_size)`` pages, so device memory is the sum of the heads'
   capacities (up to page rounding), not ``heads x longest``;
 * ``block_table[B, Hkv, max_pages]`` (int32): page ids of each head, in order;
-* ``lengths[B, Hkv]`` (int32): tokens held by each head (prompt survivors, then decoded tokens).
+* ``lengths[B, Hkv]`` (int32): tokens held by each head (prompt survivors, then appended tokens).
+  A row may hold fewer prompt tokens than its head's capacity (a short row of a ragged batch, a
+  budget above the row's length): padding is never stored or attended.
 
-Keys stay post-RoPE at their original positions; decoding appends the new token at
-``lengths[b, h]`` into pre-allocated room. Allocation is static (capacities are known when the
-cache is built), so a full head is impossible by construction: ``room`` covers ``max_new_tokens``.
-
-The host tier (:class:`HostKV`) keeps a ``pinned_host`` copy of chosen heads' full KV; :func:`recall`
-moves chosen rows from it into a head's device slots inside jit (``dynamic_slice`` on the host
-array, then a transfer to device memory), for the methods that refresh heads from host memory.
+Keys stay post-RoPE at their original positions; later tokens (a question, decoded tokens) are
+appended at ``lengths[b, h]`` into pre-allocated room (``room`` slots per head, the cache spec's
+``room``). Allocation is static; ``kvjax.generate`` refuses to write past the room.
 """
 
 from __future__ import annotations
@@ -25,21 +23,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax import lax
 
-from kvjax.attention import resolve_implementation
+from kvjax.attention import MASK_VALUE, resolve_implementation
 
 
 @struct.dataclass
 class PagedKV:
-    """One layer's compressed cache (see module docstring)."""
+    """One layer's compressed cache (see module docstring); ``capacities`` are prompt tokens per KV head."""
 
     k_pages: jax.Array
     v_pages: jax.Array
     block_table: jax.Array
     lengths: jax.Array
     page_size: int = struct.field(pytree_node=False, default=16)
-    capacities: tuple = struct.field(pytree_node=False, default=())  # prompt tokens kept per KV head
+    capacities: tuple = struct.field(pytree_node=False, default=())
 
 
 def page_layout(batch: int, slots_per_head: Sequence[int], page_size: int) -> tuple[np.ndarray, int]:
@@ -57,48 +54,56 @@ def page_layout(batch: int, slots_per_head: Sequence[int], page_size: int) -> tu
     return table, next_page
 
 
-def build_paged(k, v, keep_idx, capacities: Sequence[int], room: int, page_size: int) -> PagedKV:
+def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, page_size: int) -> PagedKV:
     """Gather kept tokens into a fresh page pool.
 
     Args:
-      k, v: [B, Hkv, S, D] staged prompt keys/values (slot order).
-      keep_idx: int32 [B, Hkv, max(capacities)] kept slots per head, ascending; entries past a head's
-        capacity are ignored.
-      capacities: prompt tokens kept per KV head (static, same for every row).
-      room: extra slots per head for decoded tokens.
+      k, v: [B, Hkv, S, D] staged keys/values (slot order).
+      keep_idx: int32 [B, Hkv, C] kept slots per head (C >= max capacity); the first ``lengths[b, h]``
+        entries are stored in order, the rest are ignored.
+      lengths: int32 [B, Hkv] tokens kept per (row, head), at most ``capacities[h]``.
+      capacities: prompt tokens each KV head may keep (static, the allocation).
+      room: extra slots per head for later tokens.
+      page_size: tokens per page.
     """
     B, Hkv, _, D = k.shape
     capacities = tuple(int(c) for c in capacities)
+    if len(capacities) != Hkv:
+        raise ValueError(f"need one capacity per KV head ({Hkv}), got {capacities}")
     table_np, num_pages = page_layout(B, [c + room for c in capacities], page_size)
     table = jnp.asarray(table_np)
-    cap_max = keep_idx.shape[-1]
-    j = jnp.arange(cap_max, dtype=jnp.int32)
-    valid = j[None, :] < jnp.asarray(capacities, jnp.int32)[:, None]  # [Hkv, cap_max]
-    page = jnp.take_along_axis(table, jnp.broadcast_to(j // page_size, (B, Hkv, cap_max)), axis=2)
-    flat = jnp.where(valid[None], page * page_size + j % page_size, num_pages * page_size)  # out of range: dropped
+    C = max(capacities)
+    keep_idx = keep_idx[..., :C]
+    j = jnp.arange(C, dtype=jnp.int32)
+    lengths = jnp.minimum(lengths.astype(jnp.int32), jnp.asarray(capacities, jnp.int32)[None, :])
+    valid = j[None, None, :] < lengths[..., None]  # [B, Hkv, C]
+    page = jnp.take_along_axis(table, jnp.broadcast_to(j // page_size, (B, Hkv, C)), axis=2)
+    flat = jnp.where(valid, page * page_size + j % page_size, num_pages * page_size)  # out of range: dropped
+
     def scatter(src):
-        sel = jnp.take_along_axis(src, keep_idx[..., None], axis=2)  # [B, Hkv, cap_max, D]
+        sel = jnp.take_along_axis(src, keep_idx[..., None], axis=2)  # [B, Hkv, C, D]
         pool = jnp.zeros((num_pages * page_size, D), src.dtype)
         pool = pool.at[flat.reshape(-1)].set(sel.reshape(-1, D), mode="drop")
         return pool.reshape(num_pages, page_size, D)
 
-    lengths = jnp.broadcast_to(jnp.asarray(capacities, jnp.int32), (B, Hkv))
     return PagedKV(scatter(k), scatter(v), table, lengths, page_size=page_size, capacities=capacities)
 
 
 def append(state: PagedKV, k_new, v_new) -> PagedKV:
-    """Write one decoded token ``k_new, v_new[B, Hkv, D]`` at each head's ``lengths`` slot."""
-    B, Hkv, D = k_new.shape
+    """Append ``k_new, v_new[B, T, Hkv, D]`` to every head after its ``lengths`` tokens."""
+    B, T, Hkv, D = k_new.shape
     ps = state.page_size
-    page = jnp.take_along_axis(state.block_table, (state.lengths // ps)[..., None], axis=2)[..., 0]
-    flat = (page * ps + state.lengths % ps).reshape(-1)
+    j = state.lengths[..., None] + jnp.arange(T, dtype=jnp.int32)  # [B, Hkv, T]
+    page = jnp.take_along_axis(state.block_table, j // ps, axis=2)
+    flat = (page * ps + j % ps).reshape(-1)
 
     def write(pool, x):
         n = pool.shape[0]
-        return pool.reshape(n * ps, D).at[flat].set(x.reshape(-1, D).astype(pool.dtype)).reshape(n, ps, D)
+        x = x.transpose(0, 2, 1, 3).reshape(-1, D).astype(pool.dtype)
+        return pool.reshape(n * ps, D).at[flat].set(x).reshape(n, ps, D)
 
     return state.replace(
-        k_pages=write(state.k_pages, k_new), v_pages=write(state.v_pages, v_new), lengths=state.lengths + 1
+        k_pages=write(state.k_pages, k_new), v_pages=write(state.v_pages, v_new), lengths=state.lengths + T
     )
 
 
@@ -115,73 +120,43 @@ def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implem
     )
 
 
+def paged_chunk_attention(q, state: PagedKV):
+    """Attention of ``T`` new queries ``q[B, T, Hq, D]`` whose tokens were just appended (causal among them).
+
+    Query ``t`` sees each head's first ``lengths - T + t + 1`` tokens. XLA path (pages gathered to a
+    dense view): used for prefilling a question onto a compressed cache, where T > 1.
+    """
+    B, T, Hq, D = q.shape
+    ps = state.page_size
+    _, Hkv, M = state.block_table.shape
+    G = Hq // Hkv
+    k = state.k_pages[state.block_table].reshape(B, Hkv, M * ps, D)
+    v = state.v_pages[state.block_table].reshape(B, Hkv, M * ps, D)
+    limit = state.lengths[..., None] - T + jnp.arange(T, dtype=jnp.int32) + 1  # [B, Hkv, T]
+    visible = jnp.arange(M * ps)[None, None, None, :] < limit[..., None]  # [B, Hkv, T, S]
+    qg = q.reshape(B, T, Hkv, G, D)
+    s = jnp.einsum("bthgd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+    s = jnp.where(visible[:, :, None], s, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhgts,bhsd->bthgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def append_and_attend(state: PagedKV, q, k, v, implementation: str = "auto"):
+    """Append ``k, v[B, T, Hkv, D]`` and attend ``q[B, T, Hq, D]``: the kernel for T == 1, XLA otherwise."""
+    state = append(state, k, v)
+    if q.shape[1] == 1:
+        out = paged_attention(q[:, 0], state, implementation=implementation)[:, None]
+    else:
+        out = paged_chunk_attention(q, state)
+    return out.astype(q.dtype), state
+
+
 def paged_device_bytes(state: PagedKV) -> int:
     """Bytes of the layer's page pools (K and V) from the arrays' sizes."""
     return sum(int(x.size) * x.dtype.itemsize for x in (state.k_pages, state.v_pages))
 
 
-# ------------------------------------------------------------------ host tier
-@struct.dataclass
-class HostKV:
-    """Full prompt KV of chosen KV heads in ``pinned_host`` memory: ``k, v[n_heads, S, D]``.
-
-    ``heads`` lists the (row, KV head) pairs stored, in order (static).
-    """
-
-    k: jax.Array
-    v: jax.Array
-    heads: tuple = struct.field(pytree_node=False, default=())
-
-
-def host_memory_sharding(kind: str = "pinned_host"):
-    """Single-device sharding of the default device in memory ``kind`` ("device" | "pinned_host")."""
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
-
-
-def offload(k, v, heads: Sequence[tuple[int, int]]) -> HostKV:
-    """Copy the staged ``k, v[B, Hkv, S, D]`` of ``heads`` [(row, kv_head), ...] to pinned host memory."""
-    rows = np.asarray([b for b, _ in heads], np.int32)
-    hs = np.asarray([h for _, h in heads], np.int32)
-    host = host_memory_sharding("pinned_host")
-    return HostKV(
-        k=jax.device_put(k[rows, hs], host), v=jax.device_put(v[rows, hs], host), heads=tuple(map(tuple, heads))
-    )
-
-
-def recall_rows(host: HostKV, head: int, rows: jax.Array, count: jax.Array):
-    """Inside jit: rows ``rows[:count]`` of host head ``head`` moved to device memory, ``[R, D]`` each for k, v.
-
-    Each row is a ``dynamic_slice`` of the host array followed by a transfer to device memory (no
-    gather or arithmetic runs on the host array). Rows past ``count`` are zero.
-    """
-    device = host_memory_sharding("device")
-    R = rows.shape[0]
-    D = host.k.shape[-1]
-
-    def body(i, acc):
-        kk, vv = acc
-        r = rows[i]
-        k_row = jax.device_put(lax.dynamic_slice(host.k, (head, r, 0), (1, 1, D)), device)[0, 0]
-        v_row = jax.device_put(lax.dynamic_slice(host.v, (head, r, 0), (1, 1, D)), device)[0, 0]
-        keep = i < count
-        return kk.at[i].set(jnp.where(keep, k_row, 0)), vv.at[i].set(jnp.where(keep, v_row, 0))
-
-    zeros = jnp.zeros((R, D), host.k.dtype)
-    return lax.fori_loop(0, R, body, (zeros, zeros))
-
-
-def recall_into(state: PagedKV, host: HostKV, host_head: int, row: int, kv_head: int, rows, count, dst_start: int = 0) -> PagedKV:
-    """Overwrite slots ``dst_start..dst_start+count`` of device head (row, kv_head) with recalled host rows."""
-    k_rows, v_rows = recall_rows(host, host_head, rows, count)
-    ps = state.page_size
-    R = rows.shape[0]
-    j = dst_start + jnp.arange(R, dtype=jnp.int32)
-    page = state.block_table[row, kv_head, j // ps]
-    n_slots = state.k_pages.shape[0] * ps
-    flat = jnp.where(jnp.arange(R) < count, page * ps + j % ps, n_slots)
-
-    def write(pool, x):
-        D = pool.shape[-1]
-        return pool.reshape(n_slots, D).at[flat].set(x.astype(pool.dtype), mode="drop").reshape(pool.shape)
-
-    return state.replace(k_pages=write(state.k_pages, k_rows), v_pages=write(state.v_pages, v_rows))
+def paged_read_bytes(state: PagedKV) -> int:
+    """K/V bytes one decode step reads from a paged layer: every held token of every head (concrete lengths)."""
+    return 2 * int(jnp.sum(state.lengths)) * state.k_pages.shape[-1] * state.k_pages.dtype.itemsize

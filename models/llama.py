@@ -128,7 +128,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         ctx = ctx.replace(q_pre_rope=q, k_pre_rope=k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, state = cache.method.attend(cache.layers[self.layer], q, k, v, ctx)
+        out, state = cache.attend(q, k, v, ctx.replace(layer=self.layer))
         return self.o_proj(out.reshape(B, T, H * D)), state
 
 
@@ -185,17 +185,14 @@ class CausalLM(nnx.Module):
             else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
 
-    def __call__(self, tokens, positions, cache: Cache, *, last_only: bool = False, last_chunk: bool = True):
+    def __call__(self, tokens, positions, cache: Cache, *, last_only: bool = False):
         """Logits [B, T or 1, V] (float32) and the updated cache; see :func:`forward`."""
         B, T = tokens.shape
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
-        phase = "decode" if (T == 1 and not last_only) else "prefill"
         states = []
         for i, layer in enumerate(self.layers):
-            ctx = AttendContext(
-                start=cache.length, pad=cache.pad, positions=positions, layer=i, phase=phase, last_chunk=last_chunk
-            )
+            ctx = AttendContext(start=cache.length, pad=cache.pad, positions=positions, layer=i)
             x, state = layer(x, cos, sin, cache, ctx)
             states.append(state)
         x = self.norm(x)
@@ -219,7 +216,7 @@ def random_model(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> Causa
     return CausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
-def forward(graphdef, params, tokens, positions, cache: Cache, *, last_only: bool = False, last_chunk: bool = True):
+def forward(graphdef, params, tokens, positions, cache: Cache, *, last_only: bool = False):
     """Pure forward for prefill, chunked prefill and decode.
 
     Args:
@@ -227,9 +224,8 @@ def forward(graphdef, params, tokens, positions, cache: Cache, *, last_only: boo
       tokens, positions: int32 [B, T]; the tokens occupy cache slots ``cache.length ..+T``.
       cache: the :class:`~kvjax.cache.Cache` (its method decides what is stored and attended).
       last_only: return only the last position's logits (prefill: skips the LM head elsewhere).
-      last_chunk: this call ends the prompt (methods that compress after prefill do it now).
     Returns:
       (logits float32 [B, T or 1, V], new cache)
     """
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, cache, last_only=last_only, last_chunk=last_chunk)
+    return model(tokens, positions, cache, last_only=last_only)

@@ -119,7 +119,7 @@ def reference_column_sums(q, k, q_start, pad):
     ],
 )
 def test_chunk_attention_sums_match_reference(T, q_start, S, block, q_block, pad):
-    from kvjax.methods.compressed import chunk_attention_sums
+    from kvjax.attention import chunk_attention_sums
 
     q, k, _ = _inputs(len(pad), T, Hq=6, Hkv=2, S=S)
     got = np.asarray(chunk_attention_sums(jnp.asarray(q), jnp.asarray(k), q_start, jnp.asarray(pad, jnp.int32),

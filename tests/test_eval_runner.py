@@ -15,6 +15,7 @@ from kvjax.cli import main as cli_main
 from kvjax.generate import compress, decode_step, prefill
 from kvjax.methods import FullCache, SnapKV
 from tests.conftest import ready_model_or_skip
+from kvjax.cache import new_cache
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_teacher_forced_full_cache_matches_step_by_step_decode(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 97, size=(1, 40)).astype(np.int32)
 
     def run(method):
-        cache = method.init_cache(model.config, 1, 32, 8, model.dtype)
+        cache = new_cache(method, model.config, 1, 32, 8, model.dtype)
         _, cache = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, :32]), cache)
         return compress(cache)
 

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from kvjax.api import generate_tokens
-from kvjax.generate import TRACE_COUNTS, Sampling, decode_step, prefill, sample
+from kvjax.generate import TRACE_COUNTS, Sampling, compress, decode_step, prefill, sample
 from kvjax.methods import FullCache
 from models import load_model
 from models.llama import forward
 from tests.tiny import save_tiny
+from kvjax.cache import new_cache
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def tiny(tmp_path_factory):
 
 def full_forward_logits(model, tokens):
     B, T = tokens.shape
-    cache = FullCache(block=16).init_cache(model.config, B, T, 0, model.dtype)
+    cache = new_cache(FullCache(block=16), model.config, B, T, 0, model.dtype)
     logits, _ = forward(model.graphdef, model.params, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(T), (B, T)), cache)
     return np.asarray(logits)
 
@@ -32,9 +33,10 @@ def full_forward_logits(model, tokens):
 def test_prefill_then_decode_equals_full_forward(tiny):
     tokens = np.random.default_rng(0).integers(0, 97, size=(1, 40)).astype(np.int32)
     ref = full_forward_logits(tiny, tokens)
-    cache = FullCache(block=16).init_cache(tiny.config, 1, 30, 10, tiny.dtype)
+    cache = new_cache(FullCache(block=16), tiny.config, 1, 30, 10, tiny.dtype)
     last, cache = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, :30]), cache)
     np.testing.assert_allclose(np.asarray(last), ref[:, 29], atol=1e-5)
+    cache = compress(cache)
     key = jax.random.PRNGKey(0)
     for t in range(30, 40):
         _, logits, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
@@ -43,12 +45,11 @@ def test_prefill_then_decode_equals_full_forward(tiny):
 
 def test_chunked_prefill_equals_one_shot(tiny):
     tokens = np.random.default_rng(1).integers(0, 97, size=(1, 50)).astype(np.int32)
-    one_shot = FullCache(block=16).init_cache(tiny.config, 1, 50, 1, tiny.dtype)
+    one_shot = new_cache(FullCache(block=16), tiny.config, 1, 50, 1, tiny.dtype)
     ref, _ = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens), one_shot)
-    cache = FullCache(block=16).init_cache(tiny.config, 1, 50, 1, tiny.dtype)
+    cache = new_cache(FullCache(block=16), tiny.config, 1, 50, 1, tiny.dtype)
     for start in range(0, 50, 16):
-        last, cache = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, start:start + 16]), cache,
-                              last_chunk=start + 16 >= 50)
+        last, cache = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, start:start + 16]), cache)
     np.testing.assert_allclose(np.asarray(last), np.asarray(ref), atol=1e-5)
     a = generate_tokens(tiny, [list(tokens[0])], max_new_tokens=12)[0]
     b = generate_tokens(tiny, [list(tokens[0])], max_new_tokens=12, chunk_size=16)[0]

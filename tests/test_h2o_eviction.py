@@ -19,6 +19,7 @@ from kvjax.paged import PagedKV, build_paged
 from kvjax.shared_prefill import cache_for, init_shared_cache
 from models import load_model
 from tests.tiny import save_tiny
+from kvjax.cache import new_cache
 
 L, CHUNK, STEPS, PAD = 24, 8, 9, 6
 
@@ -63,10 +64,9 @@ def batch_tokens(seed):
 
 def run(model, method, tokens, pad, steps=STEPS):
     """Chunked prefill, compress, teacher-forced decode; returns (logits [steps, B, V], caches after each step)."""
-    cache = method.init_cache(model.config, tokens.shape[0], L, steps, model.dtype).replace(pad=jnp.asarray(pad))
+    cache = new_cache(method, model.config, tokens.shape[0], L, steps, model.dtype).replace(pad=jnp.asarray(pad))
     for i in range(0, L, CHUNK):
-        first, cache = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, i:i + CHUNK]), cache,
-                               last_chunk=i + CHUNK >= L)
+        first, cache = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, i:i + CHUNK]), cache)
     cache = compress(cache)
     logits, states = [np.asarray(first)], [jax.tree_util.tree_map(np.asarray, cache.layers)]
     for t in range(L, L + steps - 1):
@@ -200,7 +200,7 @@ def test_eviction_matches_numpy_simulation(tiny, how):
     _, states, cache = run(tiny, method, tokens, pad)
     cfg = tiny.config
     # layer 0's projections do not depend on the cache: they must be the full cache's K/V (independent source)
-    full = FullCache(block=8).init_cache(cfg, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
+    full = new_cache(FullCache(block=8), cfg, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
     _, full = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, :L]), full)
     for t in range(L, L + STEPS - 1):
         _, _, full = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), full, jax.random.PRNGKey(0))

@@ -15,6 +15,7 @@ from kvjax.methods.quest import QuestKV, select_pages
 from kvjax.paged import PagedKV, build_paged, offload, recall_into
 from models import load_model
 from tests.tiny import save_tiny
+from kvjax.cache import new_cache
 
 L = 48
 
@@ -28,7 +29,7 @@ def tiny(tmp_path_factory):
 
 def step_logits(model, method, tokens, steps=6):
     """Prefill, compress, then teacher-forced decode logits for ``steps`` tokens."""
-    cache = method.init_cache(model.config, 1, L, steps, model.dtype)
+    cache = new_cache(method, model.config, 1, L, steps, model.dtype)
     first, cache = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, :L]), cache)
     cache = compress(cache)
     out = [np.asarray(first)]

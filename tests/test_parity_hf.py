@@ -12,11 +12,12 @@ from kvjax.methods import FullCache
 from models import load_model
 from models.llama import forward
 from tests.tiny import CONFIGS, save_tiny
+from kvjax.cache import new_cache
 
 
 def kvjax_logits(model, tokens: np.ndarray) -> np.ndarray:
     B, T = tokens.shape
-    cache = FullCache(block=16).init_cache(model.config, B, T, 0, model.dtype)
+    cache = new_cache(FullCache(block=16), model.config, B, T, 0, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     logits, _ = jax.jit(forward, static_argnums=0)(model.graphdef, model.params, jnp.asarray(tokens), positions, cache)
     return np.asarray(logits)

@@ -15,13 +15,14 @@ from kvjax.methods import FullCache
 from models import load_model
 from models.llama import forward
 from tests.conftest import ready_model_or_skip
+from kvjax.cache import new_cache
 
 pytestmark = pytest.mark.real_model
 PROMPT = "The quick brown fox jumps over the lazy dog. In 1969, the first person to walk on the Moon was"
 
 
 def _logits(model, ids):
-    cache = FullCache().init_cache(model.config, 1, ids.shape[1], 0, model.dtype)
+    cache = new_cache(FullCache(), model.config, 1, ids.shape[1], 0, model.dtype)
     logits, _ = jax.jit(forward, static_argnums=0)(
         model.graphdef, model.params, jnp.asarray(ids), jnp.arange(ids.shape[1])[None], cache
     )
@@ -79,11 +80,10 @@ def test_qwen_passkey_2k_with_snapkv_and_hbw_at_quarter_budget():
     text = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False, add_generation_prompt=True)
     tokens, _ = left_pad([tok(text)["input_ids"]], tok.pad_token_id, multiple=512)
     snap, hbw = SnapKV(budget=0.25), HBW(budget=0.25)
-    staged = snap.init_cache(model.config, 1, tokens.shape[1], 8, model.dtype)
+    staged = new_cache(snap, model.config, 1, tokens.shape[1], 8, model.dtype)
     staged = staged.replace(pad=jnp.asarray([int((tokens[0] == tok.pad_token_id).sum())]))  # left padding
     for i in range(0, tokens.shape[1], 512):
-        logits, staged = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, i:i + 512]), staged,
-                                 last_chunk=i + 512 >= tokens.shape[1])
+        logits, staged = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, i:i + 512]), staged)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     for method in (snap, hbw):
         cache = compress(staged.replace(method=method))

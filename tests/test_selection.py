@@ -2,25 +2,50 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvjax.methods import H2O, HBW, SnapKV, StreamingLLM
-from kvjax.methods.compressed import StagedKV, gqa_aggregate, keep_top, mask_to_indices, pool1d
+from kvjax.cache import CacheSpec, FinishContext
 from kvjax.methods.hbw import hierarchical_block_keep
-from kvjax.methods.pyramidkv import pyramid_capacities
-from kvjax.methods.snapkv import snapkv_scores
+from kvjax.selection import WindowAttentionScores, gqa_aggregate, keep_to_indices, keep_top, pool1d, pyramid_capacities
+from kvjax.staging import Recording, StagedKV
+
+
+def mask_to_indices(keep, cap):
+    return keep_to_indices(keep, cap)[0]
+
+
+class Staged(NamedTuple):
+    st: StagedKV
+    prompt_len: int
+
+
+def select(method, staged, pad, cap):
+    """The method's keep mask for a staging whose longest row is the prompt (``cap`` is the method's budget)."""
+    st, P = staged
+    B, Hkv, S, D = st.k.shape
+    spec = CacheSpec(num_layers=1, num_heads=Hkv, num_kv_heads=Hkv, head_dim=D, batch=B, prompt_slots=P,
+                     longest_row=P, room=0)
+    return method.keep_mask(st, FinishContext(pad=pad, layer=0, spec=spec))[0]
+
+
+def snapkv_scores(st, pad, *, window, kernel, pooling, gqa):
+    return WindowAttentionScores(window, kernel, pooling, gqa)(st.st, pad, st.prompt_len)
 
 
 def kept(mask):
     return [list(np.flatnonzero(np.asarray(m))) for m in np.asarray(mask).reshape(-1, mask.shape[-1])]
 
 
-def staged(S, prompt_len, Hkv=1, Hq=1, D=4, window=0, acc=None, k=None, q=None):
-    k = jnp.zeros((1, Hkv, S, D)) if k is None else k
-    return StagedKV(k, k, q, acc, prompt_len=prompt_len, capacities=(0,) * Hkv, room=0)
+def staged(S, prompt_len, Hkv=1, Hq=1, D=4, window=0, acc=None, k=None, q=None, B=1):
+    k = jnp.zeros((B, Hkv, S, D)) if k is None else k
+    st = StagedKV(k, k, q, acc, recording=Recording(window=0 if q is None else q.shape[1], accumulate=acc is not None))
+    return Staged(st, prompt_len)
 
 
 def test_keep_top_forced_plus_best():
@@ -48,7 +73,7 @@ def test_gqa_aggregation_mean_and_max():
 def test_streaming_llm_keeps_sinks_and_recent_per_row_padding():
     m = StreamingLLM(budget=5, sinks=2)
     pad = jnp.array([0, 3])
-    keep = m.select(0, staged(12, 10, Hkv=2), pad, 5)
+    keep = select(m, staged(12, 10, Hkv=2, B=2), pad, 5)
     assert kept(keep) == [[0, 1, 7, 8, 9]] * 2 + [[3, 4, 7, 8, 9]] * 2
 
 
@@ -56,9 +81,9 @@ def test_h2o_recent_plus_heavy_hitters_with_gqa():
     acc = jnp.array([[[0.0, 9, 1, 7, 2, 0, 0, 0], [0.0, 1, 1, 9, 8, 0, 0, 0]]])  # Hq=2 on one KV head
     st = staged(8, 8, acc=acc)
     # cap 4, recent 2 -> slots 6, 7; heavy (mean over group): slot1 5.0, slot3 8.0, slot4 5.0 -> 3 and 1 (tie: lower index)
-    assert kept(H2O(budget=4).select(0, st, jnp.array([0]), 4)) == [[1, 3, 6, 7]]
+    assert kept(select(H2O(budget=4), st, jnp.array([0]), 4)) == [[1, 3, 6, 7]]
     # max over group: slot1 9, slot3 9, slot4 8 -> 1 and 3
-    assert kept(H2O(budget=4, gqa="max").select(0, st, jnp.array([0]), 4)) == [[1, 3, 6, 7]]
+    assert kept(select(H2O(budget=4, gqa="max"), st, jnp.array([0]), 4)) == [[1, 3, 6, 7]]
 
 
 def numpy_snapkv_scores(q, k, window, kernel, prompt_len):
@@ -96,7 +121,7 @@ def test_snapkv_select_keeps_window_and_top_prefix():
     st = staged(S, L, k=jnp.asarray(k), q=jnp.asarray(q))
     ref = numpy_snapkv_scores(q, k, W, 1, L)[0]
     top = sorted(np.argsort(-ref, kind="stable")[:3])
-    keep = SnapKV(budget=6, window=W, kernel=1).select(0, st, jnp.array([0]), 6)
+    keep = select(SnapKV(budget=6, window=W, kernel=1), st, jnp.array([0]), 6)
     assert kept(keep) == [top + [9, 10, 11]]
 
 
@@ -126,10 +151,10 @@ def test_hbw_degenerates_to_snapkv():
     S, L, W, D = 64, 60, 4, 8
     k = jnp.asarray(rng.normal(size=(2, 2, S, D)).astype(np.float32))
     q = jnp.asarray(rng.normal(size=(2, W, 4, D)).astype(np.float32))
-    st = StagedKV(k, k, q, None, prompt_len=L, capacities=(20, 20), room=0)
+    st = staged(S, L, k=k, q=q)
     pad = jnp.array([0, 5])
-    a = SnapKV(budget=20, window=W).select(0, st, pad, 20)
-    b = HBW(budget=20, window=W, block_size=1, groups=(1,)).select(0, st, pad, 20)
+    a = select(SnapKV(budget=20, window=W), st, pad, 20)
+    b = select(HBW(budget=20, window=W, block_size=1, groups=(1,)), st, pad, 20)
     assert kept(a) == kept(b)
 
 
@@ -153,10 +178,10 @@ def test_kept_indices_properties(L, extra, pad0, data, method):
     k = jnp.asarray(rng.normal(size=(2, Hkv, S, D)).astype(np.float32))
     q = jnp.asarray(rng.normal(size=(2, W, Hq, D)).astype(np.float32))
     acc = jnp.asarray(rng.random(size=(2, Hq, S)).astype(np.float32))
-    st_ = StagedKV(k, k, q, acc, prompt_len=L, capacities=(cap,) * Hkv, room=0)
+    st_ = staged(S, L, k=k, q=q, acc=acc)
     m = {"snapkv": SnapKV(budget=cap, window=W), "hbw": HBW(budget=cap, window=W, groups=(1, 3)),
          "streaming": StreamingLLM(budget=cap, sinks=2), "h2o": H2O(budget=cap)}[method]
-    keep = np.asarray(m.select(0, st_, pad, cap))
+    keep = np.asarray(select(m, st_, pad, cap))
     idx = np.asarray(mask_to_indices(jnp.asarray(keep), cap))
     for b in range(2):
         for h in range(Hkv):

@@ -12,6 +12,7 @@ from kvjax.methods import H2O, HBW, FullCache, PyramidKV, Quest, SnapKV, Streami
 from kvjax.shared_prefill import cache_for, init_shared_cache, shared_staging
 from models import load_model
 from tests.tiny import save_tiny
+from kvjax.cache import new_cache
 
 L, STEPS = 48, 5
 METHODS = [
@@ -44,12 +45,11 @@ def test_shared_prefill_equals_own_prefill(tiny):
     staged = init_shared_cache(METHODS, tiny.config, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
     assert staged.method.window == 8 and staged.method.accumulate
     for i in range(0, L, 16):  # chunked: the window and accumulation are recorded across chunks
-        first_shared, staged = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, i:i + 16]), staged,
-                                       last_chunk=i + 16 >= L)
+        first_shared, staged = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, i:i + 16]), staged)
     for method in METHODS:
-        own = method.init_cache(tiny.config, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
+        own = new_cache(method, tiny.config, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
         for i in range(0, L, 16):
-            first_own, own = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, i:i + 16]), own, last_chunk=i + 16 >= L)
+            first_own, own = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, i:i + 16]), own)
         own = compress(own)
         derived = compress(cache_for(staged, method))
         assert jax.tree_util.tree_structure(derived) == jax.tree_util.tree_structure(own), method.name
@@ -70,6 +70,6 @@ def test_shared_prefill_errors(tiny):
     with pytest.raises(ValueError, match="accumulated attention"):
         cache_for(snap_only, H2O(budget=12, block=16))
     with pytest.raises(ValueError, match="init_shared_cache"):
-        cache_for(FullCache().init_cache(tiny.config, 1, L, 2, tiny.dtype), SnapKV(budget=12))
+        cache_for(new_cache(FullCache(), tiny.config, 1, L, 2, tiny.dtype), SnapKV(budget=12))
     with pytest.raises(ValueError, match="cannot be compressed"):
         compress(snap_only)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvjax.methods.base import CompressionMethod
+from kvjax.methods.base import Method, PromptCompression
 from kvjax.methods.full import FullCache
 from kvjax.methods.h2o import H2O
 from kvjax.methods.hbw import HBW
@@ -22,11 +22,12 @@ METHODS: dict[str, type] = {
 }
 
 
-def get_method(name: str, **kwargs) -> CompressionMethod:
+def get_method(name: str, **kwargs) -> Method:
     """Instantiate the method registered under ``name`` with its hyper-parameters."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     return METHODS[name](**kwargs)
 
 
-__all__ = ["CompressionMethod", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "METHODS", "get_method"]
+__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest",
+           "METHODS", "get_method"]

@@ -1,47 +1,204 @@
-"""The compression-method protocol every cache method implements.
+"""The method protocol every KV-cache method implements, and the evict-after-prefill composition.
 
-A method is a small frozen dataclass of hyper-parameters (hashable: it is a static field of the
-cache) with two jobs:
+A method is a frozen dataclass of hyper-parameters (hashable: a static field of the cache) with an
+explicit per-layer lifecycle. Every function is required; nothing is discovered with ``getattr``:
 
-* ``init_cache(config, batch, prompt_len, max_new_tokens, dtype)`` allocates the
-  :class:`kvjax.cache.Cache` (device and host tiers) with static shapes;
-* ``compress(cache)`` runs once after prefill (jitted): static methods select tokens here;
-* ``attend(state, q, k, v, ctx)`` takes one layer's new ``q[B,T,Hq,D]``, ``k, v[B,T,Hkv,D]``
-  (post-RoPE, at the slots ``ctx.start..``), writes them into the layer ``state``, runs the
-  method's own logic (compression at the end of the prompt, per-step selection, ...) and returns
-  ``(attention output [B,T,Hq,D], new state)``.
+``recording()``
+    What a dense staging prefill must record for this method (:class:`kvjax.staging.Recording`), or
+    ``None`` when the method runs its own prefill. A method that returns a recording promises that
+    its prefill state is that staging (:class:`kvjax.staging.StagedKV`), so one prefill can serve
+    several methods (:mod:`kvjax.shared_prefill`).
+``init_cache(spec, artifact=None)``
+    Allocate the cache (stage ``"prefill"``) for a :class:`kvjax.cache.CacheSpec`; validates the
+    budget against the spec and the artifact against the model.
+``prefill_chunk(state, q, k, v, ctx)``
+    One layer, one prompt chunk (``q[B,T,Hq,D]``, ``k, v[B,T,Hkv,D]`` post-RoPE at slots
+    ``ctx.start..``): store, attend causally, record, possibly evict. Returns ``(output, state)``.
+``finish_prefill(state, ctx)``
+    One layer, after the whole prompt: selection and layout (pages, host tier, codes).
+``decode_attend(state, q, k, v, ctx)``
+    One layer, any later tokens (T >= 1: a question or one decoded token): append them
+    uncompressed, run the per-step logic (page selection, eviction, recall...) and attend.
+``stats(cache)`` / ``bytes_read_per_step(cache)``
+    The method's own facts for ``cache.stats()``; K/V (and side-data) bytes a decode step reads.
 
-The model calls ``attend`` and nothing else, so adding a method never touches the model code.
+The prompt is compressed by ``kvjax.generate.compress``, which calls ``finish_prefill`` per layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
-from kvjax.cache import AttendContext, Cache
+from kvjax.artifacts import no_artifact
+from kvjax.attention import resolve_implementation
+from kvjax.budgets import check_budget
+from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
+from kvjax.paged import PagedKV, append_and_attend, build_paged, paged_device_bytes, paged_read_bytes
+from kvjax.selection import GQA_AGGREGATIONS, keep_to_indices, row_capacities
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
 
 
 @runtime_checkable
-class CompressionMethod(Protocol):
+class Method(Protocol):
     """Protocol of a KV-cache method (see module docstring)."""
 
     name: str
 
-    def init_cache(self, config: Any, batch: int, prompt_len: int, max_new_tokens: int, dtype: Any) -> Cache:
-        """Allocate an empty cache for ``batch`` rows of ``prompt_len`` slots plus ``max_new_tokens``."""
+    def recording(self) -> Recording | None:
+        """What a shared staging prefill must record, or None (own prefill)."""
         ...
 
-    def attend(self, state: Any, q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttendContext) -> tuple[jax.Array, Any]:
-        """Write one layer's new k, v and attend the new queries; return (output, new state)."""
+    def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
+        """Allocate the cache for ``spec`` (stage "prefill")."""
         ...
 
-    def compress(self, cache: Cache) -> Cache:
-        """After the whole prompt is prefilled: build the compressed state (identity for the full cache)."""
+    def prefill_chunk(self, state: Any, q, k, v, ctx: AttendContext) -> tuple[jax.Array, Any]:
+        """Store one layer's prompt chunk and attend; may record and evict."""
+        ...
+
+    def finish_prefill(self, state: Any, ctx: FinishContext) -> Any:
+        """Selection and layout of one layer after the prompt."""
+        ...
+
+    def decode_attend(self, state: Any, q, k, v, ctx: AttendContext) -> tuple[jax.Array, Any]:
+        """Append later tokens to one compressed layer and attend."""
+        ...
+
+    def stats(self, cache: Cache) -> dict:
+        """The method's own cache facts."""
+        ...
+
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """Cache bytes one decode step reads."""
         ...
 
 
 def round_up(x: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``x``."""
     return -(-x // multiple) * multiple
+
+
+def check_common(page_size: int, block: int, gqa: str, implementation: str) -> None:
+    """Validate the hyper-parameters most methods share."""
+    if gqa not in GQA_AGGREGATIONS:
+        raise ValueError(f"unknown GQA aggregation {gqa!r}; allowed: {', '.join(GQA_AGGREGATIONS)}")
+    if page_size <= 0 or block <= 0:
+        raise ValueError(f"page_size and block must be positive, got {page_size}, {block}")
+    resolve_implementation(implementation)
+
+
+# ------------------------------------------------------------------------------------------ layouts
+@dataclasses.dataclass(frozen=True)
+class PagedAppend:
+    """Layout: kept tokens in page pools with room; later tokens appended; paged attention (kernel on accelerators)."""
+
+    page_size: int = 16
+    implementation: str = "auto"
+
+    def build(self, st: StagedKV, idx, lengths, head_caps, scores, spec: CacheSpec):
+        """Gather the kept tokens into pages."""
+        return build_paged(st.k, st.v, idx, lengths, head_caps, spec.room, self.page_size)
+
+    def decode_attend(self, state: PagedKV, q, k, v, ctx: AttendContext):
+        """Append and attend."""
+        return append_and_attend(state, q, k, v, self.implementation)
+
+    def stats(self, states) -> dict:
+        """Kept tokens per head (allocation) and the page pools' bytes."""
+        return {"kept_tokens_per_head": [list(st.capacities) for st in states],
+                "page_pool_bytes": sum(paged_device_bytes(st) for st in states)}
+
+    def read_bytes(self, states) -> int:
+        """Every held token is read each step."""
+        return sum(paged_read_bytes(st) for st in states)
+
+
+# ------------------------------------------------------------------------------- the composition
+@dataclasses.dataclass(frozen=True)
+class PromptCompression:
+    """Evict once after prefill: scorer + allocator + selector + layout (see :mod:`kvjax.selection`).
+
+    The lifecycle is fixed: prefill into a dense staging (recording what the scorer needs), then per
+    layer score -> per-head, per-row capacities -> keep mask -> layout. A concrete method only says
+    which components it composes (:meth:`components`); the defaults here are its common arguments.
+
+    Args:
+      budget: see :mod:`kvjax.budgets`.
+      page_size: tokens per page of the compressed pools.
+      gqa: aggregation of a KV head's query-group scores, mean | max.
+      block: key-block size of the prefill attention.
+      implementation: decode attention implementation, auto | xla | pallas | pallas_interpret.
+    """
+
+    budget: int | float = 0.25
+    page_size: int = 16
+    gqa: str = "mean"
+    block: int = 256
+    implementation: str = "auto"
+    name = "prompt_compression"
+
+    def __post_init__(self):
+        check_common(self.page_size, self.block, self.gqa, self.implementation)
+        check_budget(self.budget)
+
+    def components(self):
+        """``(scorer, allocator, selector, layout)`` of this method."""
+        raise NotImplementedError(f"{type(self).__name__} must say which components it composes")
+
+    def check_capacity(self, cap: int) -> None:
+        """Reject a head capacity the method cannot use (e.g. a block larger than the capacity)."""
+
+    # -- protocol
+    def recording(self) -> Recording:
+        """What the scorer needs."""
+        return self.components()[0].recording(self.block)
+
+    def head_capacities(self, spec: CacheSpec) -> tuple[tuple[int, ...], ...]:
+        """Prompt tokens kept per layer and KV head, for the longest row (validated)."""
+        caps = self.components()[1].capacities(self.budget, spec)
+        for c in sorted({c for layer in caps for c in layer}):
+            self.check_capacity(c)
+        return caps
+
+    def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
+        """Dense staging of the prompt; pages are allocated by ``finish_prefill``."""
+        no_artifact(artifact, self.name)
+        self.head_capacities(spec)
+        return Cache(layers=init_staging(spec, self.recording()), length=jnp.zeros((), jnp.int32),
+                     pad=jnp.zeros((spec.batch,), jnp.int32), method=self, spec=spec)
+
+    def prefill_chunk(self, state, q, k, v, ctx):
+        """Write the staging, record, attend causally."""
+        return stage_chunk(state, q, k, v, ctx)
+
+    def keep_mask(self, state: StagedKV, ctx: FinishContext):
+        """(keep mask ``[B, Hkv, S]``, scores ``[B, Hkv, S]``) of one layer: score, allocate per head and row, select."""
+        scorer, _, selector, _ = self.components()
+        spec = ctx.spec
+        head_caps = self.head_capacities(spec)[ctx.layer]
+        scores = scorer(state, ctx.pad, spec.prompt_slots)
+        row_caps = row_capacities(head_caps, self.budget, spec, ctx.pad)
+        return selector(scores, ctx.pad, spec.prompt_slots, row_caps, head_caps), scores
+
+    def finish_prefill(self, state: StagedKV, ctx: FinishContext):
+        """:meth:`keep_mask`, then the layout."""
+        keep, scores = self.keep_mask(state, ctx)
+        head_caps = self.head_capacities(ctx.spec)[ctx.layer]
+        idx, lengths = keep_to_indices(keep, max(head_caps))
+        return self.components()[3].build(state, idx, lengths, head_caps, scores, ctx.spec)
+
+    def decode_attend(self, state, q, k, v, ctx):
+        """The layout's decode path."""
+        return self.components()[3].decode_attend(state, q, k, v, ctx)
+
+    def stats(self, cache: Cache) -> dict:
+        """The layout's facts (empty before compression)."""
+        return self.components()[3].stats(cache.layers) if cache.stage == "compressed" else {}
+
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """The layout's reads (0 before compression)."""
+        return self.components()[3].read_bytes(cache.layers) if cache.stage == "compressed" else 0

@@ -6,11 +6,11 @@ import dataclasses
 
 import jax.numpy as jnp
 from flax import struct
-from jax import lax
 
+from kvjax.artifacts import no_artifact
 from kvjax.attention import causal_cache_attention, resolve_implementation
-from kvjax.cache import AttendContext, Cache
-from kvjax.methods.base import round_up
+from kvjax.cache import Cache, CacheSpec
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, write_slots
 
 
 @struct.dataclass
@@ -34,40 +34,44 @@ class FullCache:
 
     block: int = 256
     implementation: str = "auto"
-    name: str = dataclasses.field(default="full", init=False)
+    name = "full"
 
     def __post_init__(self):
         if self.block <= 0:
             raise ValueError(f"block must be positive, got {self.block}")
         resolve_implementation(self.implementation)
 
-    def init_cache(self, config, batch: int, prompt_len: int, max_new_tokens: int, dtype) -> Cache:
-        """Zero-filled ``[B, Hkv, round_up(prompt_len + max_new_tokens, block), D]`` per layer."""
-        if batch <= 0 or prompt_len <= 0 or max_new_tokens < 0:
-            raise ValueError(f"need batch > 0, prompt_len > 0, max_new_tokens >= 0; got {batch}, {prompt_len}, {max_new_tokens}")
-        capacity = round_up(prompt_len + max_new_tokens, self.block)
-        shape = (batch, config.num_kv_heads, capacity, config.head_dim)
-        layers = tuple(
-            DenseKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(config.num_layers)
-        )
-        return Cache(
-            layers=layers,
-            length=jnp.zeros((), jnp.int32),
-            pad=jnp.zeros((batch,), jnp.int32),
-            method=self,
-            capacity=capacity,
-        )
+    def recording(self) -> Recording:
+        """The plain staging (it already has room for the answer)."""
+        return Recording(block=self.block)
 
-    def compress(self, cache: Cache) -> Cache:
-        """Nothing to compress: the full cache keeps every token."""
-        return cache
+    def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
+        """Zero-filled ``[B, Hkv, round_up(prompt + room, block), D]`` per layer."""
+        no_artifact(artifact, self.name)
+        return Cache(layers=init_staging(spec, self.recording()), length=jnp.zeros((), jnp.int32),
+                     pad=jnp.zeros((spec.batch,), jnp.int32), method=self, spec=spec)
 
-    def attend(self, state: DenseKV, q, k, v, ctx: AttendContext):
+    def prefill_chunk(self, state: StagedKV, q, k, v, ctx):
+        """Write k, v at slots ``ctx.start..`` and attend causally."""
+        return stage_chunk(state, q, k, v, ctx)
+
+    def finish_prefill(self, state: StagedKV, ctx) -> DenseKV:
+        """Nothing to compress: the staging buffer becomes the cache (no copy)."""
+        return DenseKV(k=state.k, v=state.v)
+
+    def decode_attend(self, state: DenseKV, q, k, v, ctx):
         """Write k, v at slots ``ctx.start..`` and attend causally over all written slots."""
-        k_new = lax.dynamic_update_slice_in_dim(state.k, k.transpose(0, 2, 1, 3).astype(state.k.dtype), ctx.start, axis=2)
-        v_new = lax.dynamic_update_slice_in_dim(state.v, v.transpose(0, 2, 1, 3).astype(state.v.dtype), ctx.start, axis=2)
-        out = causal_cache_attention(
-            q, k_new, v_new, q_start=ctx.start, pad=ctx.pad, scale=q.shape[-1] ** -0.5,
-            block=self.block, implementation=self.implementation,
-        )
+        k_new, v_new = write_slots(state.k, k, ctx.start), write_slots(state.v, v, ctx.start)
+        out = causal_cache_attention(q, k_new, v_new, q_start=ctx.start, pad=ctx.pad, scale=q.shape[-1] ** -0.5,
+                                     block=self.block, implementation=self.implementation)
         return out, DenseKV(k=k_new, v=v_new)
+
+    def stats(self, cache: Cache) -> dict:
+        """Nothing beyond the common statistics."""
+        return {}
+
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """K and V of every written slot of every row and KV head."""
+        first = cache.layers[0]
+        B, H, _, D = first.k.shape
+        return len(cache.layers) * 2 * B * H * int(cache.length) * D * first.k.dtype.itemsize

@@ -21,9 +21,9 @@ from flax import struct
 from jax import lax
 
 from kvjax.attention import MASK_VALUE
-from kvjax.cache import Cache
-from kvjax.methods.compressed import StagedKV, StaticMethod, gqa_aggregate, keep_top, mask_to_indices, slot_masks
+from kvjax.methods.base import PagedAppend, PromptCompression
 from kvjax.paged import PagedKV, build_paged, paged_device_bytes
+from kvjax.selection import AccumulatedAttentionScores, RecentAndTop, UniformCapacity, gqa_aggregate
 
 
 @struct.dataclass
@@ -107,15 +107,64 @@ def h2o_decode_step(st: H2OKV, q, k_new, v_new, slot, gqa: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class H2O(StaticMethod):
-    """Keep the ``recent`` last prompt tokens and the rest of the budget by accumulated attention.
+class H2OEviction:
+    """Layout of H2O's decode-time policy: pools of exactly ``capacity`` slots, scores and positions."""
+
+    recent_ratio: float = 0.5
+    page_size: int = 16
+    gqa: str = "mean"
+
+    def build(self, st, idx, lengths, head_caps, scores, spec):
+        """Pools without room; held tokens keep their accumulated prefill scores."""
+        paged = build_paged(st.k, st.v, idx, lengths, head_caps, 0, self.page_size)
+        C = idx.shape[-1]
+        held = jnp.arange(C)[None, None, :] < paged.lengths[..., None]
+        kept_scores = jnp.take_along_axis(scores, idx, axis=2)
+        return H2OKV(paged, acc=jnp.where(held, kept_scores, 0.0).astype(jnp.float32),
+                     pos=jnp.where(held, idx, -1).astype(jnp.int32),
+                     recent=tuple(int(c * self.recent_ratio) for c in head_caps))
+
+    def decode_attend(self, state: H2OKV, q, k, v, ctx):
+        """:func:`h2o_decode_step` for each new token in turn (a question is fed token by token)."""
+        def step(st, xs):
+            qt, kt, vt, t = xs
+            out, st = h2o_decode_step(st, qt, kt, vt, ctx.start + t, self.gqa)
+            return st, out
+
+        T = q.shape[1]
+        state, outs = lax.scan(step, state, (q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1), jnp.arange(T)))
+        return outs.swapaxes(0, 1).astype(q.dtype), state
+
+    def stats(self, states) -> dict:
+        """Fixed budget during decoding: pools hold the capacity only."""
+        return {
+            "kept_tokens_per_head": [list(st.paged.capacities) for st in states],
+            "page_pool_bytes": sum(paged_device_bytes(st.paged) for st in states),
+            "score_state_bytes": sum(int(x.size) * x.dtype.itemsize for st in states for x in (st.acc, st.pos)),
+            "evicts_during_decode": True,
+            "decode_attention": "xla (eviction needs the attention probabilities)",
+        }
+
+    def read_bytes(self, states) -> int:
+        """Every held token plus the scores and positions."""
+        total = 0
+        for st in states:
+            p = st.paged
+            total += 2 * int(jnp.sum(p.lengths)) * p.k_pages.shape[-1] * p.k_pages.dtype.itemsize
+            total += int(st.acc.size) * 4 + int(st.pos.size) * 4
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O(PromptCompression):
+    """Keep the most recent ``recent_ratio`` of the budget and the rest by accumulated attention.
 
     Scores: attention of every prompt query (causal mask, f32 softmax) summed over queries,
     accumulated chunk by chunk during prefill, then aggregated over the GQA group.
 
     Args:
       recent_ratio: share of the budget given to the recent window (default 0.5, the paper's split).
-      evict_during_decode: False (default): decoded tokens are appended to the compressed prompt, as
+      evict_during_decode: False (default): later tokens are appended to the compressed prompt, as
         in the static setting most KV-compression papers evaluate. True: H2O's decode-time eviction
         -- the budget stays fixed at ``capacity`` tokens per KV head; every step adds the new
         token's attention probabilities to the accumulated scores and the new token replaces the
@@ -130,7 +179,6 @@ class H2O(StaticMethod):
     """
 
     recent_ratio: float = 0.5
-    accumulate: bool = True
     evict_during_decode: bool = False
     name = "h2o"
 
@@ -144,65 +192,14 @@ class H2O(StaticMethod):
 
     def check_capacity(self, cap):
         """With eviction on, the recent window must leave at least one evictable (heavy-hitter) slot."""
-        super().check_capacity(cap)
         recent = int(cap * self.recent_ratio)
         if self.evict_during_decode and recent >= cap:
             raise ValueError(f"H2O with evict_during_decode=True: the recent window of {recent} tokens "
                              f"(recent_ratio {self.recent_ratio}) fills the budget of {cap} tokens per KV head, "
                              "leaving no slot to evict; lower recent_ratio")
 
-    def select(self, layer, st, pad, cap):
-        """Recent slots forced, heavy hitters by accumulated attention among the rest."""
-        recent = int(cap * self.recent_ratio)
-        scores = gqa_aggregate(st.acc, st.k.shape[1], self.gqa)
-        real, prefix = slot_masks(pad, scores.shape[-1], st.prompt_len, recent)
-        return keep_top(scores, (real & ~prefix)[:, None, :], prefix[:, None, :], cap)
-
-    def compress(self, cache: Cache) -> Cache:
-        """Default: the static compression. Eviction on: pools of ``capacity`` slots plus scores and positions."""
-        if not self.evict_during_decode:
-            return super().compress(cache)
-        layers = []
-        for i, st in enumerate(cache.layers):
-            if not isinstance(st, StagedKV):
-                raise ValueError(f"{self.name}: cache layer {i} is already compressed")
-            for c in sorted(set(st.capacities)):
-                self.check_capacity(c)
-            cap = max(st.capacities)
-            keep = self.select(i, st, cache.pad, cap)
-            idx = mask_to_indices(keep, cap)  # [B, Hkv, cap]
-            paged = build_paged(st.k, st.v, idx, st.capacities, 0, self.page_size)
-            Hkv = st.k.shape[1]
-            in_range = jnp.arange(cap)[None, :] < jnp.asarray(st.capacities)[:, None]
-            # a row shorter than the budget keeps fewer tokens: the rest of its slots start empty
-            held = jnp.take_along_axis(keep, idx, axis=2) & in_range[None]
-            scores = jnp.take_along_axis(gqa_aggregate(st.acc, Hkv, self.gqa), idx, axis=2)
-            layers.append(H2OKV(
-                paged.replace(lengths=held.sum(axis=-1).astype(jnp.int32)),
-                acc=jnp.where(held, scores, 0.0).astype(jnp.float32),
-                pos=jnp.where(held, idx, -1).astype(jnp.int32),
-                recent=tuple(int(c * self.recent_ratio) for c in st.capacities),
-            ))
-        return cache.replace(layers=tuple(layers))
-
-    def attend(self, state, q, k, v, ctx):
-        """Eviction on and compressed: :func:`h2o_decode_step`; otherwise the static path."""
-        if not isinstance(state, H2OKV):
-            return super().attend(state, q, k, v, ctx)
-        if q.shape[1] != 1:
-            raise ValueError(f"{self.name}: a compressed cache decodes one token per step, got {q.shape[1]}")
-        out, state = h2o_decode_step(state, q[:, 0], k[:, 0], v[:, 0], ctx.start, self.gqa)
-        return out[:, None].astype(q.dtype), state
-
-    def cache_stats(self, cache: Cache) -> dict:
-        """Static stats; with eviction on the budget stays fixed during decoding (pools hold capacity only)."""
-        layers = [st for st in cache.layers if isinstance(st, H2OKV)]
-        if not layers:
-            return super().cache_stats(cache)
-        return {
-            "kept_tokens_per_head": [list(st.paged.capacities) for st in layers],
-            "page_pool_bytes": sum(paged_device_bytes(st.paged) for st in layers),
-            "score_state_bytes": sum(int(x.size) * x.dtype.itemsize for st in layers for x in (st.acc, st.pos)),
-            "evicts_during_decode": True,
-            "decode_attention": "xla (eviction needs the attention probabilities)",
-        }
+    def components(self):
+        """Accumulated scores + uniform + recent-and-top + pages (or H2O's evicting pool)."""
+        layout = (H2OEviction(self.recent_ratio, self.page_size, self.gqa) if self.evict_during_decode
+                  else PagedAppend(self.page_size, self.implementation))
+        return AccumulatedAttentionScores(self.gqa), UniformCapacity(), RecentAndTop(self.recent_ratio), layout

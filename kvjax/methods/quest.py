@@ -5,6 +5,9 @@ Every token stays on the device (Quest saves bandwidth, not memory). Each page o
 score is the upper bound ``sum_i max(q_i * max_i, q_i * min_i)`` (aggregated over the GQA group),
 and attention reads only the top pages plus the page holding the newest tokens. The first
 ``dense_layers`` (default 2) layers attend densely.
+
+Tokens prefilled onto the compressed cache in one call (a question, T > 1) attend to every held
+token (exact attention; page selection is a per-decode-step policy) and update the page bounds.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from kvjax.budgets import tokens_per_head
-from kvjax.cache import Cache
-from kvjax.methods.compressed import StaticMethod, gqa_aggregate
-from kvjax.paged import PagedKV, append, build_paged, paged_attention, paged_device_bytes
+from kvjax.artifacts import no_artifact
+from kvjax.budgets import check_budget, tokens_per_head
+from kvjax.cache import Cache, CacheSpec
+from kvjax.methods.base import check_common
+from kvjax.paged import PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes
+from kvjax.selection import gqa_aggregate
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
 
 
 @struct.dataclass
@@ -74,52 +80,77 @@ def select_pages(q, st: QuestKV, gqa: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest(StaticMethod):
+class Quest:
     """Quest: full cache, per-step top pages by key bounds.
 
-    ``budget`` = tokens of the top pages read per KV head per step (``budget // page_size`` pages);
-    the page holding the newest tokens is read in addition, as in the paper.
+    Args:
+      budget: tokens of the top pages read per KV head per step (``budget // page_size`` pages, for
+        the longest row); the page holding the newest tokens is read in addition, as in the paper.
+      page_size: tokens per page (default 16).
+      dense_layers: first layers that attend densely (default 2).
+      gqa: aggregation of the group's page scores, mean | max.
+      block: key-block size of the prefill attention.
+      implementation: decode attention implementation.
     """
 
+    budget: int | float = 0.25
+    page_size: int = 16
     dense_layers: int = 2
+    gqa: str = "mean"
+    block: int = 256
+    implementation: str = "auto"
     name = "quest"
 
-    def layer_capacities(self, num_layers, prompt_len):
-        """Quest keeps the whole prompt; the budget sets the pages read per step."""
-        cap = tokens_per_head(self.budget, prompt_len)
+    def __post_init__(self):
+        check_common(self.page_size, self.block, self.gqa, self.implementation)
+        check_budget(self.budget)
+        if self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
+
+    def pages_per_step(self, spec: CacheSpec) -> int:
+        """Top pages read per step plus the newest page."""
+        cap = tokens_per_head(self.budget, spec.longest_row)
         if cap < self.page_size:
             raise ValueError(f"Quest budget of {cap} tokens is smaller than one page ({self.page_size} tokens)")
-        return (prompt_len,) * num_layers
+        return cap // self.page_size + 1
 
-    def check_prompt_lengths(self, lengths):
-        """Quest evicts nothing: any row length works (a head shorter than the budget is read whole)."""
+    def recording(self) -> Recording:
+        """The plain staging."""
+        return Recording(block=self.block)
 
-    def compress(self, cache: Cache) -> Cache:
-        """Move every real prompt token into pages and compute the page bounds."""
-        layers = []
-        for i, st in enumerate(cache.layers):
-            L = st.prompt_len
-            idx = jnp.clip(cache.pad[:, None, None] + jnp.arange(L)[None, None, :], 0, L - 1)
-            idx = jnp.broadcast_to(idx, (st.k.shape[0], st.k.shape[1], L)).astype(jnp.int32)
-            paged = build_paged(st.k, st.v, idx, st.capacities, st.room, self.page_size)
-            paged = paged.replace(lengths=jnp.broadcast_to((L - cache.pad)[:, None], paged.lengths.shape).astype(jnp.int32))
-            kmin, kmax = page_bounds(paged)
-            n = tokens_per_head(self.budget, L) // self.page_size + 1  # top pages + the newest page
-            layers.append(QuestKV(paged, kmin, kmax, pages_per_step=n, dense=i < self.dense_layers))
-        return cache.replace(layers=tuple(layers))
+    def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
+        """Dense staging; ``finish_prefill`` moves every real token into pages."""
+        no_artifact(artifact, self.name)
+        self.pages_per_step(spec)
+        return Cache(layers=init_staging(spec, self.recording()), length=jnp.zeros((), jnp.int32),
+                     pad=jnp.zeros((spec.batch,), jnp.int32), method=self, spec=spec)
 
-    def attend(self, state, q, k, v, ctx):
-        """Decode: append (updating the page bounds) and attend over the selected pages."""
-        if not isinstance(state, QuestKV):
-            return super().attend(state, q, k, v, ctx)
+    def prefill_chunk(self, state, q, k, v, ctx):
+        """Write the staging and attend causally."""
+        return stage_chunk(state, q, k, v, ctx)
+
+    def finish_prefill(self, state: StagedKV, ctx) -> QuestKV:
+        """Every real prompt token into pages (room included) and the page bounds."""
+        spec = ctx.spec
+        P = spec.prompt_slots
+        B, H = state.k.shape[:2]
+        idx = jnp.clip(ctx.pad[:, None, None] + jnp.arange(spec.longest_row)[None, None, :], 0, P - 1)
+        idx = jnp.broadcast_to(idx, (B, H, spec.longest_row)).astype(jnp.int32)
+        lengths = jnp.broadcast_to((P - ctx.pad)[:, None], (B, H)).astype(jnp.int32)
+        paged = build_paged(state.k, state.v, idx, lengths, (spec.longest_row,) * H, spec.room, self.page_size)
+        kmin, kmax = page_bounds(paged)
+        return QuestKV(paged, kmin, kmax, pages_per_step=self.pages_per_step(spec), dense=ctx.layer < self.dense_layers)
+
+    def decode_attend(self, state: QuestKV, q, k, v, ctx):
+        """Append (updating the page bounds) and attend over the selected pages (all pages for T > 1)."""
         paged = state.paged
-        ps = paged.page_size
-        page = jnp.take_along_axis(paged.block_table, (paged.lengths // ps)[..., None], axis=2)[..., 0].reshape(-1)
-        kn = k[:, 0].reshape(-1, k.shape[-1]).astype(jnp.float32)
-        state = state.replace(
-            paged=append(paged, k[:, 0], v[:, 0]),
-            kmin=state.kmin.at[page].min(kn), kmax=state.kmax.at[page].max(kn),
-        )
+        ps, T, D = paged.page_size, k.shape[1], k.shape[-1]
+        j = paged.lengths[..., None] + jnp.arange(T, dtype=jnp.int32)  # [B, Hkv, T]
+        page = jnp.take_along_axis(paged.block_table, j // ps, axis=2).reshape(-1)
+        kn = k.transpose(0, 2, 1, 3).reshape(-1, D).astype(jnp.float32)
+        state = state.replace(paged=append(paged, k, v), kmin=state.kmin.at[page].min(kn), kmax=state.kmax.at[page].max(kn))
+        if T > 1:
+            return paged_chunk_attention(q, state.paged), state
         if state.dense:
             out = paged_attention(q[:, 0], state.paged, implementation=self.implementation)
         else:
@@ -127,20 +158,21 @@ class Quest(StaticMethod):
             out = paged_attention(q[:, 0], state.paged, block_table=table, lengths=lengths, implementation=self.implementation)
         return out[:, None].astype(q.dtype), state
 
-    def select(self, layer, st, pad, cap):  # pragma: no cover - Quest does not evict
-        raise NotImplementedError("Quest keeps every token")
+    def stats(self, cache: Cache) -> dict:
+        """Quest saves bandwidth, not memory: device bytes are the full cache's."""
+        if cache.stage != "compressed":
+            return {}
+        return {"saves": "bandwidth, not memory (every token stays on the device)",
+                "page_pool_bytes": sum(paged_device_bytes(st.paged) for st in cache.layers)}
 
-    def cache_stats(self, cache: Cache) -> dict:
-        """Quest saves bandwidth, not memory: device bytes are the full cache's; reads per step are reduced."""
-        layers = [st for st in cache.layers if isinstance(st, QuestKV)]
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """Dense layers read every token; the others the selected pages plus the page bounds."""
+        if cache.stage != "compressed":
+            return 0
         read = 0
-        for st in layers:
+        for st in cache.layers:
             p = st.paged
             itemsize = p.k_pages.dtype.itemsize
             tokens = int(jnp.sum(p.lengths)) if st.dense else int(jnp.sum(jnp.minimum(p.lengths, st.pages_per_step * p.page_size)))
             read += 2 * tokens * p.k_pages.shape[-1] * itemsize + (0 if st.dense else 2 * st.kmin.size * 4)
-        return {
-            "saves": "bandwidth, not memory (every token stays on the device)",
-            "page_pool_bytes": sum(paged_device_bytes(st.paged) for st in layers),
-            "kv_bytes_read_per_step": read,
-        }
+        return read

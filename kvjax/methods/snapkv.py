@@ -4,29 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.methods.compressed import StaticMethod, gqa_aggregate, keep_top, pool1d, slot_masks, window_attention
-
-
-def snapkv_scores(st, pad, *, window: int, kernel: int, pooling: str, gqa: str):
-    """Pooled window-attention scores per KV head ``[B, Hkv, S]`` (f32), pooled over the prefix only.
-
-    Queries of the last ``window`` prompt tokens attend causally to all keys (f32 softmax), summed
-    over the window; pooled per query head (avg | max, stride 1, ``kernel``), then aggregated over
-    the GQA group (mean | max). kvjax selects per KV head instead of repeating K/V per query head
-    as the original code does, so memory keeps the GQA saving.
-    """
-    sums = window_attention(st.q_window, st.k, pad, st.prompt_len)
-    _, prefix = slot_masks(pad, sums.shape[-1], st.prompt_len, window)
-    pooled = pool1d(sums, prefix[:, None, :], kernel, pooling)
-    return gqa_aggregate(pooled, st.k.shape[1], gqa)
+from kvjax.methods.base import PagedAppend, PromptCompression
+from kvjax.selection import TopTokens, UniformCapacity, WindowAttentionScores
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(StaticMethod):
+class SnapKV(PromptCompression):
     """Keep the observation window plus the top ``capacity - window`` prefix tokens per KV head.
 
+    Composition: window-attention scores, uniform capacities, top tokens with the window forced,
+    paged layout. kvjax selects per KV head (scores aggregated over the query group, ``gqa``)
+    instead of repeating K/V per query head as the original code does, so memory keeps the GQA saving.
+
     Args:
-      window: observation window (default 32), always kept.
+      window: observation window (default 32), always kept (the most recent part of it when a
+        row's capacity is smaller).
       kernel, pooling: score pooling (default 7, max — the paper's LongBench setting; the original
         code used 5, avg).
     """
@@ -36,9 +28,21 @@ class SnapKV(StaticMethod):
     pooling: str = "max"
     name = "snapkv"
 
-    def select(self, layer, st, pad, cap):
-        """Window slots forced, top prefix slots by pooled score."""
-        scores = snapkv_scores(st, pad, window=self.window, kernel=self.kernel, pooling=self.pooling, gqa=self.gqa)
-        real, prefix = slot_masks(pad, scores.shape[-1], st.prompt_len, self.window)
-        forced = (real & ~prefix)[:, None, :]
-        return keep_top(scores, forced, prefix[:, None, :], cap)
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window <= 0:
+            raise ValueError(f"window must be > 0, got {self.window}")
+
+    def check_capacity(self, cap):
+        """The window must fit in the budget."""
+        if self.window > cap:
+            raise ValueError(f"window {self.window} is larger than the budget of {cap} tokens per KV head")
+
+    def scorer(self) -> WindowAttentionScores:
+        """SnapKV's pooled window attention."""
+        return WindowAttentionScores(self.window, self.kernel, self.pooling, self.gqa)
+
+    def components(self):
+        """Window scores + uniform + top tokens (window forced) + pages."""
+        return (self.scorer(), UniformCapacity(), TopTokens(protect=self.window),
+                PagedAppend(self.page_size, self.implementation))

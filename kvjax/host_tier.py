@@ -1,0 +1,366 @@
+"""Host tier: full KV of chosen (row, KV head) pairs in ``pinned_host`` memory, recalled inside jit.
+
+Methods that keep only part of a head on the device (HeteroCache, SyncKV, HCAttention) park the
+head's full KV here and bring selected tokens back to device memory inside one jitted decode loop
+(``lax.while_loop``), with no host synchronisation.
+
+Layout
+------
+:class:`HostKV` holds ``k, v[n_heads, S_pad, D]`` in ``pinned_host`` memory, one row per token,
+``S_pad`` = prompt length rounded up to ``page_size`` (padding rows are zero). Head ``i`` is the
+(row, KV head) pair ``heads[i]``. A page ``p`` is rows ``p*page_size .. (p+1)*page_size - 1``, so the
+same buffer serves token-granular (:func:`recall`) and page-granular (:func:`recall_pages`) recall.
+
+Recall mechanism (default ``mechanism="host_gather"``)
+------------------------------------------------------
+One ``compute_on("device_host")`` region per call gathers the selected rows of every stored head
+(K and V stacked) out of the host arrays into one ``[2, n_heads, R, D]`` block whose memory space is
+declared ``Device``: the host computation writes the block and the runtime moves it to the device as
+**one** transfer. The index array (a few KB) is the region's only device input; rows past ``count``
+are masked to zero on the device afterwards. In HLO this is one ``call`` with
+``_xla_compute_type="host"`` followed by one ``annotate_device_placement`` to ``"device"``; no gather
+or arithmetic touches a host array outside the host region.
+
+Why this mechanism (CPU: observed; GPU: read from XLA's source and jax's tests, not yet run on a
+GPU here):
+
+* XLA:GPU runs a host region as ``HostExecuteStartThunk``/``HostExecuteDoneThunk``
+  (``xla/backends/gpu/runtime/host_execute_thunk.cc``): the start thunk copies device arguments (our
+  indices) to host and schedules the XLA:CPU-compiled gather on a host thread pool, reading the
+  ``pinned_host`` K/V in place. When it finishes, the result is copied with one ``Memcpy`` on the
+  host-to-device stream. Compute waits for that copy only at the done thunk, just before the first
+  use, so device work between issue and use overlaps the gather and the copy. jax's own
+  ``tests/memories_test.py::ComputeOffload`` runs these regions on GPU (``test_offload_take_host``:
+  ``jnp.take`` inside ``compute_on``; ``test_compute_on_host_shared_sharding``: a host array plus a
+  device array ``device_put`` to host inside the region, the pattern used here; ``test_scan_offload``:
+  inside a loop). That test class skips CPU, but this module's tests pass on CPU with jax 0.10.2
+  (``compute_on2``) and jax 0.11.2 (``compute_on``).
+* Caveat (same source): the done thunk blocks the thread that launches GPU work until the host
+  gather has run. The gather starts only after the device work enqueued before ``issue`` is done.
+  The copy is hidden only when the device work between ``issue`` and first use takes longer than
+  the gather plus the copy. So issue as early as the indices are known (the prefetch pattern).
+* Observed on CPU (same RAM, so this measures overhead only): 8 heads x 256 rows, D=128, bf16.
+  The old per-row ``fori_loop`` of ``device_put``s took 41.7 ms per call (1.05 s to compile).
+  ``host_gather`` took 0.26 ms (0.17 s). ``slices`` over 16 pages per head took 1.1 ms, and 4.1 s
+  to compile.
+* The API differs by version: jax <= 0.10 has ``compute_on2(f, *, compute_type,
+  out_memory_spaces)`` and a context-manager ``compute_on(str)``; jax 0.11+ renamed the functional
+  form to ``compute_on``. :func:`_device_host` picks whichever has ``out_memory_spaces``.
+
+Alternatives tried (jax 0.10.2 CPU) and why they were not chosen:
+
+* A gather on the host array (``x[idx]``, ``jnp.take``, ``vmap(dynamic_slice)``, which batches to a
+  gather) with device indices fails at trace time: "memory_space of all inputs passed to `gather`
+  must be the same".
+* The same gather with the indices first ``device_put`` to host, outside any ``compute_on``: runs on
+  CPU (it is the same RAM). On GPU, XLA's host offloader either rejects device compute on
+  host-memory operands or turns it into slow implicit host compute with a warning, and it can fail
+  a CHECK (openxla/xla#34565, scatter). Not relied on.
+* ``dynamic_slice`` of the host array then ``device_put`` to device (the ``DESIGN.md`` pattern, and
+  the old ``kvjax.paged.recall_rows``): correct and supported by XLA's host offloader on GPU, but
+  each slice is its own transfer. Arbitrary rows or pages of several heads cannot be one
+  rectangular slice. That is ``n_heads * R`` transfers (unrolled, or a sequential ``fori_loop`` in
+  the old code) where one is possible. Kept as ``mechanism="slices"``, a fallback for a
+  jaxlib whose GPU plugin cannot run ``device_host`` regions; use it with pages and small ``R``
+  (each slice is an HLO op: compile time grows with ``n_heads * R``).
+* Concatenating those slices on the host before one ``device_put`` is host compute outside a
+  ``compute_on`` region, which has the same problem as above.
+
+Prefetch pattern
+----------------
+The value of step ``t+1``'s recall does not depend on step ``t+1``. Issue it in step ``t`` and
+carry it in the loop state::
+
+    def body(carry):
+        t, pf, ... = carry
+        k_rec, v_rec = take(pf)                    # recalled in the previous iteration
+        ...  # attention etc. of step t using k_rec, v_rec; choose idx/count for step t+1
+        pf = issue(host, idx_next, count_next)     # as early as idx_next is known
+        ...  # rest of step t overlaps the host gather + copy
+        return t + 1, pf, ...
+
+    carry0 = (0, issue(host, idx_0, count_0), ...)   # or empty_prefetch(host, R) for step 0
+
+:class:`Prefetch` is a pytree. XLA schedules the start of the host computation where ``issue`` is
+called and its done thunk (the only wait) before the loop-carried output is needed.
+
+Paged pools
+-----------
+:func:`write_recalled` scatters recalled rows into the device page pools of ``kvjax.paged``
+(``k_pages, v_pages[num_pages, page_size, D]``, ``block_table[B, Hkv, max_pages]``).
+
+Single-device (or fully replicated) arrays only. On CPU ``pinned_host`` and ``device`` are the same
+RAM: the tests here show correctness and the transfer structure, not speed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
+MECHANISMS = ("host_gather", "slices")
+
+
+@struct.dataclass
+class HostKV:
+    """Full KV of chosen (row, KV head) pairs in ``pinned_host`` memory (see module docstring).
+
+    ``k, v[n_heads, S_pad, D]``: head ``i`` holds (row, KV head) ``heads[i]``. ``length`` is the number
+    of stored tokens ``S``; rows ``S .. S_pad-1`` are zero padding up to a multiple of ``page_size``.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    heads: tuple = struct.field(pytree_node=False, default=())
+    length: int = struct.field(pytree_node=False, default=0)
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+    @property
+    def n_heads(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1] // self.page_size
+
+
+@struct.dataclass
+class Prefetch:
+    """A recall issued ahead of use: device ``k, v[n_heads, R', D]`` plus the ``idx``/``count`` it was issued for."""
+
+    k: jax.Array
+    v: jax.Array
+    idx: jax.Array
+    count: jax.Array
+
+
+def offload(k, v, heads: Sequence[tuple[int, int]], *, page_size: int = 16) -> HostKV:
+    """Copy ``k, v[B, Hkv, S, D]`` of ``heads`` [(row, kv_head), ...] to ``pinned_host`` memory.
+
+    Works eagerly and inside jit (``device_put`` to the host memory space; inside jit the result
+    carries the host memory kind when returned). ``heads`` and ``page_size`` are static.
+    """
+    if k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"offload: k, v must both be [B, Hkv, S, D]; got {k.shape} and {v.shape}")
+    B, Hkv, S, _ = k.shape
+    heads = tuple((int(b), int(h)) for b, h in heads)
+    if not heads:
+        raise ValueError("offload: heads is empty")
+    bad = [(b, h) for b, h in heads if not (0 <= b < B and 0 <= h < Hkv)]
+    if bad:
+        raise ValueError(f"offload: heads {bad} outside rows [0, {B}) x KV heads [0, {Hkv})")
+    if len(set(heads)) != len(heads):
+        raise ValueError(f"offload: duplicate (row, kv_head) pairs in {heads}")
+    if int(page_size) < 1:
+        raise ValueError(f"offload: page_size must be >= 1, got {page_size}")
+    page_size = int(page_size)
+    rows = np.asarray([b for b, _ in heads], np.int32)
+    hs = np.asarray([h for _, h in heads], np.int32)
+    pad = (-S) % page_size
+
+    def stage(x):
+        x = x[rows, hs]  # [n_heads, S, D], still in device memory
+        if pad:
+            x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+        return jax.device_put(x, HOST)
+
+    return HostKV(k=stage(k), v=stage(v), heads=heads, length=S, page_size=page_size)
+
+
+def _device_host(fn):
+    """``fn`` as a ``device_host`` computation whose outputs are in device memory (jax 0.10 and 0.11+)."""
+    from jax.experimental import compute_on as co
+
+    for name in ("compute_on", "compute_on2"):  # 0.11+: compute_on; <= 0.10: compute_on2
+        api = getattr(co, name, None)
+        if api is not None and "out_memory_spaces" in inspect.signature(api).parameters:
+            return api(fn, compute_type="device_host", out_memory_spaces=DEVICE)
+    raise NotImplementedError(
+        "this jax has no functional compute_on(..., out_memory_spaces=...); use mechanism='slices'"
+    )
+
+
+def _check_request(host: HostKV, idx, count, pages: bool):
+    """Validate a recall request; returns ``(idx, count, limit)``, limit = exclusive bound of ``idx``."""
+    if not isinstance(host, HostKV):
+        raise TypeError(f"expected a HostKV, got {type(host).__name__}")
+    idx = idx if hasattr(idx, "shape") else np.asarray(idx)
+    count = count if hasattr(count, "shape") else np.asarray(count)
+    limit, what = (host.num_pages, "pages") if pages else (host.length, "idx")
+    n = host.n_heads
+    if getattr(idx, "ndim", None) != 2 or idx.shape[0] != n:
+        raise ValueError(f"{what} must be int [n_heads={n}, R]; got shape {getattr(idx, 'shape', None)}")
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(f"{what} must be an integer array, got {idx.dtype}")
+    if getattr(count, "shape", None) != (n,):
+        raise ValueError(f"count must be int [n_heads={n}]; got shape {getattr(count, 'shape', None)}")
+    if not jnp.issubdtype(count.dtype, jnp.integer):
+        raise ValueError(f"count must be an integer array, got {count.dtype}")
+    # Static checks where the values are known (not traced).
+    if not isinstance(idx, jax.core.Tracer) and not isinstance(count, jax.core.Tracer):
+        idx_np, count_np = np.asarray(idx), np.asarray(count)
+        R = idx_np.shape[1]
+        if ((count_np < 0) | (count_np > R)).any():
+            raise ValueError(f"count must be in [0, R={R}]; got {count_np.tolist()}")
+        live = np.arange(R)[None, :] < count_np[:, None]
+        out = live & ((idx_np < 0) | (idx_np >= limit))
+        if out.any():
+            h, r = map(int, np.argwhere(out)[0])
+            raise ValueError(
+                f"{what}[{h}, {r}] = {int(idx_np[h, r])} is outside [0, {limit}) "
+                f"(stored {'pages' if pages else 'tokens'} of head {host.heads[h]})"
+            )
+    return idx, count, limit
+
+
+def _recall(host: HostKV, idx, count, *, block: int, limit: int, mechanism: str):
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+    n, R = idx.shape
+    D = host.k.shape[-1]
+    count = jnp.asarray(count, jnp.int32)
+    live = jnp.arange(R, dtype=jnp.int32)[None, :] < count[:, None]  # [n, R]
+    # Entries past count may be garbage: point them at block 0 (their rows are zeroed below).
+    safe = jnp.where(live, jnp.clip(jnp.asarray(idx, jnp.int32), 0, limit - 1), 0)
+
+    if mechanism == "host_gather":
+
+        def gather(k, v, ids):
+            ids = jax.device_put(ids, HOST)  # same memory space as k, v for the gather
+
+            def one(x):  # [n, S_pad, D] -> [n, R * block, D]
+                blocks = x.reshape(n, -1, block, D)
+                return jax.vmap(lambda a, i: a[i])(blocks, ids).reshape(n, R * block, D)
+
+            return jnp.stack([one(k), one(v)])
+
+        kv = _device_host(gather)(host.k, host.v, safe)  # ONE transfer: [2, n, R*block, D]
+        k_out, v_out = kv[0], kv[1]
+    else:  # "slices": one dynamic_slice + device_put per (head, block); n * R transfers per array
+        def fetch(x):
+            parts = [
+                jax.device_put(lax.dynamic_slice(x, (h, safe[h, r] * block, 0), (1, block, D)), DEVICE)
+                for h in range(n)
+                for r in range(R)
+            ]
+            return jnp.concatenate(parts, axis=1).reshape(n, R * block, D)
+
+        k_out, v_out = fetch(host.k), fetch(host.v)
+
+    keep = jnp.repeat(live, block, axis=1)[..., None]  # [n, R*block, 1]
+    return jnp.where(keep, k_out, 0), jnp.where(keep, v_out, 0)
+
+
+def recall(host: HostKV, idx, count, *, mechanism: str = "host_gather"):
+    """Bring token rows of every stored head to device memory (inside or outside jit).
+
+    Args:
+      host: the host tier.
+      idx: int ``[n_heads, R]`` row (token slot) ids per head; entries at positions ``>= count[h]``
+        are ignored. Live entries must lie in ``[0, host.length)``. This is checked when ``idx`` is
+        concrete; traced values are clipped.
+      count: int ``[n_heads]`` live entries per head, ``0 <= count <= R``.
+      mechanism: ``"host_gather"`` (one transfer per call) or ``"slices"`` (fallback, see module doc).
+
+    Returns:
+      ``k, v[n_heads, R, D]`` in device memory; rows ``>= count[h]`` are zero.
+    """
+    idx, count, limit = _check_request(host, idx, count, pages=False)
+    return _recall(host, idx, count, block=1, limit=limit, mechanism=mechanism)
+
+
+def recall_pages(host: HostKV, pages, count, *, mechanism: str = "host_gather"):
+    """Page-granular :func:`recall`: whole pages of ``host.page_size`` tokens.
+
+    ``pages[n_heads, P]`` are page ids in ``[0, host.num_pages)`` (``count`` counts pages). Returns
+    ``k, v[n_heads, P * page_size, D]``: page ``j`` of head ``h`` occupies rows
+    ``j*page_size .. (j+1)*page_size - 1``. Pages ``>= count[h]`` and the padding past
+    ``host.length`` in the last page are zero.
+    """
+    pages, count, limit = _check_request(host, pages, count, pages=True)
+    return _recall(host, pages, count, block=host.page_size, limit=limit, mechanism=mechanism)
+
+
+def issue(host: HostKV, idx, count, *, pages: bool = False, mechanism: str = "host_gather") -> Prefetch:
+    """Start a recall now and return it as a :class:`Prefetch` to carry in the loop state.
+
+    Use it for step ``t+1`` while step ``t`` computes (see the module docstring). ``pages`` selects
+    :func:`recall_pages` instead of :func:`recall`.
+    """
+    fn = recall_pages if pages else recall
+    k, v = fn(host, idx, count, mechanism=mechanism)
+    return Prefetch(k=k, v=v, idx=jnp.asarray(idx, jnp.int32), count=jnp.asarray(count, jnp.int32))
+
+
+def take(prefetch: Prefetch):
+    """Recalled ``(k, v)`` of a :class:`Prefetch` issued in an earlier step."""
+    return prefetch.k, prefetch.v
+
+
+def empty_prefetch(host: HostKV, r: int, *, pages: bool = False) -> Prefetch:
+    """An all-zero :class:`Prefetch` with ``count = 0``, an initial loop state of the right shape."""
+    n, D = host.n_heads, host.k.shape[-1]
+    rows = r * (host.page_size if pages else 1)
+    z = jnp.zeros((n, rows, D), host.k.dtype)
+    return Prefetch(k=z, v=z, idx=jnp.zeros((n, r), jnp.int32), count=jnp.zeros((n,), jnp.int32))
+
+
+def write_recalled(k_pages, v_pages, block_table, recalled_k, recalled_v, heads, dst_start, count):
+    """Scatter recalled rows into device page pools; returns the new ``(k_pages, v_pages)``.
+
+    Row ``r`` of recalled head ``i`` goes to logical slot ``dst_start[i] + r`` of the (row, KV head)
+    pair ``heads[i]``, i.e. page ``block_table[row, kv_head, slot // page_size]`` at offset
+    ``slot % page_size``. Rows with ``r >= count[i]``, or slots past the head's block table, are
+    dropped.
+
+    Args:
+      k_pages, v_pages: ``[num_pages, page_size, D]`` pools.
+      block_table: int ``[B, Hkv, max_pages]``.
+      recalled_k, recalled_v: ``[n_heads, R, D]`` (e.g. from :func:`recall` or :func:`take`).
+      heads: static ``[(row, kv_head), ...]`` of length ``n_heads`` (usually ``host.heads``).
+      dst_start: int scalar or ``[n_heads]``, first destination slot per head.
+      count: int ``[n_heads]`` rows to write per head.
+    """
+    if k_pages.ndim != 3 or v_pages.shape != k_pages.shape:
+        raise ValueError(f"pools must both be [num_pages, page_size, D]; got {k_pages.shape}, {v_pages.shape}")
+    if block_table.ndim != 3:
+        raise ValueError(f"block_table must be [B, Hkv, max_pages]; got {block_table.shape}")
+    num_pages, ps, D = k_pages.shape
+    B, Hkv, max_pages = block_table.shape
+    heads = tuple((int(b), int(h)) for b, h in heads)
+    n = len(heads)
+    if recalled_k.ndim != 3 or recalled_v.shape != recalled_k.shape or recalled_k.shape[0] != n:
+        raise ValueError(
+            f"recalled k, v must both be [n_heads={n}, R, D]; got {recalled_k.shape}, {recalled_v.shape}"
+        )
+    if recalled_k.shape[2] != D:
+        raise ValueError(f"recalled head dim {recalled_k.shape[2]} != pool head dim {D}")
+    bad = [(b, h) for b, h in heads if not (0 <= b < B and 0 <= h < Hkv)]
+    if bad:
+        raise ValueError(f"heads {bad} outside the block table's rows [0, {B}) x KV heads [0, {Hkv})")
+    if getattr(count, "shape", None) != (n,):
+        raise ValueError(f"count must be int [n_heads={n}]; got shape {getattr(count, 'shape', None)}")
+    R = recalled_k.shape[1]
+    rows = jnp.asarray([b for b, _ in heads], jnp.int32)
+    hs = jnp.asarray([h for _, h in heads], jnp.int32)
+    start = jnp.broadcast_to(jnp.asarray(dst_start, jnp.int32), (n,))
+    j = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # [n, R] logical slots
+    ok = (jnp.arange(R)[None, :] < jnp.asarray(count, jnp.int32)[:, None]) & (j >= 0) & (j < max_pages * ps)
+    page_ix = jnp.clip(j // ps, 0, max_pages - 1)
+    page = block_table[rows[:, None], hs[:, None], page_ix]  # [n, R]
+    n_slots = num_pages * ps
+    flat = jnp.where(ok, page * ps + j % ps, n_slots).reshape(-1)  # out of range: dropped
+
+    def write(pool, x):
+        upd = x.reshape(n * R, D).astype(pool.dtype)
+        return pool.reshape(n_slots, D).at[flat].set(upd, mode="drop").reshape(pool.shape)
+
+    return write(k_pages, recalled_k), write(v_pages, recalled_v)
