@@ -242,7 +242,7 @@ def worker_kvjax(args) -> dict:
     import jax.numpy as jnp
 
     jax.config.update("jax_enable_compilation_cache", False)  # compile times are real compilations
-    from kvjax.generate import decode_loop, prefill
+    from kvjax.generate import compress_jit, decode_loop_jit, prefill_jit, prefill_prompt
     from kvjax.methods import FullCache
     from models import load_model
 
@@ -271,23 +271,23 @@ def worker_kvjax(args) -> dict:
 
     mem = _memory_after_load()
 
-    # ahead-of-time compilation: one executable per last_chunk value in use, and the decode loop
+    # ahead-of-time compilation: the prefill chunk and the decode loop (on the compressed-stage cache,
+    # which for the full cache is the staging buffer itself: compress moves no data)
     _log(f"{tag} compiling (prefill chunk {chunk}, decode loop of {N} tokens)")
     cache = new_cache()
     capacity = cache.capacity
-    variants = [False, True] if len(chunks) > 1 else [True]
-    compiled, lower_s, compile_s = {}, {}, {}
-    for last in variants:
-        t = time.perf_counter()
-        lowered = prefill.lower(model.graphdef, model.params, chunks[0], cache)
-        lower_s[f"prefill_last_chunk_{last}"] = time.perf_counter() - t
-        t = time.perf_counter()
-        compiled[last] = lowered.compile()
-        compile_s[f"prefill_last_chunk_{last}"] = time.perf_counter() - t
+    lower_s, compile_s = {}, {}
+    t = time.perf_counter()
+    lowered = prefill_jit.lower(model.graphdef, model.params, chunks[0], cache)
+    lower_s["prefill_chunk"] = time.perf_counter() - t
+    t = time.perf_counter()
+    prefill_exe = lowered.compile()
+    compile_s["prefill_chunk"] = time.perf_counter() - t
     first_spec = jnp.zeros((1,), jnp.int32)
     key = jax.random.PRNGKey(args.seed)
     t = time.perf_counter()
-    lowered = decode_loop.lower(model.graphdef, model.params, first_spec, cache, key, max_new_tokens=N)
+    lowered = decode_loop_jit.lower(model.graphdef, model.params, first_spec, jax.eval_shape(compress_jit, cache), key,
+                                    max_new_tokens=N)
     lower_s["decode_loop"] = time.perf_counter() - t
     t = time.perf_counter()
     decode_exe = lowered.compile()
@@ -297,8 +297,9 @@ def worker_kvjax(args) -> dict:
     argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
     def run_prefill(cache, parts):
-        for i, part in enumerate(parts):
-            logits, cache = compiled[i == len(parts) - 1](model.params, part, cache)
+        logits, cache = prefill_prompt(model.graphdef, model.params, jnp.concatenate(parts, axis=1), cache,
+                                       chunk_size=chunk, step=prefill_exe)
+        cache = compress_jit(cache)
         first = argmax(logits)
         first.block_until_ready()
         return first, cache
@@ -718,7 +719,7 @@ def render_markdown(report: dict) -> str:
         f"`torch.set_num_threads({cfg['torch_threads'] or m['logical_cores']})`). Both compute only the last token's logits and take the argmax.",
         "- decode: kvjax runs all steps in one jitted `lax.while_loop` (`decode_loop`); transformers calls the model "
         "once per token with `past_key_values` (eager, greedy argmax).",
-        "- compile: kvjax's ahead-of-time `lower` + `compile` of the prefill executable(s) (one per `last_chunk` "
+        "- compile: kvjax's ahead-of-time `lower` + `compile` of the prefill executable(s) (one per chunk shape "
         "value used) and of the decode loop, persistent compilation cache off; transformers is eager (n/a; its "
         "warm-up call is `warmup_s` in the JSON).",
         "- memory: each (framework, dtype, length) in its own process; `loaded` = RSS after loading the weights, "

@@ -15,7 +15,7 @@ process, for the full cache and each requested method (``kvjax.methods.METHODS``
   generated; the first comes from the prefill logits, so N - 1 decode steps are timed), best of
   ``--repeats`` runs, each on a freshly derived cache (``decode_loop`` donates it);
 * **compile**: ahead-of-time ``lower`` + ``compile`` of the prefill executables (one per
-  ``last_chunk`` value used, per staging kind), of ``compress`` and of the decode loop per method,
+  chunk shape, per staging kind), of ``compress`` and of the decode loop per method,
   with the persistent compilation cache off; every executable then runs once (warm-up) before
   anything is timed. Timings use ``jax.block_until_ready``;
 * **cache bytes**: ``cache.stats()["device_bytes"]`` / ``["host_bytes"]`` of the compressed cache
@@ -65,6 +65,7 @@ import traceback
 import numpy as np
 
 from evals.bench_foundation import (
+from kvjax.budgets import parse_budget
 from kvjax.cache import new_cache
     GIB,
     MIB,
@@ -132,18 +133,6 @@ def parse_lengths(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def parse_budget(text: str) -> int | float:
-    """The kvjax CLI's budget: an int = tokens kept per KV head, a float in (0, 1] = fraction of the prompt kept."""
-    from kvjax.cli import _budget
-
-    value = _budget(text)
-    if isinstance(value, int) and value <= 0:
-        raise argparse.ArgumentTypeError(f"--budget: an int budget is tokens per KV head and must be > 0, got {text!r}")
-    if isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"--budget: a float budget is the fraction kept and must be in (0, 1], got {text!r}")
-    return value
-
-
 def default_out(model: str) -> str:
     """``docs/results/bench_methods_<model>.md`` (a path's last component, unsafe characters replaced)."""
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(os.path.normpath(model))) or "model"
@@ -202,7 +191,9 @@ def make_methods(names, budget) -> dict:
 
 
 def check_methods_fit(methods: dict, config, lengths, chunk_size: int, new_tokens: int) -> None:
-    """Every (method, length) must be feasible: budget vs prompt, window vs last chunk, model context."""
+    """Every (method, length) must be feasible: budget vs prompt, model context."""
+    import jax
+
     problems = []
     for L in lengths:
         if L + new_tokens > config.max_position_embeddings:
@@ -214,12 +205,9 @@ def check_methods_fit(methods: dict, config, lengths, chunk_size: int, new_token
             if name == REFERENCE:
                 continue
             try:
-                m.layer_capacities(config.num_layers, L)
+                jax.eval_shape(lambda m=m: new_cache(m, config, 1, L, new_tokens, "float32"))  # validates, allocates nothing
             except ValueError as e:
                 problems.append(f"{name} at L={L}: {e}")
-            if getattr(m, "window", 0) > chunk:
-                problems.append(f"{name} at L={L}: its observation window of {m.window} tokens is longer than the "
-                                f"last prefill chunk ({chunk}); use a larger --chunk-size")
     if problems:
         raise ValueError("infeasible benchmark settings:\n  " + "\n  ".join(problems))
 
@@ -252,7 +240,7 @@ def kv_read_bytes_per_step(name: str, stats_before: dict, stats_after: dict | No
     """K/V bytes one decode step reads at the mean decode context (see the module docstring)."""
     if name == REFERENCE:
         return batch * config.kv_bytes_per_token(itemsize) * (prompt_len + new_tokens / 2)
-    if "kv_bytes_read_per_step" in stats_before:  # Quest: selected pages + page bounds
+    if stats_before.get("saves", "").startswith("bandwidth"):  # Quest: selected pages + page bounds
         before = stats_before["kv_bytes_read_per_step"]
         after = stats_after.get("kv_bytes_read_per_step", before) if stats_after else before
         return (before + after) / 2
@@ -269,8 +257,9 @@ def kv_read_bytes_per_step(name: str, stats_before: dict, stats_after: dict | No
 
 
 def staging_kind(method) -> tuple[int, bool]:
-    """What a static method's staging records: (observation window, accumulate). Equal kinds share a prefill."""
-    return int(getattr(method, "window", 0)), bool(getattr(method, "accumulate", False))
+    """What a method's staging records: (observation window, accumulate). Equal kinds share a prefill."""
+    rec = method.recording()
+    return rec.window, rec.accumulate
 
 
 def staging_kinds(methods: dict) -> list[dict]:
@@ -325,25 +314,27 @@ class _Prefiller:
     def __init__(self, model, new_cache, chunks):
         import jax
 
-        from kvjax.generate import prefill
+        from kvjax.generate import prefill_jit
 
         self.model, self.new_cache, self.chunks = model, new_cache, chunks
-        variants = [False, True] if len(chunks) > 1 else [True]
-        self.exes, self.compile_s = {}, {}
+        self.compile_s = {}
         spec = new_cache()
-        for last in variants:
-            t = time.perf_counter()
-            self.exes[last] = prefill.lower(model.graphdef, model.params, chunks[0], spec).compile()
-            self.compile_s[f"last_chunk_{last}"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.exe = prefill_jit.lower(model.graphdef, model.params, chunks[0], spec).compile()
+        self.compile_s["prefill_chunk"] = time.perf_counter() - t
         del spec
 
     def run(self, chunks, cache=None):
         """Prefill ``chunks`` into ``cache`` (default a fresh one): (first tokens [1], cache), everything finished."""
         import jax
+        import jax.numpy as jnp
+
+        from kvjax.generate import prefill_prompt
 
         cache = self.new_cache() if cache is None else cache
-        for i, part in enumerate(chunks):
-            logits, cache = self.exes[i == len(chunks) - 1](self.model.params, part, cache)
+        tokens = jnp.concatenate(chunks, axis=1)
+        logits, cache = prefill_prompt(self.model.graphdef, self.model.params, tokens, cache,
+                                       chunk_size=chunks[0].shape[1], step=self.exe)
         first = _greedy(logits)
         jax.block_until_ready((first, cache))
         return first, cache
@@ -368,16 +359,16 @@ def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
     """
     import jax
 
-    from kvjax.generate import compress, decode_loop
+    from kvjax.generate import compress_jit, decode_loop_jit
 
     N = args.new_tokens
     t = time.perf_counter()
-    compress_exe = compress.lower(derive(False)).compile()
+    compress_exe = compress_jit.lower(derive(False)).compile()
     compile_compress = time.perf_counter() - t
     warm = compress_exe(derive(False))
     jax.block_until_ready(warm)
     t = time.perf_counter()
-    decode_exe = decode_loop.lower(model.graphdef, model.params, first, warm, key, max_new_tokens=N, eos_ids=()).compile()
+    decode_exe = decode_loop_jit.lower(model.graphdef, model.params, first, warm, key, max_new_tokens=N, eos_ids=()).compile()
     compile_decode = time.perf_counter() - t
     jax.block_until_ready(decode_exe(model.params, first, warm, key))  # warm-up (donates `warm`)
     del warm
@@ -421,6 +412,7 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
+    from kvjax.cache import CacheSpec
     from kvjax.shared_prefill import cache_for, init_shared_cache
 
     config, N = model.config, args.new_tokens
@@ -493,7 +485,8 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
         group = [methods[n] for n in names]
         try:
             _log(f"[bench] L={L} staging (window {window}, accumulate {accumulate}) for {', '.join(names)}")
-            pf = _Prefiller(model, lambda: jax.block_until_ready(init_shared_cache(group, config, 1, L, N, model.dtype)), chunks)
+            spec = CacheSpec.for_model(config, 1, L, N, model.dtype)
+            pf = _Prefiller(model, lambda: jax.block_until_ready(init_shared_cache(group, spec)), chunks)
             first, staged, seconds, memory = pf.measure()
             staging = {"kind": kind, "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
             del pf
@@ -635,7 +628,7 @@ def render_markdown(report: dict) -> str:
         "each reset is `rss_base_kib` in the JSON. On an "
         "accelerator the caches are in device memory, not in RSS (`device_memory` in the JSON).",
         "- **compile s (prefill / decode)**: ahead-of-time `lower` + `compile` (persistent compilation cache off) of "
-        "the prefill executables of the method's staging kind (one per `last_chunk` value, shared by the kind) "
+        "the prefill executables of the method's staging kind (one per chunk shape, shared by the kind) "
         "+ its `compress`, and of its decode loop.",
     ]
     for r in report["rows"]:

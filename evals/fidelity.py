@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvjax.generate import _step
+from kvjax.generate import forward_step
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -31,7 +31,7 @@ def teacher_forced_logprobs(graphdef, params, cache, tokens):
     """Feed ``tokens[B, N]`` one decode step at a time; returns (log-probs f32 [B, N, V], cache)."""
 
     def body(cache, tok):
-        logits, cache = _step(graphdef, params, tok, cache)
+        logits, cache = forward_step(graphdef, params, tok, cache)
         return cache, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
     cache, logprobs = lax.scan(body, cache, tokens.T)
@@ -80,7 +80,8 @@ def run_fidelity(model, methods, texts: np.ndarray, prefix_tokens: int, *, chunk
 
     Returns ``{label: {kl, top1, nll, device_bytes, ...}}`` plus ``"full"``. One shared prefill.
     """
-    from kvjax.generate import compress, prefill
+    from kvjax.cache import CacheSpec
+    from kvjax.generate import compress, prefill_prompt
     from kvjax.methods import FullCache
     from kvjax.shared_prefill import cache_for, init_shared_cache
 
@@ -90,9 +91,9 @@ def run_fidelity(model, methods, texts: np.ndarray, prefix_tokens: int, *, chunk
         raise ValueError(f"texts of {total} tokens leave no continuation after a {prefix_tokens}-token prefix")
     full = FullCache()
     all_methods = {"full": full, **{k: v for k, v in methods.items() if k != "full"}}
-    staged = init_shared_cache(list(all_methods.values()), model.config, B, prefix_tokens, N, model.dtype)
-    for i in range(0, prefix_tokens, chunk_size):
-        _, staged = prefill(model.graphdef, model.params, jnp.asarray(texts[:, i:min(i + chunk_size, prefix_tokens)]), staged)
+    spec = CacheSpec.for_model(model.config, B, prefix_tokens, N, model.dtype)
+    staged = init_shared_cache(list(all_methods.values()), spec)
+    _, staged = prefill_prompt(model.graphdef, model.params, texts[:, :prefix_tokens], staged, chunk_size=chunk_size)
     feed = jnp.asarray(texts[:, prefix_tokens:prefix_tokens + N])
     targets = texts[:, prefix_tokens + 1:]
     items = list(all_methods.items())

@@ -2,12 +2,11 @@
 
 For each (task, length) the runner builds the samples (:mod:`evals.tasks`, deterministic from the
 seed), batches them, and per batch prefills the prompt **once** into a shared staging cache
-(:mod:`kvjax.shared_prefill`): the full cache and every static method are derived from that one
-prefill, compressed and decoded greedily. Answers are scored by exact match (:func:`evals.tasks.score`).
+(:mod:`kvjax.shared_prefill`): the full cache and every method that can share a prefill are derived
+from that one prefill, compressed and decoded greedily; any other method runs its own prefill. Answers are scored by exact match (:func:`evals.tasks.score`).
 
-Budgets are fractions of the prompt's KV kept on the device (:mod:`kvjax.budgets`), applied to the
-batch's padded prompt length, which is the target length rounded up to the prefill chunk. Prompts
-are 98-100% of the target, so a method keeps at most ~2% more than the fraction of the real prompt.
+Budgets are fractions of the prompt's KV kept on the device (:mod:`kvjax.budgets`), applied to each
+row's own prompt length (never to the left padding up to a multiple of the prefill chunk).
 
 Outputs in ``<out_root>/<run_name>/``:
 * ``samples.jsonl``: one record per (sample, method, budget), appended and flushed per batch, so an
@@ -154,9 +153,10 @@ def _prepare_out_dir(cfg: EvalConfig) -> None:
 def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     """Run every missing (sample, method, budget) record; returns how many records were written."""
     from evals.tasks import make_samples, score
-    from kvjax.generate import compress, decode_loop, prefill
+    from kvjax.cache import CacheSpec
+    from kvjax.generate import compress, decode_loop, prefill_prompt
     from kvjax.methods.base import round_up
-    from kvjax.shared_prefill import cache_for, init_shared_cache
+    from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
 
     tok = model.tokenizer
     path = os.path.join(cfg.out_dir, "samples.jsonl")
@@ -192,22 +192,30 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
             max_new = MAX_NEW_TOKENS[task]
             if bar is not None:
                 bar.set_postfix_str(f"{task} {length} prefill")
+            spec = CacheSpec.for_model(model.config, len(rows), L, max_new, model.dtype,
+                                       longest_row=max(len(r) for r in rows))
+            shared = [g for g in missing if can_share_prefill(g[2])]
             t0 = time.perf_counter()
-            staged = init_shared_cache([g[2] for g in missing], model.config, len(rows), L, max_new, model.dtype)
-            staged = staged.replace(pad=jnp.asarray(pad))
-            for c in range(0, L, cfg.chunk_size):
-                logits, staged = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, c:c + cfg.chunk_size]), staged)
-            first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            first.block_until_ready()
+            staged = first = None
+            if shared:  # one prefill for the full cache and every method that can share it
+                staged = init_shared_cache([g[2] for g in shared], spec).replace(pad=jnp.asarray(pad))
+                logits, staged = prefill_prompt(model.graphdef, model.params, tokens, staged, chunk_size=cfg.chunk_size)
+                first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                first.block_until_ready()
             prefill_s = time.perf_counter() - t0
             records = []
             for name, blabel, method in missing:
                 if bar is not None:
                     bar.set_postfix_str(f"{task} {length} {name} {blabel}")
                 t0 = time.perf_counter()
-                cache = compress(cache_for(staged, method))
+                if staged is not None and can_share_prefill(method):
+                    cache, method_first = compress(cache_for(staged, method)), first
+                else:  # a method with its own prefill (it evicts while prefilling, or keeps other state)
+                    cache = method.init_cache(spec).replace(pad=jnp.asarray(pad))
+                    logits, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=cfg.chunk_size)
+                    cache, method_first = compress(cache), jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 stats = cache.stats()
-                gen, count, _ = decode_loop(model.graphdef, model.params, first, cache, jax.random.PRNGKey(0),
+                gen, count, _ = decode_loop(model.graphdef, model.params, method_first, cache, jax.random.PRNGKey(0),
                                             max_new_tokens=max_new, eos_ids=eos)
                 gen, count = np.asarray(gen), np.asarray(count)
                 elapsed = time.perf_counter() - t0
@@ -289,14 +297,14 @@ def build_parser():
     """Arguments of ``kvjax eval``."""
     import argparse
 
-    from kvjax.cli import _budget
+    from kvjax.budgets import parse_budget
     from models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="kvjax eval", description="accuracy of KV-cache methods on synthetic long-context tasks")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS, help="comma list (the full cache always runs)")
-    p.add_argument("--budgets", type=_csv(_budget), default=(0.1, 0.25, 0.5), help="comma list of fractions (or ints: tokens/head)")
+    p.add_argument("--budgets", type=_csv(parse_budget), default=(0.1, 0.25, 0.5), help="comma list of fractions (or ints: tokens/head)")
     p.add_argument("--tasks", type=_csv(str), default=("niah_single", "passkey"), help="comma list; '' with --fidelity-texts for fidelity only")
     p.add_argument("--lengths", type=_csv(int), default=(2048,), help="target prompt lengths in the model's tokens")
     p.add_argument("--samples", type=int, default=4, help="samples per (task, length), needle depths spread evenly")

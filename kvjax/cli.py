@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from kvjax.budgets import parse_budget
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from models import DEFAULT_MODEL
@@ -18,21 +20,10 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     from kvjax.methods import METHODS
 
     p.add_argument("--method", default="full", choices=sorted(METHODS), help="KV-cache method")
-    p.add_argument("--budget", type=_budget, default=None,
+    p.add_argument("--budget", type=parse_budget, default=None,
                    help="KV budget: an int = tokens per KV head per layer, a float in (0, 1] = fraction of the prompt's KV kept")
     p.add_argument("--implementation", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
                    help="attention implementation (auto: pallas on TPU/GPU, xla on CPU)")
-
-
-def _budget(text: str):
-    """``1024`` -> int tokens per head; ``0.25`` -> float fraction."""
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"budget must be an int (tokens) or a float fraction, got {text!r}") from None
 
 
 def _method(args):

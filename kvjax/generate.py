@@ -162,7 +162,7 @@ def compress(cache: Cache) -> Cache:
         return compress_jit(cache)
 
 
-def _step(graphdef, params, tokens: jax.Array, cache: Cache):
+def forward_step(graphdef, params, tokens: jax.Array, cache: Cache):
     """One decode forward of ``tokens[B]`` at slot ``cache.length``; returns (logits [B, V], cache)."""
     positions = (cache.length - cache.pad)[:, None]
     logits, cache = _forward(graphdef, params, tokens[:, None], positions, cache, last_only=False)
@@ -173,7 +173,7 @@ def _step(graphdef, params, tokens: jax.Array, cache: Cache):
 def decode_step_jit(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Array, *, sampling: Sampling = Sampling()):
     """Jitted body of :func:`decode_step`."""
     TRACE_COUNTS["decode_step"] += 1
-    logits, cache = _step(graphdef, params, tokens, cache)
+    logits, cache = forward_step(graphdef, params, tokens, cache)
     return sample(logits, key, sampling), logits, cache
 
 
@@ -218,7 +218,7 @@ def decode_loop_jit(
     def body(state):
         i, tok, done, out, count, cache, key = state
         key, sub = jax.random.split(key)
-        logits, cache = _step(graphdef, params, tok, cache)
+        logits, cache = forward_step(graphdef, params, tok, cache)
         nxt = sample(logits, sub, sampling)
         nxt = jnp.where(done, tok, nxt)  # finished rows repeat their EOS
         out = lax.dynamic_update_slice_in_dim(out, nxt[:, None], i + 1, axis=1)

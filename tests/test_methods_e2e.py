@@ -9,13 +9,13 @@ import pytest
 
 import kvjax
 from kvjax.api import generate_tokens
+from kvjax.cache import CacheSpec, new_cache
 from kvjax.generate import compress, decode_step, prefill
 from kvjax.methods import H2O, HBW, FullCache, PyramidKV, Quest, SnapKV, StreamingLLM
 from kvjax.methods.quest import QuestKV, select_pages
-from kvjax.paged import PagedKV, build_paged, offload, recall_into
+from kvjax.paged import PagedKV, build_paged
 from models import load_model
 from tests.tiny import save_tiny
-from kvjax.cache import new_cache
 
 L = 48
 
@@ -80,36 +80,6 @@ def test_device_bytes_equal_sum_of_head_capacities(tiny):
         assert cache.device_bytes() >= total
 
 
-def test_host_tier_roundtrip_and_memory_kinds():
-    rng = np.random.default_rng(2)
-    B, H, S, D = 2, 2, 40, 8
-    k = jnp.asarray(rng.normal(size=(B, H, S, D)).astype(np.float32))
-    v = jnp.asarray(rng.normal(size=(B, H, S, D)).astype(np.float32))
-    host = offload(k, v, [(1, 0), (0, 1)])
-    assert host.k.sharding.memory_kind == "pinned_host" and host.v.sharding.memory_kind == "pinned_host"
-    keep = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (B, H, 10))
-    paged = build_paged(k, v, keep, (10, 10), room=4, page_size=4)
-    assert paged.k_pages.sharding.memory_kind == "device"
-    rows = jnp.asarray([33, 5, 17, 0, 0], jnp.int32)
-
-    @jax.jit
-    def recall(paged, host, rows):
-        return recall_into(paged, host, host_head=0, row=1, kv_head=0, rows=rows, count=jnp.int32(3), dst_start=2)
-
-    out = recall(paged, host, rows)
-    assert out.k_pages.sharding.memory_kind == "device"
-    table = np.asarray(out.block_table)
-    def head_rows(pool, b, h, n):
-        flat = np.asarray(pool).reshape(-1, D)
-        return np.stack([flat[table[b, h, j // 4] * 4 + j % 4] for j in range(n)])
-    got_k = head_rows(out.k_pages, 1, 0, 10)
-    np.testing.assert_array_equal(got_k[2:5], np.asarray(k)[1, 0, [33, 5, 17]])  # recalled rows
-    np.testing.assert_array_equal(got_k[:2], np.asarray(k)[1, 0, :2])  # untouched slots
-    np.testing.assert_array_equal(got_k[5:], np.asarray(k)[1, 0, 5:10])
-    np.testing.assert_array_equal(head_rows(out.v_pages, 1, 0, 10)[2:5], np.asarray(v)[1, 0, [33, 5, 17]])
-    np.testing.assert_array_equal(head_rows(out.k_pages, 0, 0, 10), np.asarray(k)[0, 0, :10])  # other heads intact
-
-
 def test_generate_api_accepts_method_names_and_instances(tiny):
     row = list(np.random.default_rng(3).integers(0, 97, size=40))
     out, count, cache, _ = generate_tokens(tiny, [row, row[:30]], method=HBW(budget=16, window=4, block=16), max_new_tokens=4)
@@ -120,10 +90,10 @@ def test_generate_api_accepts_method_names_and_instances(tiny):
 @pytest.mark.parametrize("bad, match", [
     (lambda: SnapKV(budget=0), "budget must be > 0"),
     (lambda: SnapKV(budget=1.5), r"fractional budget must be in \(0, 1\]"),
-    (lambda: SnapKV(budget=100).layer_capacities(2, 40), "larger than the prompt"),
-    (lambda: SnapKV(budget=8, window=32).layer_capacities(2, 40), "window 32 is larger than the budget of 8"),
-    (lambda: HBW(budget=16, window=4, block_size=32).layer_capacities(2, 40), "block size 32 is larger than the capacity of 16"),
-    (lambda: StreamingLLM(budget=3, sinks=4).layer_capacities(2, 40), "sinks 4 is larger than the budget of 3"),
+    (lambda: SnapKV(budget=100).head_capacities(spec(40)), "larger than the prompt"),
+    (lambda: SnapKV(budget=8, window=32).head_capacities(spec(40)), "window 32 is larger than the budget of 8"),
+    (lambda: HBW(budget=16, window=4, block_size=32).head_capacities(spec(40)), "block size 32 is larger than the capacity of 16"),
+    (lambda: StreamingLLM(budget=3, sinks=4).head_capacities(spec(40)), "sinks 4 is larger than the budget of 3"),
     (lambda: SnapKV(gqa="median"), "unknown GQA aggregation 'median'"),
     (lambda: kvjax.get_method("snapkvv"), "unknown method 'snapkvv'; available: full, h2o, hbw"),
 ])
@@ -132,9 +102,80 @@ def test_bad_input(bad, match):
         bad()
 
 
-def test_budget_larger_than_shortest_row(tiny):
-    with pytest.raises(ValueError, match="larger than the shortest prompt"):
-        generate_tokens(tiny, [[1] * 40, [1] * 10], method=SnapKV(budget=20, window=4), max_new_tokens=2)
+def spec(prompt_len):
+    return CacheSpec(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, batch=1, prompt_slots=prompt_len,
+                     longest_row=prompt_len, room=0)
+
+
+def test_budget_larger_than_longest_row(tiny):
+    with pytest.raises(ValueError, match="larger than the prompt"):
+        generate_tokens(tiny, [[1] * 40, [1] * 10], method=SnapKV(budget=41, window=4), max_new_tokens=2)
+
+
+EVERY = [
+    lambda b: SnapKV(budget=b, window=4, block=16), lambda b: HBW(budget=b, window=4, block=16),
+    lambda b: StreamingLLM(budget=b, block=16), lambda b: H2O(budget=b, block=16),
+    lambda b: PyramidKV(budget=b, window=4, block=16), lambda b: Quest(budget=b, block=16, page_size=8, dense_layers=0),
+]
+NAMES = ["snapkv", "hbw", "streaming_llm", "h2o", "pyramidkv", "quest"]  # H2O with decode-time eviction evicts by design
+
+
+@pytest.mark.parametrize("make", EVERY, ids=NAMES)
+def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, make):
+    """Budget 1.0 keeps exactly each row's real tokens: chunk padding and a ragged batch change nothing.
+
+    Before per-row capacities, padding slots were kept and attended (SnapKV(1.0) on a 40-token prompt
+    with chunk_size=32 generated other tokens than the full cache).
+    """
+    rng = np.random.default_rng(11)
+    rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
+    full, _, _, _ = generate_tokens(tiny, rows, method=FullCache(block=16), max_new_tokens=6)
+    for chunk in (None, 32):
+        got, _, cache, _ = generate_tokens(tiny, rows, method=make(1.0), max_new_tokens=6, chunk_size=chunk)
+        np.testing.assert_array_equal(got, full, err_msg=f"chunk_size={chunk}")
+    # an int budget equal to the shortest row keeps that row whole
+    got, _, _, _ = generate_tokens(tiny, rows, method=make(20), max_new_tokens=6, chunk_size=32)
+    np.testing.assert_array_equal(got[1], full[1])
+
+
+def test_padding_is_never_kept(tiny):
+    """PyramidKV(budget=20) on a ragged batch: the 20-token row holds exactly its 20 tokens in every layer."""
+    rng = np.random.default_rng(12)
+    rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
+    _, _, cache, _ = generate_tokens(tiny, rows, method=PyramidKV(budget=20, window=4, block=16), max_new_tokens=1)
+    for st in cache.layers:
+        assert np.asarray(st.lengths)[1].tolist() == [20, 20]  # not the layer's capacity (up to 35)
+        assert max(st.capacities) > 20 or st.capacities[0] <= 20
+
+
+def test_decoding_past_the_room_is_an_error(tiny):
+    tokens = np.random.default_rng(13).integers(0, 97, size=(1, 24)).astype(np.int32)
+    cache = new_cache(SnapKV(budget=8, window=4, block=16), tiny.config, 1, 24, 2, tiny.dtype)
+    _, cache = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens), cache)
+    with pytest.raises(ValueError, match="compress first"):
+        prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, :1]), cache)
+    cache = compress(cache)
+    key = jax.random.PRNGKey(0)
+    for _ in range(2):
+        _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, 0]), cache, key)
+    with pytest.raises(ValueError, match="exceed the cache's room"):
+        decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, 0]), cache, key)
+
+
+@pytest.mark.parametrize("make", EVERY, ids=NAMES)
+def test_question_after_compression_equals_question_inside_at_full_budget(tiny, make):
+    """Prefilling a question onto a compressed cache (query-agnostic) equals prefilling it with the
+    context when nothing is evicted, and differs from it at a small budget for a scoring method."""
+    rng = np.random.default_rng(14)
+    context = [list(rng.integers(0, 97, size=36)), list(rng.integers(0, 97, size=30))]
+    question = [list(rng.integers(0, 97, size=5)) for _ in context]
+    whole = [c + q for c, q in zip(context, question)]
+    ref, _, _, _ = generate_tokens(tiny, whole, method=FullCache(block=16), max_new_tokens=5)
+    got, _, cache, _ = generate_tokens(tiny, context, method=make(1.0), max_new_tokens=5, question_rows=question)
+    np.testing.assert_array_equal(got, ref)
+    assert int(cache.length) == 36 + 5 + 4
+    with pytest.raises(ValueError, match="one non-zero length"):
+        generate_tokens(tiny, context, method=make(1.0), max_new_tokens=2, question_rows=[question[0], question[1][:3]])
 
 
 def test_quest_selects_top_pages_plus_last_page():

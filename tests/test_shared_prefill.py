@@ -9,7 +9,8 @@ import pytest
 
 from kvjax.generate import compress, decode_step, prefill
 from kvjax.methods import H2O, HBW, FullCache, PyramidKV, Quest, SnapKV, StreamingLLM
-from kvjax.shared_prefill import cache_for, init_shared_cache, shared_staging
+from kvjax.cache import CacheSpec
+from kvjax.shared_prefill import cache_for, init_shared_cache
 from models import load_model
 from tests.tiny import save_tiny
 from kvjax.cache import new_cache
@@ -42,8 +43,9 @@ def test_shared_prefill_equals_own_prefill(tiny):
     tokens = np.random.default_rng(1).integers(0, 97, size=(2, L + STEPS)).astype(np.int32)
     tokens[1, :5] = 0  # row 1 is left-padded by 5 slots
     pad = np.asarray([0, 5], np.int32)  # a fresh device array per cache: prefill donates it
-    staged = init_shared_cache(METHODS, tiny.config, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
-    assert staged.method.window == 8 and staged.method.accumulate
+    spec = CacheSpec.for_model(tiny.config, 2, L, STEPS, tiny.dtype)
+    staged = init_shared_cache(METHODS, spec).replace(pad=jnp.asarray(pad))
+    assert staged.method.shared.window == 8 and staged.method.shared.accumulate
     for i in range(0, L, 16):  # chunked: the window and accumulation are recorded across chunks
         first_shared, staged = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, i:i + 16]), staged)
     for method in METHODS:
@@ -57,19 +59,22 @@ def test_shared_prefill_equals_own_prefill(tiny):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=method.name)
         np.testing.assert_allclose(decode_logits(tiny, derived, first_shared, tokens),
                                    decode_logits(tiny, own, first_own, tokens), atol=2e-5, rtol=1e-5, err_msg=method.name)
-    # the staging survived every derivation (compress does not donate)
+    # the staging survived every derivation (cache_for copies; compress donates the copy)
     assert all(not leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(staged))
 
 
 def test_shared_prefill_errors(tiny):
     with pytest.raises(ValueError, match="at least one method"):
-        shared_staging([])
-    snap_only = init_shared_cache([SnapKV(budget=12, window=4, block=16)], tiny.config, 1, L, 2, tiny.dtype)
-    with pytest.raises(ValueError, match="observation window of 8"):
+        init_shared_cache([], CacheSpec.for_model(tiny.config, 1, L, 2, tiny.dtype))
+    snap_only = init_shared_cache([SnapKV(budget=12, window=4, block=16)], CacheSpec.for_model(tiny.config, 1, L, 2, tiny.dtype))
+    with pytest.raises(ValueError, match="window=8"):
         cache_for(snap_only, SnapKV(budget=12, window=8, block=16))
-    with pytest.raises(ValueError, match="accumulated attention"):
+    with pytest.raises(ValueError, match="accumulate=True"):
         cache_for(snap_only, H2O(budget=12, block=16))
     with pytest.raises(ValueError, match="init_shared_cache"):
         cache_for(new_cache(FullCache(), tiny.config, 1, L, 2, tiny.dtype), SnapKV(budget=12))
+    with pytest.raises(ValueError, match="holds 0 of its 48 prompt slots"):
+        compress(snap_only)
+    _, snap_only = prefill(tiny.graphdef, tiny.params, jnp.zeros((1, L), jnp.int32), snap_only)
     with pytest.raises(ValueError, match="cannot be compressed"):
         compress(snap_only)
