@@ -65,8 +65,6 @@ import traceback
 import numpy as np
 
 from evals.bench_foundation import (
-from kvjax.budgets import parse_budget
-from kvjax.cache import new_cache
     GIB,
     MIB,
     effective_chunk,
@@ -78,6 +76,8 @@ from kvjax.cache import new_cache
     versions,
     worker_bandwidth,
 )
+from kvjax.budgets import parse_budget
+from kvjax.cache import new_cache
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)  # 16384 by --lengths: the defaults fit in ~20 min on 2 cores
