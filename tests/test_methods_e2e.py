@@ -133,9 +133,11 @@ def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny,
     for chunk in (None, 32):
         got, _, cache, _ = generate_tokens(tiny, rows, method=make(1.0), max_new_tokens=6, chunk_size=chunk)
         np.testing.assert_array_equal(got, full, err_msg=f"chunk_size={chunk}")
-    # an int budget equal to the shortest row keeps that row whole
-    got, _, _, _ = generate_tokens(tiny, rows, method=make(20), max_new_tokens=6, chunk_size=32)
-    np.testing.assert_array_equal(got[1], full[1])
+    # an int budget equal to the shortest row keeps that row whole (not PyramidKV, whose per-layer
+    # capacities go below the average, nor Quest, which reads a budget of pages per step)
+    if make(20).name not in ("pyramidkv", "quest"):
+        got, _, _, _ = generate_tokens(tiny, rows, method=make(20), max_new_tokens=6, chunk_size=32)
+        np.testing.assert_array_equal(got[1], full[1])
 
 
 def test_padding_is_never_kept(tiny):
@@ -144,8 +146,8 @@ def test_padding_is_never_kept(tiny):
     rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
     _, _, cache, _ = generate_tokens(tiny, rows, method=PyramidKV(budget=20, window=4, block=16), max_new_tokens=1)
     for st in cache.layers:
-        assert np.asarray(st.lengths)[1].tolist() == [20, 20]  # not the layer's capacity (up to 35)
-        assert max(st.capacities) > 20 or st.capacities[0] <= 20
+        cap = st.capacities[0]
+        assert np.asarray(st.lengths)[1].tolist() == [min(cap, 20)] * 2  # never the layer's capacity above 20
 
 
 def test_decoding_past_the_room_is_an_error(tiny):
