@@ -22,32 +22,44 @@ NaN from an uninitialised pool) cannot leak into the output.  A head with length
 
 Two kernel forms:
 
-* ``backend="tpu"`` (Mosaic TPU): grid ``(B, H_kv, page_blocks)``; lengths and the block table
-  are scalar-prefetched into SMEM (``pltpu.PrefetchScalarGridSpec``); K/V stay in HBM
-  (``memory_space=pl.ANY``) and the pages of a block are DMA-ed into a double-buffered VMEM
-  scratch with ``pltpu.make_async_copy``: while block ``i`` is computed, block ``i+1`` of the
-  same (row, head) is in flight.  Only the pages below ``ceil(length/page_size)`` are copied;
-  grid steps past the head's length do nothing (block-sparse skip).  The page-block axis is
-  sequential ("arbitrary"); row and head axes are "parallel" (megacore).  The prefetch stays
-  within one (row, head): the first block of each head is not overlapped with the previous
-  head's last block (jax's own TPU paged attention chains across heads at the cost of
-  sequential row/head axes).  Practical limits: ``page_size`` a multiple of 8 (f32) / 16 (bf16)
-  so a block reshapes to ``[tokens, D]`` without relayout, and the flattened block table
-  (``B * H_kv * max_pages`` int32) must fit in SMEM.
+* ``backend="tpu"`` (Mosaic TPU): grid ``(B * H_kv, page_blocks)`` over flattened (row, KV
+  head) pairs; lengths and the block table are scalar-prefetched into SMEM
+  (``pltpu.PrefetchScalarGridSpec``); K/V stay in HBM (``memory_space=pl.ANY``) and the pages
+  of a block are DMA-ed into a double-buffered VMEM scratch with ``pltpu.make_async_copy``:
+  while block ``i`` is computed, block ``i+1`` of the same (row, head) is in flight.  Only the
+  pages below ``ceil(length/page_size)`` are copied; grid steps past the head's length do
+  nothing (block-sparse skip).  The page-block axis is sequential ("arbitrary"), the (row,
+  head) axis "parallel" (megacore).  The prefetch stays within one (row, head): the first block
+  of each head is not overlapped with the previous head's last block (jax's own TPU paged
+  attention chains across heads at the cost of sequential row/head axes).
+  SMEM is small (1 MiB per core on TPU v4-v7, 16 KiB on v2/v3, which are not supported): one
+  ``pallas_call`` prefetches at most ``_TPU_SMEM_PREFETCH_BYTES`` (128 KiB) of lengths + block
+  table, and larger tables are split into several calls over the (row, head) pairs (e.g. B=8,
+  H_kv=8, 32K tokens in 16-token pages: 512 KiB of table, 5 calls).  One head's table must fit
+  on its own (up to 32767 pages), else ``ValueError``.  Compiled (``implementation="pallas"``)
+  the form requires ``page_size`` to be a multiple of 8 (f32 K/V) / 16 (bf16 K/V), the sublane
+  tiling, because a block of pages is reshaped to ``[tokens, D]``; other sizes raise
+  ``ValueError`` (interpret mode accepts any page size).
 * ``backend="gpu"`` (Triton): split-K ("flash decoding").  Grid ``(B, H_kv, num_splits)``; each
   program walks its share of the block table in blocks of ``pages_per_block`` pages, gathering
   pages with vector indices, and writes a partial ``(o, l, m)``; a final ``jnp`` combine
   rescales the partials.  Splits wholly past a head's length exit immediately.  GPU form
   constraints (Triton): ``page_size``, ``pages_per_block`` and ``D`` powers of two (and
   ``D >= 16``); the query group is zero-padded to ``max(16, next_pow2(G))`` rows for ``tl.dot``.
+  Shared memory bounds the block: a ``[tokens, D]`` K block is at most 32 KiB (about 110 KiB of
+  shared memory with two pipeline stages, measured on sm_90 TTIR); a larger explicit
+  ``pages_per_block`` raises ``ValueError``, and a page larger than that (e.g. 256 tokens, f32,
+  D=128) is viewed as consecutive sub-pages of the pool.
   Triton is requested explicitly (``pltriton.CompilerParams``): a plain ``pallas_call`` goes to
   Mosaic GPU by default on recent jax, whose programming model (warpgroups, TMA) this kernel
   does not use.
 
-Numerics: the TPU form upcasts K/V blocks to f32 (like jax's TPU paged attention); the GPU form
-feeds the matmuls in the K/V dtype (bf16 ``q . k`` and bf16 ``p @ v`` with f32 accumulation,
-the usual flash-decoding choice), so with bf16 K/V it differs from the f32 reference by bf16
-rounding of q and p (~1e-2 relative).
+Numerics: every kernel matmul has ``precision=HIGHEST``, so f32 operands multiply in full f32
+(Triton ``inputPrecision = ieee`` rather than its TF32 default; Mosaic
+``contract_precision<fp32>``).  The TPU form upcasts K/V blocks to f32 (like jax's TPU paged
+attention); the GPU form feeds the matmuls in the K/V dtype (bf16 ``q . k`` and bf16 ``p @ v``
+with f32 accumulation, the usual flash-decoding choice), so with bf16 K/V it differs from the
+f32 reference by bf16 rounding of q and p (~1e-2 relative).
 
 Both run on CPU in interpret mode (``implementation="pallas_interpret"``): the TPU form under
 ``pltpu.InterpretParams()`` (which emulates DMAs, semaphores and uninitialised (NaN) VMEM), the
@@ -82,6 +94,21 @@ _KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _TARGET_BLOCK_TOKENS = {"tpu": 512, "gpu": 128}
 # GPU split-K: aim for this many programs in flight (about 2 waves on a 132-SM H100).
 _GPU_TARGET_PROGRAMS = 256
+# GPU form: most bytes of one [tokens, D] K block.  Triton stages K and V blocks in shared
+# memory; with num_stages=2 a program uses about 3.3x the K block bytes (measured by compiling
+# the kernel's TTIR for sm_90), so 32 KiB blocks need ~110 KiB: fits A100 (164 KiB) and
+# H100/H200 (227 KiB).  E.g. D=128 gets 128-token blocks in bf16, 64-token blocks in f32.
+_GPU_MAX_BLOCK_BYTES = 32 * 1024
+# TPU form: bytes of SMEM one pallas_call may use for its scalar-prefetched lengths and block
+# table.  TPU v4 / v5e / v5p / v6e / v7 have 1 MiB of SMEM per core (jax's tpu_info), shared
+# with Mosaic's own scalars; an eighth of it is a conservative budget.  Larger tables are
+# split over several calls (see _paged_tpu).
+_TPU_SMEM_PREFETCH_BYTES = 128 * 1024
+# Precision of every kernel matmul.  f32 operands: full f32 products (Triton input precision
+# "ieee" instead of its TF32 default; Mosaic "fp32" contract precision), so compiled kernels
+# match the f32 reference.  bf16 operands (GPU form with bf16 K/V): no effect, products of bf16
+# values are exact and accumulate in f32.
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,6 +232,12 @@ def _resolve_backend(implementation: str, backend: str | None) -> str:
     return "tpu"  # interpret mode on CPU: emulate the TPU form by default.
 
 
+def _gpu_max_block_tokens(head_dim: int, dtype) -> int:
+    """Most tokens per GPU-form block whose K block fits ``_GPU_MAX_BLOCK_BYTES`` (a power of
+    two, at least 16)."""
+    return max(16, _prev_pow2(_GPU_MAX_BLOCK_BYTES // (head_dim * jnp.dtype(dtype).itemsize)))
+
+
 def _prev_pow2(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
 
@@ -254,18 +287,19 @@ def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
                 q_ref, k_hbm, v_hbm,  # inputs
                 o_ref,  # output
                 k_buf, v_buf, sems, m_ref, l_ref, acc_ref,  # scratch
-                *, scale, pages_per_block, page_size, pages_padded, num_kv_heads, num_blocks):
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bh = b * num_kv_heads + h
-    length = lengths_ref[bh]
+                *, scale, pages_per_block, page_size, pages_padded, num_blocks):
+    n, i = pl.program_id(0), pl.program_id(1)  # flattened (row, KV head) of this call, block
+    length = lengths_ref[n]
     block_tokens = pages_per_block * page_size
-    pages_used = (length + page_size - 1) // page_size
-    blocks_used = (length + block_tokens - 1) // block_tokens
+    # lax.div/rem, not // and %: the operands are >= 0, and jnp's floor semantics add a
+    # lax.sign whose Mosaic lowering queries the TPU generation (fails when lowering on CPU).
+    pages_used = jax.lax.div(length + page_size - 1, page_size)
+    blocks_used = jax.lax.div(length + block_tokens - 1, block_tokens)
 
     def page_copies(block, slot):
         for j in range(pages_per_block):
             pos = block * pages_per_block + j
-            page = bt_ref[bh * pages_padded + pos]
+            page = bt_ref[n * pages_padded + pos]
             ck = pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, j], sems.at[0, slot])
             cv = pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, j], sems.at[1, slot])
             yield pos < pages_used, ck, cv
@@ -296,7 +330,7 @@ def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
 
     @pl.when(i < blocks_used)
     def _compute():
-        slot = i % 2
+        slot = jax.lax.rem(i, 2)
 
         @pl.when(i + 1 < blocks_used)
         def _():
@@ -307,7 +341,7 @@ def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
         k = k_buf[slot].astype(jnp.float32).reshape(block_tokens, head_dim)
         v = v_buf[slot].astype(jnp.float32).reshape(block_tokens, head_dim)
         q = q_ref[...].astype(jnp.float32)  # [G, D]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                 preferred_element_type=jnp.float32) * scale  # [G, T]
         pos_row = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
         s = jnp.where(pos_row < length, s, MASK_VALUE)
@@ -318,7 +352,8 @@ def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, precision=_HIGHEST,
+                                                      preferred_element_type=jnp.float32)
         m_ref[...] = m_next
 
     @pl.when(i == num_blocks - 1)
@@ -327,52 +362,90 @@ def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
-def _paged_tpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_block, interpret):
+def _tpu_heads_per_call(num_heads: int, pages_padded: int, budget: int) -> int:
+    """(row, KV head) pairs per ``pallas_call`` so that the scalar-prefetched lengths and block
+    table (``4 * (1 + pages_padded)`` bytes per pair) fit in ``budget`` bytes of SMEM; calls
+    are balanced (their sizes differ by at most one pair)."""
+    per_head = 4 * (1 + pages_padded)
+    if per_head > budget:
+        raise ValueError(
+            f"TPU form: the block table of one KV head ({pages_padded} pages, {per_head} bytes "
+            f"of int32 with its length) exceeds the {budget}-byte SMEM budget for scalar "
+            f"prefetch; use a larger page_size (at most {budget // 4 - 1} pages per head)")
+    n_calls = pl.cdiv(num_heads, budget // per_head)
+    return pl.cdiv(num_heads, n_calls)
+
+
+def _check_tpu_page_size(page_size: int, kv_dtype) -> None:
+    sublanes = 8 * 4 // jnp.dtype(kv_dtype).itemsize  # 8 (f32), 16 (bf16)
+    if page_size % sublanes:
+        raise ValueError(
+            f"TPU form needs page_size to be a multiple of {sublanes} for "
+            f"{jnp.dtype(kv_dtype).name} K/V (a block of pages is reshaped to [tokens, D] "
+            f"without relayout), got page_size={page_size}")
+
+
+def _paged_tpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_block, interpret,
+               prefetch_budget):
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, _ = k_pages.shape
     _, num_kv_heads, max_pages = block_table.shape
     group = num_q_heads // num_kv_heads
+    if not interpret:
+        _check_tpu_page_size(page_size, k_pages.dtype)
     num_blocks = pl.cdiv(max_pages, pages_per_block)
     pages_padded = num_blocks * pages_per_block
+    num_heads = batch * num_kv_heads  # the kernel sees (row, KV head) pairs flattened
     bt = jnp.clip(block_table, 0, num_pages - 1)
-    bt = jnp.pad(bt, ((0, 0), (0, 0), (0, pages_padded - max_pages))).reshape(-1)
+    bt = jnp.pad(bt, ((0, 0), (0, 0), (0, pages_padded - max_pages)))
+    bt = bt.reshape(num_heads, pages_padded)
+    ln = lengths.reshape(num_heads)
 
     # As in jax's TPU paged attention: when G is not a multiple of 8, give q a unit
     # second-minor dim so XLA picks a <1x128> HBM layout matching the kernel's memref.
     if group % 8:
-        q_in = q.astype(jnp.float32).reshape(batch, num_q_heads, 1, head_dim)
-        q_spec = pl.BlockSpec((None, group, None, head_dim), lambda b, h, i, *_: (b, h, 0, 0))
+        q_in = q.astype(jnp.float32).reshape(num_heads, group, 1, head_dim)
+        q_spec = pl.BlockSpec((None, group, None, head_dim), lambda n, i, *_: (n, 0, 0, 0))
     else:
-        q_in = q.astype(jnp.float32)
-        q_spec = pl.BlockSpec((None, group, head_dim), lambda b, h, i, *_: (b, h, 0))
+        q_in = q.astype(jnp.float32).reshape(num_heads, group, head_dim)
+        q_spec = pl.BlockSpec((None, group, head_dim), lambda n, i, *_: (n, 0, 0))
 
     kernel = functools.partial(
         _tpu_kernel, scale=scale, pages_per_block=pages_per_block, page_size=page_size,
-        pages_padded=pages_padded, num_kv_heads=num_kv_heads, num_blocks=num_blocks)
+        pages_padded=pages_padded, num_blocks=num_blocks)
     buf_shape = (2, pages_per_block, page_size, head_dim)
-    out = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(batch, num_kv_heads, num_blocks),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.VMEM(buf_shape, k_pages.dtype),
-                pltpu.VMEM(buf_shape, v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-                pltpu.VMEM((group, 1), jnp.float32),
-                pltpu.VMEM((group, 1), jnp.float32),
-                pltpu.VMEM((group, head_dim), jnp.float32),
-            ],
-        ),
-        out_shape=jax.ShapeDtypeStruct(q_in.shape, jnp.float32),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
-        name="paged_decode_attention_tpu",
-    )(lengths.reshape(-1), bt, q_in, k_pages, v_pages)
+
+    def call(ln_c, bt_c, q_c):
+        return pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2,
+                grid=(q_c.shape[0], num_blocks),
+                in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
+                          pl.BlockSpec(memory_space=pl.ANY)],
+                out_specs=q_spec,
+                scratch_shapes=[
+                    pltpu.VMEM(buf_shape, k_pages.dtype),
+                    pltpu.VMEM(buf_shape, v_pages.dtype),
+                    pltpu.SemaphoreType.DMA((2, 2)),
+                    pltpu.VMEM((group, 1), jnp.float32),
+                    pltpu.VMEM((group, 1), jnp.float32),
+                    pltpu.VMEM((group, head_dim), jnp.float32),
+                ],
+            ),
+            out_shape=jax.ShapeDtypeStruct(q_c.shape, jnp.float32),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "arbitrary")),
+            interpret=pltpu.InterpretParams() if interpret else False,
+            name="paged_decode_attention_tpu",
+        )(ln_c, bt_c.reshape(-1), q_c, k_pages, v_pages)
+
+    # SMEM holds only the scalar-prefetch operands of one call: split the (row, head) pairs
+    # into calls whose lengths + block table fit the budget (one call in the common case).
+    per_call = _tpu_heads_per_call(num_heads, pages_padded, prefetch_budget)
+    outs = [call(ln[s:s + per_call], bt[s:s + per_call], q_in[s:s + per_call])
+            for s in range(0, num_heads, per_call)]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -400,7 +473,7 @@ def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref,  # inputs
         pages = bt_ref[pl.ds(t * pages_per_block, pages_per_block)]
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                 preferred_element_type=jnp.float32) * scale
         pos = (first_page + t * pages_per_block) * page_size + jnp.arange(block_tokens)
         valid = pos < length
@@ -411,7 +484,8 @@ def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref,  # inputs
         p = jnp.exp(s - m_next[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         o = alpha[:, None] * o + jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_HIGHEST,
+            preferred_element_type=jnp.float32)
         return o, m_next, l
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),
@@ -439,6 +513,23 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
         raise ValueError(
             f"GPU (Triton) form needs pages_per_block * page_size >= 16, got "
             f"{pages_per_block} * {page_size}")
+    max_tokens = _gpu_max_block_tokens(head_dim, k_pages.dtype)
+    if pages_per_block > 1 and pages_per_block * page_size > max_tokens:
+        raise ValueError(
+            f"GPU (Triton) form: pages_per_block * page_size = {pages_per_block} * {page_size} "
+            f"tokens exceeds {max_tokens}, the most whose [tokens, D={head_dim}] "
+            f"{jnp.dtype(k_pages.dtype).name} K block fits {_GPU_MAX_BLOCK_BYTES} bytes (Triton "
+            f"shared memory); use pages_per_block <= {max(1, max_tokens // page_size)}")
+    bt = jnp.clip(block_table, 0, num_pages - 1)
+    if page_size > max_tokens:
+        # One page is too big a block: view each page as `r` consecutive sub-pages (a free
+        # reshape of the pool) and expand the block table accordingly.
+        r = page_size // max_tokens
+        k_pages = k_pages.reshape(num_pages * r, max_tokens, head_dim)
+        v_pages = v_pages.reshape(num_pages * r, max_tokens, head_dim)
+        bt = (bt[..., None] * r + jnp.arange(r, dtype=bt.dtype)).reshape(
+            batch, num_kv_heads, max_pages * r)
+        num_pages, page_size, max_pages = num_pages * r, max_tokens, max_pages * r
     total_blocks = pl.cdiv(max_pages, pages_per_block)
     if num_splits is None:
         num_splits = pl.cdiv(_GPU_TARGET_PROGRAMS, batch * num_kv_heads)
@@ -451,7 +542,6 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
     kv_dtype = k_pages.dtype
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(kv_dtype)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    bt = jnp.clip(block_table, 0, num_pages - 1)
     bt = jnp.pad(bt, ((0, 0), (0, 0), (0, pages_padded - max_pages)))
     bt = bt.reshape(batch, num_kv_heads, num_splits, pages_per_split)
 
@@ -500,16 +590,17 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "implementation", "backend",
-                                             "pages_per_block", "num_splits"))
+                                             "pages_per_block", "num_splits", "prefetch_budget"))
 def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale, implementation,
-                            backend, pages_per_block, num_splits):
+                            backend, pages_per_block, num_splits, prefetch_budget):
     if implementation == "xla":
         return paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths,
                                                 scale=scale)
     interpret = implementation == "pallas_interpret"
     if backend == "tpu":
         return _paged_tpu(q, k_pages, v_pages, block_table, lengths, scale=scale,
-                          pages_per_block=pages_per_block, interpret=interpret)
+                          pages_per_block=pages_per_block, interpret=interpret,
+                          prefetch_budget=prefetch_budget)
     return _paged_gpu(q, k_pages, v_pages, block_table, lengths, scale=scale,
                       pages_per_block=pages_per_block, num_splits=num_splits,
                       interpret=interpret)
@@ -531,7 +622,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
       backend: kernel form, ``"tpu"`` or ``"gpu"``; ``None`` follows ``jax.default_backend()``
         (the TPU form when interpreting on CPU).
       pages_per_block: pages per kernel block; ``None`` picks about 512 (TPU) / 128 (GPU)
-        tokens per block (a power of two for the GPU form).
+        tokens per block (a power of two for the GPU form, whose K block is also kept within
+        32 KiB; pages larger than that are processed in sub-pages).
       num_splits: GPU form only, number of split-K partitions; ``None`` targets ~256 programs.
 
     Returns ``[B, H_q, D]`` in q's dtype.  With concrete (non-traced) inputs the block table is
@@ -550,6 +642,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
         backend = None
     if pages_per_block is None:
         target = _TARGET_BLOCK_TOKENS.get(backend, 512)
+        if backend == "gpu":
+            target = min(target, _gpu_max_block_tokens(head_dim, k_pages.dtype))
         pages_per_block = max(1, min(max_pages, target // page_size))
         if backend == "gpu":
             pages_per_block = _prev_pow2(pages_per_block)
@@ -559,4 +653,5 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
     return _paged_decode_attention(
         q, k_pages, v_pages, block_table, lengths, scale=scale, implementation=implementation,
         backend=backend, pages_per_block=int(pages_per_block),
-        num_splits=None if num_splits is None else int(num_splits))
+        num_splits=None if num_splits is None else int(num_splits),
+        prefetch_budget=_TPU_SMEM_PREFETCH_BYTES)

@@ -30,10 +30,14 @@ table on chip.  Two kernel forms, because arbitrary-index gathers lower very dif
   is exact).  The table block ``[g, 2G, c]`` has a constant block index along the sequence grid
   axis, so it is DMA-ed to VMEM once per (row, KV head).  Cost: ``g * c`` compares and MACs per
   token and head group, so large ``c`` (4096) is compute-bound on TPU; ``c = 256`` is cheap.
+  Compiled, ``block_s`` must be a multiple of 128 (the ``[G, block_s]`` score tile puts it on
+  the 128-wide lane axis); other values raise ``ValueError`` (interpret mode accepts them).
 * ``backend="gpu"`` (Triton): *gather*.  The table row of each query head (``g * c`` f32, at
   most 1 MiB) stays in L1/L2; each program loads a ``[block_s, g]`` tile of codes, forms flat
-  indices ``g_idx * c + code`` and gathers ``T`` with one vectorised load, then reduces over
-  ``g``.  Edge tiles use masked loads/stores (Triton does not bounds-check blocks).
+  indices ``g_idx * c + code`` and gathers ``T`` with one vectorised load (``t_ref[h, flat]``:
+  Triton lowering takes a single indexer per ref access), then reduces over ``g``.  Edge tiles
+  use masked loads/stores (Triton does not bounds-check blocks).  ``block_s`` and ``g`` must be
+  powers of two.  There is no matmul, hence no TF32 question.
 
 Both forms write per-tile partial statistics that a ``jnp`` epilogue combines, so every grid
 axis is parallel.  Both run on CPU in interpret mode (``implementation="pallas_interpret"``).
@@ -196,6 +200,11 @@ def _tpu_kernel(len_ref,  # scalar prefetch
 def _pq_tpu(table, codes, lengths, *, block_s, interpret):
     batch, num_kv_heads, group, groups, num_centroids = table.shape
     seq = codes.shape[2]
+    if not interpret and block_s % 128:
+        # z's [G, block_s] tile has block_s on the lane axis: Mosaic needs a multiple of 128.
+        raise ValueError(
+            f"TPU form needs block_s to be a multiple of 128 (z tiles put block_s on the "
+            f"128-wide lane axis), got block_s={block_s}")
     num_blocks = pl.cdiv(seq, block_s)
     t = jnp.swapaxes(table, 2, 3)  # [B, Hkv, g, G, c]
     hi = t.astype(jnp.bfloat16)
@@ -258,7 +267,9 @@ def _gpu_kernel(t_ref, codes_ref, len_ref,  # inputs: [G, g*c] f32, [S, g] uint,
     flat = codes + (jnp.arange(groups) * num_centroids)[None, :]  # [bs, g]
     valid = pos < length
     for gq in range(group):  # static unroll over the query heads of the group
-        z = jnp.sum(t_ref.at[gq][flat], axis=1)  # gather [bs, g] -> [bs]
+        # One indexer (row gq, gather columns flat): Triton lowers a single NDIndexer per ref
+        # access only ("No support for multiple indexers yet" for t_ref.at[gq][flat]).
+        z = jnp.sum(t_ref[gq, flat], axis=1)  # gather [bs, g] -> [bs]
         z = jnp.where(valid, z, MASK_VALUE)
         # (1, bs) / (1,) slices rather than integer indices: interpret mode's masked-store
         # discharge rule does not accept static integer indices.

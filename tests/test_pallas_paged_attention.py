@@ -158,6 +158,44 @@ def test_kernel_under_jit_single_page_blocks(form):
     np.testing.assert_allclose(np.asarray(got), want, atol=atol, rtol=rtol)
 
 
+def test_gpu_form_splits_pages_larger_than_a_block():
+    """GPU form, f32, D=128: a K block holds at most 64 tokens, so 128-token pages are read as
+    two 64-token sub-pages (default pages_per_block and an explicit 1 alike)."""
+    q, k, v, bt, ln = make_cache(11, batch=1, kv_heads=2, group=2, head_dim=128, page_size=128,
+                                 max_pages=3, lengths=[[300, 77]], kv_dtype=jnp.float32)
+    want = numpy_attention(q, k, v, bt, ln)
+    for ppb in (None, 1):
+        got = paged_decode_attention(q, k, v, bt, ln, implementation=IMPL, backend="gpu",
+                                     pages_per_block=ppb)
+        np.testing.assert_allclose(np.asarray(got), want, atol=TOL[jnp.float32][0],
+                                   rtol=TOL[jnp.float32][1])
+    with pytest.raises(ValueError, match=r"pages_per_block <= 1"):
+        paged_decode_attention(q, k, v, bt, ln, implementation=IMPL, backend="gpu",
+                               pages_per_block=2)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="interpret-mode check of the TPU form")
+def test_tpu_form_chunked_prefetch_and_any_page_size_in_interpret_mode(monkeypatch):
+    """A block table over the SMEM budget is prefetched in several calls (budget shrunk here to
+    two (row, head) pairs per call); interpret mode accepts a page size of 4 tokens, which the
+    compiled TPU form rejects."""
+    import pallas_kernels.paged_attention as mod
+
+    kw = dict(batch=3, kv_heads=2, group=3, head_dim=64, max_pages=10, kv_dtype=jnp.float32)
+    q, k, v, bt, ln = make_cache(12, page_size=16, lengths=[[150, 0], [33, 160], [1, 97]], **kw)
+    pages_padded = 10  # pages_per_block = min(max_pages, 512 // 16) = 10
+    monkeypatch.setattr(mod, "_TPU_SMEM_PREFETCH_BYTES", 2 * 4 * (pages_padded + 1))
+    got = paged_decode_attention(q, k, v, bt, ln, implementation=IMPL, backend="tpu")
+    np.testing.assert_allclose(np.asarray(got), numpy_attention(q, k, v, bt, ln),
+                               atol=2e-5, rtol=2e-5)
+    monkeypatch.undo()
+    q, k, v, bt, ln = make_cache(13, page_size=4, lengths=[[37, 0], [3, 40], [8, 9]], **kw)
+    got = paged_decode_attention(q, k, v, bt, ln, implementation=IMPL, backend="tpu",
+                                 pages_per_block=3)
+    np.testing.assert_allclose(np.asarray(got), numpy_attention(q, k, v, bt, ln),
+                               atol=2e-5, rtol=2e-5)
+
+
 def test_mask_value_is_finite():
     assert np.isfinite(MASK_VALUE) and MASK_VALUE == 0.7 * np.finfo(np.float32).min
 

@@ -118,6 +118,19 @@ def test_kernel_no_lengths_under_jit(form):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not ON_CPU, reason="interpret-mode check of the TPU form")
+def test_tpu_form_block_s_64_in_interpret_mode():
+    """The compiled TPU form needs block_s % 128 == 0 (tests/test_kernel_lowering.py); interpret
+    mode keeps accepting other tile sizes."""
+    q, cb, codes, ln = make_inputs(6, batch=1, kv_heads=2, group=3, head_dim=64, groups=16,
+                                   centroids=256, seq=150)
+    z, m, l = pq_scores(q, cb, codes, ln, return_stats=True, implementation=IMPL, backend="tpu",
+                        block_s=64)
+    zw, mw, lw = pq_scores_reference(q, cb, codes, ln, return_stats=True)
+    for got, want in ((z, zw), (m, mw), (l, lw)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------
