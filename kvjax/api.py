@@ -106,8 +106,9 @@ def generate_tokens(
     q_len = 0 if question is None else question.shape[1]
     longest = max(len(r) for r in token_rows)
     if longest + q_len + max_new_tokens > config.max_position_embeddings:
+        question_part = f" + {q_len} question tokens" if q_len else ""
         raise ValueError(
-            f"prompt of {longest} tokens + {q_len} question tokens + max_new_tokens={max_new_tokens} exceeds the "
+            f"prompt of {longest} tokens{question_part} + max_new_tokens={max_new_tokens} exceeds the "
             f"model's context of {config.max_position_embeddings} tokens"
         )
     B, L = tokens.shape

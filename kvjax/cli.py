@@ -197,6 +197,8 @@ def main(argv=None) -> int:
         except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
             print(f"kvjax {argv[0]}: error: {e}", file=sys.stderr)
             return 2
+        except SystemExit as e:  # the command's own argparse (bad option value, --help)
+            return e.code if isinstance(e.code, int) else 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

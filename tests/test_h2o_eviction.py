@@ -19,7 +19,7 @@ from kvjax.paged import PagedKV, build_paged
 from kvjax.shared_prefill import cache_for, init_shared_cache
 from models import load_model
 from tests.tiny import save_tiny
-from kvjax.cache import new_cache
+from kvjax.cache import CacheSpec, new_cache
 
 L, CHUNK, STEPS, PAD = 24, 8, 9, 6
 
@@ -32,15 +32,23 @@ SHARPEN = 15.0  # q and k projections scaled: peaky attention, heavy hitters tha
 class RecordingH2O(H2O):
     """H2O that copies every attend call's inputs (post-RoPE q, k, v) and output to ``RECORD`` on the host."""
 
-    def attend(self, state, q, k, v, ctx):
-        out, new = super().attend(state, q, k, v, ctx)
-        key = (ctx.layer, ctx.phase)
+    def prefill_chunk(self, state, q, k, v, ctx):
+        out, new = super().prefill_chunk(state, q, k, v, ctx)
+        return self.record("prefill", ctx, q, k, v, out), new
+
+    def decode_attend(self, state, q, k, v, ctx):
+        out, new = super().decode_attend(state, q, k, v, ctx)
+        return self.record("decode", ctx, q, k, v, out), new
+
+    @staticmethod
+    def record(phase, ctx, q, k, v, out):
+        key = (ctx.layer, phase)
 
         def save(start, q, k, v, out):
             RECORD[key + (int(start),)] = tuple(np.asarray(x) for x in (q, k, v, out))
 
         jax.debug.callback(save, ctx.start, q, k, v, out)
-        return out, new
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +89,8 @@ def hand_state(pos, acc):
     """One row, one KV head, 4 slots on pages of 2; slot j holds key K[j] and value j * (1, 1)."""
     keys = jnp.asarray([[0.0, 1.0], [1.0, 0.0], [0.0, -1.0], [0.0, 0.5]])
     vals = jnp.arange(4.0)[:, None] * jnp.ones((1, 2))
-    paged = build_paged(keys[None, None], vals[None, None], jnp.arange(4, dtype=jnp.int32)[None, None], (4,), 0, 2)
+    paged = build_paged(keys[None, None], vals[None, None], jnp.arange(4, dtype=jnp.int32)[None, None],
+                        jnp.asarray([[4]], jnp.int32), (4,), 0, 2)
     pos = jnp.asarray([pos], jnp.int32)
     return H2OKV(paged.replace(lengths=(pos >= 0).sum(-1).astype(jnp.int32)), jnp.asarray([acc], jnp.float32), pos,
                  recent=(2,))
@@ -202,6 +211,7 @@ def test_eviction_matches_numpy_simulation(tiny, how):
     # layer 0's projections do not depend on the cache: they must be the full cache's K/V (independent source)
     full = new_cache(FullCache(block=8), cfg, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
     _, full = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, :L]), full)
+    full = compress(full)
     for t in range(L, L + STEPS - 1):
         _, _, full = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), full, jax.random.PRNGKey(0))
     k0 = np.concatenate([r[1] for r in recorded(0, "prefill", range(0, L, CHUNK))]
@@ -298,7 +308,8 @@ def test_decode_loop_one_compilation_fixed_shapes_and_bytes(tiny):
 def test_shared_prefill_derives_the_same_eviction_cache(tiny):
     method = H2O(budget=12, block=8, page_size=4, evict_during_decode=True)
     tokens, pad = batch_tokens(7)
-    staged = init_shared_cache([method, FullCache(block=8)], tiny.config, 2, L, 4, tiny.dtype).replace(pad=jnp.asarray(pad))
+    staged = init_shared_cache([method, FullCache(block=8)], CacheSpec.for_model(tiny.config, 2, L, 1, tiny.dtype))
+    staged = staged.replace(pad=jnp.asarray(pad))
     _, staged = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, :L]), staged)
     derived = compress(cache_for(staged, method))
     _, _, own = run(tiny, method, tokens, pad, steps=1)

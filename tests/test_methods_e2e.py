@@ -185,7 +185,7 @@ def test_quest_selects_top_pages_plus_last_page():
     keys = jnp.asarray([[1, 0], [0, 0], [-1, 0], [-2, 0], [5, 1], [4, 0], [0, 9]], jnp.float32)
     k = jnp.zeros((1, 1, 8, 2)).at[0, 0, :7].set(keys)
     idx = jnp.arange(8, dtype=jnp.int32)[None, None]
-    paged = build_paged(k, k, idx, (7,), room=1, page_size=2).replace(lengths=jnp.array([[7]], jnp.int32))
+    paged = build_paged(k, k, idx, jnp.array([[7]], jnp.int32), (7,), room=1, page_size=2)
     from kvjax.methods.quest import page_bounds
     kmin, kmax = page_bounds(paged)
     st = QuestKV(paged, kmin, kmax, pages_per_step=2)  # one top page + the last page

@@ -71,24 +71,27 @@ def test_qwen_passkey_2k_with_snapkv_and_hbw_at_quarter_budget():
     ready_model_or_skip("qwen2.5-coder-0.5b")
     from evals.passkey import make_passkey
     from kvjax.api import left_pad
-    from kvjax.generate import compress, decode_loop, prefill
+    from kvjax.cache import CacheSpec
+    from kvjax.generate import compress, decode_loop, prefill_prompt
     from kvjax.methods import HBW, SnapKV
+    from kvjax.shared_prefill import cache_for, init_shared_cache
 
     model = load_model("qwen2.5-coder-0.5b", "float32")
     tok = model.tokenizer
     sample = make_passkey(tok, 2048, depth=0.3, seed=1)
     text = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False, add_generation_prompt=True)
-    tokens, _ = left_pad([tok(text)["input_ids"]], tok.pad_token_id, multiple=512)
+    ids = tok(text)["input_ids"]
+    tokens, pad = left_pad([ids], tok.pad_token_id, multiple=512)
     snap, hbw = SnapKV(budget=0.25), HBW(budget=0.25)
-    staged = new_cache(snap, model.config, 1, tokens.shape[1], 8, model.dtype)
-    staged = staged.replace(pad=jnp.asarray([int((tokens[0] == tok.pad_token_id).sum())]))  # left padding
-    for i in range(0, tokens.shape[1], 512):
-        logits, staged = prefill(model.graphdef, model.params, jnp.asarray(tokens[:, i:i + 512]), staged)
+    spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], 8, model.dtype, longest_row=len(ids))
+    staged = init_shared_cache([snap, hbw], spec).replace(pad=jnp.asarray(pad))
+    logits, staged = prefill_prompt(model.graphdef, model.params, tokens, staged, chunk_size=512)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     for method in (snap, hbw):
-        cache = compress(staged.replace(method=method))
+        cache = compress(cache_for(staged, method))
         kept = cache.stats()["kept_tokens_per_head"][0][0]
-        assert kept == int(0.25 * tokens.shape[1])
+        assert kept == int(0.25 * len(ids))  # of the real prompt, not of the padded 2048 slots
+        assert np.asarray(cache.layers[0].lengths).tolist() == [[kept, kept]]
         out, count, _ = decode_loop(model.graphdef, model.params, first, cache, jax.random.PRNGKey(0),
                                     max_new_tokens=8, eos_ids=(tok.eos_token_id,))
         answer = tok.decode(np.asarray(out[0, : int(count[0])]), skip_special_tokens=True)
