@@ -190,7 +190,7 @@ def make_methods(names, budget) -> dict:
     return {n: get_method(n) if n == REFERENCE else get_method(n, budget=budget) for n in names}
 
 
-def check_methods_fit(methods: dict, config, lengths, chunk_size: int, new_tokens: int) -> None:
+def check_methods_fit(methods: dict, config, lengths, new_tokens: int) -> None:
     """Every (method, length) must be feasible: budget vs prompt, model context."""
     import jax
 
@@ -200,7 +200,6 @@ def check_methods_fit(methods: dict, config, lengths, chunk_size: int, new_token
             problems.append(f"L={L}: {L} prompt + {new_tokens} new tokens exceed the model's context of "
                             f"{config.max_position_embeddings} tokens")
             continue
-        chunk = effective_chunk(L, chunk_size)
         for name, m in methods.items():
             if name == REFERENCE:
                 continue
@@ -312,8 +311,6 @@ class _Prefiller:
     """AOT-compiled chunked prefill of one cache kind (the full cache or one staging kind) for one length."""
 
     def __init__(self, model, new_cache, chunks):
-        import jax
-
         from kvjax.generate import prefill_jit
 
         self.model, self.new_cache, self.chunks = model, new_cache, chunks
@@ -715,7 +712,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         model = load_model(args.model, args.dtype, tokenizer=False)
         jax.block_until_ready(model.params)
         load_s = time.perf_counter() - t
-        check_methods_fit(methods, model.config, args.lengths, args.chunk_size, args.new_tokens)
+        check_methods_fit(methods, model.config, args.lengths, args.new_tokens)
         weights = weights_read_bytes(model)
         traces0 = dict(TRACE_COUNTS)
 

@@ -107,8 +107,13 @@ def render_markdown(summary: dict, config: dict) -> str:
         f"Model `{config.get('model')}` ({config.get('dtype')}), seed {config.get('seed')}, greedy decoding, "
         f"{config.get('samples')} samples per (task, length) with needle depths spread evenly, batches of "
         f"{config.get('batch_size')} sharing one prefill (the full cache and every method are derived from it). "
-        f"Budget = fraction of the prompt's KV kept on the device (of the padded prompt length; prompts are 98-100% "
-        f"of the target). Score = exact match of every expected string (RULER `string_match_all`), in %.",
+        f"Budget = fraction of each prompt's KV kept on the device (of the prompt's own length, never of its padding). "
+        f"Score = exact match of every expected string (RULER `string_match_all`), in %.",
+        "",
+        f"Protocol: **{config.get('protocol', 'query-aware')}** — "
+        + ("the question and the answer prefix are inside the compressed prompt." if config.get("protocol", "query-aware") == "query-aware"
+           else "the context alone is compressed; the question and the answer prefix are then prefilled onto the "
+                "compressed cache, uncompressed (what a method that does not know the question can keep)."),
         "",
     ]
     methods = [m for m in config.get("methods", []) if m != "full"]

@@ -35,6 +35,7 @@ MAX_NEW_TOKENS = {
     "variable_tracking": 40,
 }
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
+PROTOCOLS = ("query-aware", "query-agnostic")
 
 
 @dataclasses.dataclass
@@ -56,6 +57,7 @@ class EvalConfig:
     fidelity_texts: int = 0  # 0 = no fidelity check
     fidelity_prefix: int = 4096
     fidelity_tokens: int = 256
+    protocol: str = "query-aware"
     command: str = ""
 
     def __post_init__(self):
@@ -76,6 +78,8 @@ class EvalConfig:
                 raise ValueError(f"{name} must be > 0, got {v}")
         if any(n <= 0 for n in self.lengths):
             raise ValueError(f"lengths must be > 0, got {list(self.lengths)}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {self.protocol!r}; allowed: {', '.join(PROTOCOLS)}")
         if not self.tasks and self.fidelity_texts <= 0:
             raise ValueError("nothing to run: give tasks, or fidelity_texts > 0 for the fidelity check alone")
 
@@ -86,7 +90,8 @@ class EvalConfig:
 
     def identity(self) -> dict:
         """Settings a resumed run must share with the records already written."""
-        return {"model": self.model, "dtype": self.dtype, "seed": self.seed, "chunk_size": self.chunk_size}
+        return {"model": self.model, "dtype": self.dtype, "seed": self.seed, "chunk_size": self.chunk_size,
+                "protocol": self.protocol}
 
 
 def budget_label(budget) -> str:
@@ -117,6 +122,17 @@ def method_grid(cfg: EvalConfig) -> list[tuple[str, str, object]]:
     return grid
 
 
+def batches(samples, batch_size: int, protocol: str) -> list[list]:
+    """Batches of at most ``batch_size`` samples; query-agnostic batches share one question length in tokens
+    (the question is prefilled as one chunk onto the compressed context)."""
+    if protocol == "query-aware":
+        return [samples[i:i + batch_size] for i in range(0, len(samples), batch_size)]
+    by_len: dict[int, list] = {}
+    for s in samples:
+        by_len.setdefault(len(s.prompt_ids) - s.question_start, []).append(s)
+    return [group[i:i + batch_size] for _, group in sorted(by_len.items()) for i in range(0, len(group), batch_size)]
+
+
 def _read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -142,6 +158,7 @@ def _prepare_out_dir(cfg: EvalConfig) -> None:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
+        old.setdefault("protocol", "query-aware")  # runs written before protocols existed
         mismatch = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
         if mismatch:
             raise ValueError(f"{cfg.out_dir} holds a run with different settings {mismatch} (old, new); "
@@ -154,7 +171,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     """Run every missing (sample, method, budget) record; returns how many records were written."""
     from evals.tasks import make_samples, score
     from kvjax.cache import CacheSpec
-    from kvjax.generate import compress, decode_loop, prefill_prompt
+    from kvjax.generate import compress, decode_loop, prefill, prefill_prompt
     from kvjax.methods.base import round_up
     from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
 
@@ -168,8 +185,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     for length in cfg.lengths:
         for task in cfg.tasks:
             samples = make_samples(task, tok, length, cfg.samples, seed=cfg.seed)
-            for i in range(0, len(samples), cfg.batch_size):
-                batch = samples[i:i + cfg.batch_size]
+            for batch in batches(samples, cfg.batch_size, cfg.protocol):
                 missing = [g for g in grid if any((task, length, s.index, g[0], g[1]) not in done for s in batch)]
                 if missing:
                     work.append((task, length, batch, missing))
@@ -182,8 +198,12 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     written = 0
     with open(path, "a", encoding="utf-8") as out:
         for task, length, batch, missing in work:
-            L = round_up(length, cfg.chunk_size)
-            rows = [list(s.prompt_ids) for s in batch]
+            agnostic = cfg.protocol == "query-agnostic"
+            q_len = len(batch[0].prompt_ids) - batch[0].question_start if agnostic else 0
+            L = round_up(length - q_len, cfg.chunk_size)
+            rows = [list(s.prompt_ids[:len(s.prompt_ids) - q_len]) for s in batch]
+            question = np.asarray([list(s.prompt_ids[len(s.prompt_ids) - q_len:]) for s in batch], np.int32)
+            question = np.concatenate([question, np.repeat(question[:1], cfg.batch_size - len(batch), axis=0)])
             rows += [rows[0]] * (cfg.batch_size - len(rows))  # fixed batch shape: no recompilation
             tokens = np.full((len(rows), L), pad_id, np.int32)
             for b, r in enumerate(rows):
@@ -192,7 +212,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
             max_new = MAX_NEW_TOKENS[task]
             if bar is not None:
                 bar.set_postfix_str(f"{task} {length} prefill")
-            spec = CacheSpec.for_model(model.config, len(rows), L, max_new, model.dtype,
+            spec = CacheSpec.for_model(model.config, len(rows), L, q_len + max_new, model.dtype,
                                        longest_row=max(len(r) for r in rows))
             shared = [g for g in missing if can_share_prefill(g[2])]
             t0 = time.perf_counter()
@@ -215,6 +235,9 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                     logits, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=cfg.chunk_size)
                     cache, method_first = compress(cache), jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 stats = cache.stats()
+                if agnostic:  # the question comes after compression, appended uncompressed
+                    logits, cache = prefill(model.graphdef, model.params, jnp.asarray(question), cache)
+                    method_first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 gen, count, _ = decode_loop(model.graphdef, model.params, method_first, cache, jax.random.PRNGKey(0),
                                             max_new_tokens=max_new, eos_ids=eos)
                 gen, count = np.asarray(gen), np.asarray(count)
@@ -226,7 +249,8 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                     text = tok.decode(ids, skip_special_tokens=True)
                     records.append({
                         "task": task, "length": length, "index": s.index, "depth": s.depth, "haystack": s.haystack,
-                        "method": name, "budget": blabel, "prompt_tokens": len(s.prompt_ids), "padded_length": L,
+                        "method": name, "budget": blabel, "protocol": cfg.protocol,
+                        "prompt_tokens": len(s.prompt_ids), "padded_length": L, "question_tokens": q_len,
                         "answers": list(s.answers), "output": text, "score": score(text, s.answers),
                         "device_bytes": stats["device_bytes"] // len(rows), "host_bytes": stats["host_bytes"] // len(rows),
                         "prefill_s": prefill_s / len(rows), "compress_decode_s": elapsed / len(rows),
@@ -313,6 +337,9 @@ def build_parser():
     p.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (the padded length is a multiple)")
     p.add_argument("--run-name", default=None, help="output directory name under --out-root (default: eval-<model>)")
     p.add_argument("--out-root", default=os.path.join("docs", "results"))
+    p.add_argument("--protocol", default="query-aware", choices=PROTOCOLS,
+                   help="query-aware: the question is inside the compressed prompt; query-agnostic: the context alone is "
+                   "compressed, then the question is prefilled onto it")
     p.add_argument("--fidelity-texts", type=int, default=0, help="texts for the KL / top-1 fidelity check (0 = skip)")
     p.add_argument("--fidelity-prefix", type=int, default=4096)
     p.add_argument("--fidelity-tokens", type=int, default=256)
@@ -330,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_size=args.batch_size, chunk_size=args.chunk_size,
         run_name=args.run_name or f"eval-{os.path.basename(args.model)}", out_root=args.out_root,
         fidelity_texts=args.fidelity_texts, fidelity_prefix=args.fidelity_prefix, fidelity_tokens=args.fidelity_tokens,
-        command="kvjax eval " + " ".join(argv),
+        protocol=args.protocol, command="kvjax eval " + " ".join(argv),
     )
     run_eval(cfg, progress=not args.no_progress)
     print(os.path.join(cfg.out_dir, "README.md"))

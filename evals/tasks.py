@@ -113,6 +113,7 @@ class TaskSample:
     context: str  # the user message (intro, haystack with needles, question), without chat template
     prompt_ids: tuple[int, ...]  # tokenized prompt, chat template applied if chat=True, special tokens included
     answers: tuple[str, ...]  # every string that must appear in the answer
+    question_start: int = 0  # prompt_ids[question_start:] is the question part (question + template end)
 
 
 # --------------------------------------------------------------------------------------------------- corpus
@@ -492,7 +493,26 @@ def make_sample(
         context=context,
         prompt_ids=tuple(ids),
         answers=spec.answers,
+        question_start=question_start(tokenizer, _format(tokenizer, context, chat), spec.question, ids, chat),
     )
+
+
+def question_start(tokenizer, text: str, question: str, ids: Sequence[int], chat: bool) -> int:
+    """Index of the first token of the question part of ``ids`` (the tokens of ``text``).
+
+    The question part starts at the blank line before ``question``. Tokenizers may merge the
+    context's last characters with that line break into one token; the boundary is then the end of
+    the longest common prefix of ``ids`` and the context's own tokens, so the question part starts a
+    token early and the prompt's tokens are the same in both evaluation protocols.
+    """
+    cut = text.rindex("\n\n" + question)
+    head = _count(tokenizer, text[:cut], chat)
+    n = 0
+    while n < min(len(head), len(ids)) and head[n] == ids[n]:
+        n += 1
+    if n == 0 or n >= len(ids):
+        raise RuntimeError(f"could not locate the question in the prompt (common prefix {n} of {len(ids)} tokens)")
+    return n
 
 
 def make_samples(

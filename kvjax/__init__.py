@@ -14,8 +14,8 @@ function (imported last, so it wins over the submodule of the same name).
 
 from kvjax.cache import AttendContext, Cache, CacheSpec
 from kvjax.methods import METHODS, FullCache, get_method
-from kvjax.api import GenerationResult, generate, load  # noqa: E402  (after the submodule import: the function wins)
+from kvjax.api import GenerationResult, ask, generate, load  # noqa: E402  (after the submodule import: the function wins)
 
 __version__ = "0.1.0"
 
-__all__ = ["AttendContext", "Cache", "CacheSpec", "FullCache", "METHODS", "get_method", "load", "generate", "GenerationResult"]
+__all__ = ["AttendContext", "Cache", "CacheSpec", "FullCache", "METHODS", "get_method", "load", "generate", "ask", "GenerationResult"]

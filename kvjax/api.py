@@ -237,6 +237,69 @@ def generate(
     token_lists = [[int(t) for t in out[b, : count[b]] if t not in eos] for b in range(out.shape[0])]
     texts = [tok.decode(t, skip_special_tokens=True) for t in token_lists]
     return GenerationResult(
-        texts=texts, tokens=token_lists, prompt_tokens=[len(r) for r in rows],
+        texts=texts, tokens=token_lists,
+        prompt_tokens=[len(r) + (len(question_rows[b]) if question_rows else 0) for b, r in enumerate(rows)],
         cache_stats=cache.stats(), timings=timings,
     )
+
+
+def ask(
+    model, context: str, questions: Sequence[str], *, method=None, max_new_tokens: int = 64, chat: bool = False,
+    chunk_size: int | None = None, artifact=None, progress: bool = False,
+) -> list[GenerationResult]:
+    """Several questions over one compressed context: the context is prefilled and compressed **once**.
+
+    Each question (with the chat template's end of turn) is prefilled onto a copy of the compressed
+    cache and answered greedily; the context is never recomputed. The text is formatted as in
+    :func:`generate` with ``question=``. Returns one result per question (``timings`` of the shared
+    prefill and compression are those of the context; ``question_s`` and decode are the question's).
+    """
+    from models.tokenizer import format_prompt
+
+    if not questions:
+        raise ValueError("ask needs at least one question")
+    tok = model.tokenizer
+    texts = [format_prompt(tok, context + "\n" + q, chat) for q in questions]
+    cuts = [t.rindex(q) for t, q in zip(texts, questions)]
+    heads = {t[:c] for t, c in zip(texts, cuts)}
+    if len(heads) != 1:
+        raise ValueError("the chat template formats the context differently per question; ask cannot share it")
+    context_ids = tok(heads.pop(), add_special_tokens=True)["input_ids"]
+    question_ids = [tok(t[c:], add_special_tokens=False)["input_ids"] for t, c in zip(texts, cuts)]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    method = _resolve_method(method)
+    longest_q = max(len(q) for q in question_ids)
+    total = len(context_ids) + longest_q + max_new_tokens
+    if total > model.config.max_position_embeddings:
+        raise ValueError(f"context of {len(context_ids)} tokens + question of {longest_q} + max_new_tokens={max_new_tokens} "
+                         f"exceeds the model's context of {model.config.max_position_embeddings} tokens")
+    tokens, pad = left_pad([context_ids], 0, multiple=chunk_size or 1)
+    spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], longest_q + max_new_tokens, model.dtype,
+                               longest_row=len(context_ids))
+    cache = method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad))
+    t0 = time.perf_counter()
+    _, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk_size, progress=progress)
+    jax.block_until_ready(cache)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cache = compress(cache)
+    jax.block_until_ready(cache)
+    shared = {"prefill_s": prefill_s, "compress_s": time.perf_counter() - t0}
+    results = []
+    for q in question_ids:
+        timings = dict(shared)
+        t0 = time.perf_counter()
+        mine = jax.tree_util.tree_map(jnp.copy, cache)  # decoding donates its cache: the context stays for the next one
+        logits, mine = prefill(model.graphdef, model.params, jnp.asarray([q], jnp.int32), mine)
+        timings["question_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        first = sample(logits, jax.random.PRNGKey(0), Sampling())
+        out, count, mine = decode_loop(model.graphdef, model.params, first, mine, jax.random.PRNGKey(0),
+                                       max_new_tokens=max_new_tokens, eos_ids=tuple(eos))
+        out, count = np.asarray(out), np.asarray(count)
+        timings["decode_s"] = time.perf_counter() - t0
+        ids = [int(t) for t in out[0, : count[0]] if t not in eos]
+        results.append(GenerationResult(texts=[tok.decode(ids, skip_special_tokens=True)], tokens=[ids],
+                                        prompt_tokens=[len(context_ids) + len(q)], cache_stats=mine.stats(),
+                                        timings=timings))
+    return results

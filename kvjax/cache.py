@@ -123,6 +123,12 @@ class Cache:
     spec: CacheSpec | None = struct.field(pytree_node=False, default=None)
     stage: str = struct.field(pytree_node=False, default="prefill")
 
+    @classmethod
+    def create(cls, layers: tuple, method, spec: CacheSpec, artifact: Any = None) -> "Cache":
+        """A fresh prefill-stage cache: nothing written yet, no padding (set ``pad`` with ``replace``)."""
+        return cls(layers=layers, length=jnp.zeros((), jnp.int32), pad=jnp.zeros((spec.batch,), jnp.int32),
+                   artifact=artifact, method=method, spec=spec)
+
     @property
     def batch_size(self) -> int:
         """Rows in the batch."""

@@ -37,8 +37,7 @@ class SharedStaging:
 
     def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
         """The staging cache."""
-        return Cache(layers=init_staging(spec, self.shared), length=jnp.zeros((), jnp.int32),
-                     pad=jnp.zeros((spec.batch,), jnp.int32), method=self, spec=spec)
+        return Cache.create(init_staging(spec, self.shared), self, spec)
 
     def prefill_chunk(self, state, q, k, v, ctx):
         """Write the staging, record, attend causally."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+
 
 import jax
 import jax.numpy as jnp
@@ -127,3 +127,35 @@ def test_teacher_forced_full_cache_matches_step_by_step_decode(tmp_path):
     small, _ = teacher_forced_logprobs(model.graphdef, model.params, run(SnapKV(budget=6, window=2, block=16)),
                                        jnp.asarray(tokens[:, 32:40]))
     assert compare_logprobs(ref, np.asarray(small), np.zeros((1, 8), int))["kl"] > 1e-4  # the metric can fail
+
+
+def test_query_agnostic_protocol_equals_query_aware_when_nothing_is_evicted(tiny_chat_model, tmp_path):
+    """Same prompt tokens in both protocols: at budget 1.0 (and for the full cache) the answers are identical;
+    the question is never inside the compressed part."""
+    common = ["eval", "--model", tiny_chat_model, "--methods", "snapkv,hbw", "--budgets", "1.0", "--tasks", "niah_single",
+              "--lengths", "300", "--samples", "3", "--batch-size", "2", "--chunk-size", "128", "--out-root", str(tmp_path),
+              "--no-progress"]
+    assert cli_main(common + ["--run-name", "aware"]) == 0
+    assert cli_main(common + ["--run-name", "agnostic", "--protocol", "query-agnostic"]) == 0
+    aware = {(r["index"], r["method"]): r for r in _lines(tmp_path / "aware" / "samples.jsonl")}
+    agnostic = _lines(tmp_path / "agnostic" / "samples.jsonl")
+    assert len(agnostic) == len(aware) == 3 * 3
+    for r in agnostic:
+        assert r["protocol"] == "query-agnostic" and r["question_tokens"] > 10
+        assert r["output"] == aware[(r["index"], "full")]["output"], (r["method"], r["index"])
+    assert "Protocol: **query-agnostic**" in (tmp_path / "agnostic" / "README.md").read_text()
+    # a run directory keeps its protocol
+    assert cli_main(common + ["--run-name", "aware", "--protocol", "query-agnostic"]) == 2
+
+
+def test_query_agnostic_batches_share_a_question_length():
+    from evals.runner import batches
+
+    class S:
+        def __init__(self, n, q):
+            self.prompt_ids, self.question_start = tuple(range(n)), n - q
+
+    samples = [S(100, 20), S(99, 21), S(98, 20), S(97, 20), S(96, 21)]
+    got = [[(len(s.prompt_ids), len(s.prompt_ids) - s.question_start) for s in b] for b in batches(samples, 2, "query-agnostic")]
+    assert got == [[(100, 20), (98, 20)], [(97, 20)], [(99, 21), (96, 21)]]
+    assert [len(b) for b in batches(samples, 2, "query-aware")] == [2, 2, 1]

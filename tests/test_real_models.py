@@ -96,3 +96,21 @@ def test_qwen_passkey_2k_with_snapkv_and_hbw_at_quarter_budget():
                                     max_new_tokens=8, eos_ids=(tok.eos_token_id,))
         answer = tok.decode(np.asarray(out[0, : int(count[0])]), skip_special_tokens=True)
         assert sample.answer in answer, f"{method.name} answered {answer!r}, expected {sample.answer}"
+
+
+def test_ask_several_questions_over_one_compressed_context(smollm2):
+    """kvjax.ask compresses the context once; at budget 1.0 each answer equals generate() with the full cache
+    and the question after the context; at a small budget the cache holds the budget, not the context."""
+    import kvjax
+    from kvjax.methods import SnapKV
+
+    context = ("Ada keeps three cats named Pixel, Byte and Nibble. Her brother Alan keeps a parrot called Turing. "
+               "The cats sleep in the kitchen and the parrot sleeps in the study. ") * 3
+    questions = ["How many cats does Ada keep?", "What is the parrot called?"]
+    answers = kvjax.ask(smollm2, context, questions, method=SnapKV(budget=1.0, window=8), chat=True, max_new_tokens=12)
+    for q, got in zip(questions, answers):
+        ref = kvjax.generate(smollm2, context, question=q, chat=True, max_new_tokens=12)
+        assert got.text == ref.text, q
+        assert got.prompt_tokens == ref.prompt_tokens
+    small = kvjax.ask(smollm2, context, questions[:1], method=SnapKV(budget=32, window=8), chat=True, max_new_tokens=4)
+    assert small[0].cache_stats["kept_tokens_per_head"][0] == [32, 32, 32]

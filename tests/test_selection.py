@@ -6,7 +6,6 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvjax.methods import H2O, HBW, SnapKV, StreamingLLM

@@ -37,8 +37,7 @@ class EvictEveryChunk:
         return None
 
     def init_cache(self, spec, artifact=None):
-        return Cache(layers=init_working(spec, self.capacity, self.chunk), length=jnp.zeros((), jnp.int32),
-                     pad=jnp.zeros((spec.batch,), jnp.int32), method=self, spec=spec)
+        return Cache.create(init_working(spec, self.capacity, self.chunk), self, spec)
 
     def prefill_chunk(self, state, q, k, v, ctx):
         out, state = buffer_chunk(state, q, k, v, ctx, jnp.linalg.norm(k.astype(jnp.float32), axis=-1))

@@ -31,7 +31,6 @@ import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 import jax
-import jax.numpy as jnp
 
 from kvjax.artifacts import no_artifact
 from kvjax.attention import resolve_implementation
@@ -168,8 +167,7 @@ class PromptCompression:
         """Dense staging of the prompt; pages are allocated by ``finish_prefill``."""
         no_artifact(artifact, self.name)
         self.head_capacities(spec)
-        return Cache(layers=init_staging(spec, self.recording()), length=jnp.zeros((), jnp.int32),
-                     pad=jnp.zeros((spec.batch,), jnp.int32), method=self, spec=spec)
+        return Cache.create(init_staging(spec, self.recording()), self, spec)
 
     def prefill_chunk(self, state, q, k, v, ctx):
         """Write the staging, record, attend causally."""

@@ -48,8 +48,7 @@ class FullCache:
     def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
         """Zero-filled ``[B, Hkv, round_up(prompt + room, block), D]`` per layer."""
         no_artifact(artifact, self.name)
-        return Cache(layers=init_staging(spec, self.recording()), length=jnp.zeros((), jnp.int32),
-                     pad=jnp.zeros((spec.batch,), jnp.int32), method=self, spec=spec)
+        return Cache.create(init_staging(spec, self.recording()), self, spec)
 
     def prefill_chunk(self, state: StagedKV, q, k, v, ctx):
         """Write k, v at slots ``ctx.start..`` and attend causally."""

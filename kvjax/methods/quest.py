@@ -122,8 +122,7 @@ class Quest:
         """Dense staging; ``finish_prefill`` moves every real token into pages."""
         no_artifact(artifact, self.name)
         self.pages_per_step(spec)
-        return Cache(layers=init_staging(spec, self.recording()), length=jnp.zeros((), jnp.int32),
-                     pad=jnp.zeros((spec.batch,), jnp.int32), method=self, spec=spec)
+        return Cache.create(init_staging(spec, self.recording()), self, spec)
 
     def prefill_chunk(self, state, q, k, v, ctx):
         """Write the staging and attend causally."""
