@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -192,3 +193,50 @@ def test_kept_indices_properties(L, extra, pad0, data, method):
                 assert set(range(L - W, L)) <= set(row)  # window kept
             if method == "streaming":
                 assert {int(pad[b]), int(pad[b]) + 1} <= set(row)  # sinks kept
+
+
+def test_hbw_prefix_capacity_is_whole_blocks():
+    """C - w = 62 tokens with T = 2: 31 whole blocks (16 in round M=1, 15 = 8 + 7 in round M=8) and no single
+    tokens. The old token-share rounding kept 15 + 8 blocks and 16 single tokens."""
+    rng = np.random.default_rng(5)
+    P, w, cap, T = 4 + 200, 4, 4 + 62, 2
+    scores = jnp.asarray(rng.random((1, 1, P)).astype(np.float32))
+    keep = np.asarray(hierarchical_block_keep(scores, jnp.array([0]), P, w, cap, T, (1, 8)))[0, 0]
+    assert keep.sum() == cap and keep[P - w:].all()
+    blocks = keep[: P - w].reshape(-1, T)
+    assert set(blocks.sum(-1).tolist()) <= {0, T}  # every block kept whole or not at all
+    assert blocks.all(-1).sum() == 31
+    # each of the 8 groups of round 2 holds at least one block chosen in its own range
+    groups = np.array_split(np.arange(blocks.shape[0]), 8)
+    assert all(blocks[g].all(-1).any() for g in groups)
+
+
+def test_per_head_capacities_are_held_and_paid_for():
+    """An allocator may give every KV head its own capacity: lengths and device bytes follow it."""
+    from kvjax.methods.base import PagedAppend, PromptCompression
+    from kvjax.selection import TopTokens
+
+    @dataclasses.dataclass(frozen=True)
+    class PerHead:
+        def capacities(self, budget, spec):
+            return ((4, 12),) * spec.num_layers
+
+    @dataclasses.dataclass(frozen=True)
+    class TwoCapacities(PromptCompression):
+        name = "two_capacities"
+
+        def components(self):
+            return (WindowAttentionScores(4, 1, "max", "mean"), PerHead(), TopTokens(4), PagedAppend(page_size=4))
+
+    rng = np.random.default_rng(6)
+    B, Hkv, Hq, S, D, P = 2, 2, 4, 32, 8, 30
+    k = jnp.asarray(rng.normal(size=(B, Hkv, S, D)).astype(np.float32))
+    q = jnp.asarray(rng.normal(size=(B, 4, Hq, D)).astype(np.float32))
+    st = StagedKV(k, k, q, None, recording=Recording(window=4))
+    spec = CacheSpec(num_layers=1, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, batch=B, prompt_slots=P,
+                     longest_row=P, room=2)
+    paged = TwoCapacities(budget=12).finish_prefill(st, FinishContext(pad=jnp.array([0, 24]), layer=0, spec=spec))
+    assert paged.capacities == (4, 12)
+    assert np.asarray(paged.lengths).tolist() == [[4, 12], [4, 6]]  # row 1 has 6 real tokens
+    # pages: per row, ceil((4 + 2) / 4) + ceil((12 + 2) / 4) = 2 + 4
+    assert paged.k_pages.shape[0] == 2 * (2 + 4)
