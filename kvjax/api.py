@@ -170,6 +170,17 @@ def generate_tokens(
     return out, count, cache, timings
 
 
+def split_at_question(tokenizer, context: str, question: str, chat: bool) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of ``context + "\n" + question`` formatted for the model (chat template
+    with ``chat``), split in front of the question: the question ids carry the template's end of turn."""
+    from models.tokenizer import format_prompt
+
+    text = format_prompt(tokenizer, context + "\n" + question, chat)
+    cut = text.rindex(question)
+    return (tokenizer(text[:cut], add_special_tokens=True)["input_ids"],
+            tokenizer(text[cut:], add_special_tokens=False)["input_ids"])
+
+
 def generate(
     model, prompt: str | Sequence[str], *, method=None, max_new_tokens: int = 64, chat: bool = False,
     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chunk_size: int | None = None,
@@ -206,12 +217,8 @@ def generate(
         questions = [question] if isinstance(question, str) else list(question)
         if len(questions) != len(prompts):
             raise ValueError(f"need one question per prompt: {len(questions)} questions for {len(prompts)} prompts")
-        rows, question_rows = [], []
-        for p, q in zip(prompts, questions):
-            text = format_prompt(tok, p + "\n" + q, chat)
-            cut = text.rindex(q)
-            rows.append(tok(text[:cut], add_special_tokens=True)["input_ids"])
-            question_rows.append(tok(text[cut:], add_special_tokens=False)["input_ids"])
+        pairs = [split_at_question(tok, p, q, chat) for p, q in zip(prompts, questions)]
+        rows, question_rows = [c for c, _ in pairs], [q for _, q in pairs]
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
 
@@ -254,18 +261,13 @@ def ask(
     :func:`generate` with ``question=``. Returns one result per question (``timings`` of the shared
     prefill and compression are those of the context; ``question_s`` and decode are the question's).
     """
-    from models.tokenizer import format_prompt
-
     if not questions:
         raise ValueError("ask needs at least one question")
     tok = model.tokenizer
-    texts = [format_prompt(tok, context + "\n" + q, chat) for q in questions]
-    cuts = [t.rindex(q) for t, q in zip(texts, questions)]
-    heads = {t[:c] for t, c in zip(texts, cuts)}
-    if len(heads) != 1:
+    pairs = [split_at_question(tok, context, q, chat) for q in questions]
+    if any(c != pairs[0][0] for c, _ in pairs):
         raise ValueError("the chat template formats the context differently per question; ask cannot share it")
-    context_ids = tok(heads.pop(), add_special_tokens=True)["input_ids"]
-    question_ids = [tok(t[c:], add_special_tokens=False)["input_ids"] for t, c in zip(texts, cuts)]
+    context_ids, question_ids = pairs[0][0], [q for _, q in pairs]
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     method = _resolve_method(method)
     longest_q = max(len(q) for q in question_ids)
