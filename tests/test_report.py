@@ -26,3 +26,24 @@ def test_shortfalls_flag_a_low_mean_and_a_single_low_task_but_not_small_gaps():
 
 def test_no_full_cache_row_means_no_shortfalls():
     assert shortfalls({"rows": [_row("x", "0.1", {"a@4096": 0.0})]}) == []
+
+
+def test_compare_runs_hand_made(tmp_path):
+    import json
+
+    from evals.compare import compare_runs
+
+    def write(d, recs):
+        d.mkdir()
+        (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    base = dict(task="passkey", length=128, device_bytes=10)
+    write(tmp_path / "old", [dict(base, index=0, method="snapkv", budget="0.1", score=1.0, output="123"),
+                             dict(base, index=1, method="snapkv", budget="0.1", score=0.0, output="9")])
+    write(tmp_path / "new", [dict(base, index=0, method="snapkv", budget="0.1", score=0.0, output="12"),
+                             dict(base, index=1, method="snapkv", budget="0.1", score=0.0, output="9"),
+                             dict(base, index=2, method="snapkv", budget="0.1", score=1.0, output="5")])
+    md = compare_runs(str(tmp_path / "old"), str(tmp_path / "new"))
+    assert "2 shared records (3 in the new run, 2 in the old one)" in md
+    assert "| snapkv | 0.1 | 2 | 50.0 | 0.0 |" in md
+    assert "## Changed answers (1)" in md and "'123'" in md and "'12'" in md

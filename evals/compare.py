@@ -1,0 +1,68 @@
+"""Compare two evaluation runs record by record: ``python -m evals.compare OLD_DIR NEW_DIR [--out FILE]``.
+
+Matches ``samples.jsonl`` records by (task, length, sample index, method, budget) and writes a
+Markdown report: per (method, budget) the mean accuracy of both runs over the records they share,
+and every shared record whose answer changed (old and new output, score and device bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from typing import Sequence
+
+
+def _key(r: dict) -> tuple:
+    return (r["task"], r["length"], r["index"], r["method"], r["budget"])
+
+
+def compare_runs(old_dir: str, new_dir: str) -> str:
+    """The Markdown comparison of two run directories (see module docstring)."""
+    from evals.runner import _read_jsonl as read_jsonl
+
+    old = {_key(r): r for r in read_jsonl(os.path.join(old_dir, "samples.jsonl"))}
+    new = {_key(r): r for r in read_jsonl(os.path.join(new_dir, "samples.jsonl"))}
+    shared = [k for k in new if k in old]
+    acc = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for k in shared:
+        cell = acc[(k[3], k[4])]
+        cell[0] += old[k]["score"]
+        cell[1] += new[k]["score"]
+        cell[2] += 1
+    lines = [f"# `{os.path.basename(os.path.normpath(new_dir))}` vs `{os.path.basename(os.path.normpath(old_dir))}`", "",
+             f"{len(shared)} shared records ({len(new)} in the new run, {len(old)} in the old one).", "",
+             "| method | budget | records | old accuracy % | new accuracy % |", "|---|---|---:|---:|---:|"]
+    for (m, b), (o, n, c) in sorted(acc.items(), key=lambda x: (x[0][0] != "full", x[0])):
+        lines.append(f"| {m} | {b} | {c} | {100 * o / c:.1f} | {100 * n / c:.1f} |")
+    changed = [k for k in shared if old[k]["output"] != new[k]["output"]]
+    lines += ["", f"## Changed answers ({len(changed)})", ""]
+    if changed:
+        lines += ["| task | index | method | budget | old score | new score | old output | new output | old / new device bytes |",
+                  "|---|---:|---|---|---:|---:|---|---|---|"]
+        for k in sorted(changed):
+            o, n = old[k], new[k]
+            lines.append(f"| {k[0]} | {k[2]} | {k[3]} | {k[4]} | {o['score']:g} | {n['score']:g} | `{o['output'][:40]!r}` | "
+                         f"`{n['output'][:40]!r}` | {o['device_bytes']} / {n['device_bytes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: print (or write with ``--out``) the comparison."""
+    p = argparse.ArgumentParser(prog="python -m evals.compare", description=__doc__.splitlines()[0])
+    p.add_argument("old")
+    p.add_argument("new")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    text = compare_runs(args.old, args.new)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
