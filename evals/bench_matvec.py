@@ -56,10 +56,10 @@ def layer_shapes(config) -> list[tuple[str, int, int]]:
 def _config(model: str):
     from models import resolve_model_path
     from models.config import load_hf_config
-    from models.weights import _open_gguf, gguf_config
+    from models.weights import open_gguf, gguf_config
 
     path = resolve_model_path(model)
-    return gguf_config(_open_gguf(path), model) if path.endswith(".gguf") else load_hf_config(path)
+    return gguf_config(open_gguf(path), model) if path.endswith(".gguf") else load_hf_config(path)
 
 
 def _variants():

@@ -170,7 +170,8 @@ def load_hf_directory(path: str, dtype=jnp.float32):
 
 
 # ---------------------------------------------------------------- GGUF
-def _open_gguf(path: str):
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` of ``path``; clear errors for a missing, foreign, truncated or corrupt file."""
     import gguf
 
     if not os.path.isfile(path):
@@ -278,7 +279,7 @@ def dequantize_gguf_tensor(tensor) -> np.ndarray:
 
 def load_gguf(path: str, dtype=jnp.float32):
     """Load a GGUF file (Llama / Qwen2 / Qwen3), dequantized to ``dtype``. Returns (config, graphdef, params)."""
-    reader = _open_gguf(path)
+    reader = open_gguf(path)
     config = gguf_config(reader, name=os.path.splitext(os.path.basename(path))[0])
     for t in reader.tensors:  # fail before any work on a file we cannot read whole
         if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
