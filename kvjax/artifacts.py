@@ -65,10 +65,70 @@ def require_artifact(artifact, kind: str, model_id: str) -> Artifact:
     return artifact
 
 
+def _frozen(x):
+    """Lists (from JSON) as tuples, recursively, so ``meta`` stays hashable."""
+    if isinstance(x, list):
+        return tuple(_frozen(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _frozen(v)) for k, v in x.items())
+    return x
+
+
+def _plain(x):
+    """Tuples as lists, recursively (for JSON)."""
+    if isinstance(x, tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def save_artifact(artifact: Artifact, path) -> None:
+    """Write ``artifact`` as JSON (arrays as nested lists with their dtype); small calibration results only."""
+    import numpy as np
+
+    arrays = {name: {"dtype": str(np.asarray(a).dtype), "data": np.asarray(a).tolist()} for name, a in artifact.arrays.items()}
+    doc = {"kind": artifact.kind, "model_id": artifact.model_id,
+           "meta": {k: _plain(v) for k, v in artifact.meta}, "arrays": arrays}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def load_artifact(path) -> Artifact:
+    """Read an artifact written by :func:`save_artifact` (arrays become jax arrays)."""
+    import jax.numpy as jnp
+
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    arrays = {name: jnp.asarray(a["data"], a["dtype"]) for name, a in doc["arrays"].items()}
+    meta = tuple((k, _frozen(v)) for k, v in doc["meta"].items())
+    return Artifact(arrays=arrays, kind=doc["kind"], model_id=doc["model_id"], meta=meta)
+
+
+def shipped_artifact_path(kind: str, model_id: str, variant: str = ""):
+    """Where the artifact shipped with kvjax for ``kind`` and a model lives (may not exist)."""
+    from pathlib import Path
+
+    model = model_id.split(":")[0] or "model"
+    suffix = f"-{variant}" if variant else ""
+    return Path(__file__).parent / "data" / kind / f"{model}{suffix}.json"
+
+
+def shipped_artifact(kind: str, model_id: str, variant: str = "") -> Artifact:
+    """The artifact shipped for ``kind`` and the model ``model_id``; a clear error when there is none."""
+    path = shipped_artifact_path(kind, model_id, variant)
+    if not path.exists():
+        raise ValueError(f"no shipped {kind} artifact for model {model_id!r} ({path.name}); "
+                         f"run `kvjax calibrate {kind} --model <model>` and pass the artifact")
+    art = load_artifact(path)
+    art.check(kind, model_id)
+    return art
+
+
 def no_artifact(artifact, name: str) -> None:
     """Raise when a method that takes no artifact is given one (it would be silently ignored)."""
     if artifact is not None:
         raise ValueError(f"method {name!r} takes no artifact, got one of kind {getattr(artifact, 'kind', type(artifact).__name__)!r}")
 
 
-__all__ = ["Artifact", "model_identity", "require_artifact", "no_artifact"]
+__all__ = ["Artifact", "model_identity", "require_artifact", "no_artifact", "save_artifact", "load_artifact",
+           "shipped_artifact_path", "shipped_artifact"]

@@ -90,6 +90,9 @@ class AttendContext:
       positions: int32 [B, T], RoPE positions of the query tokens.
       q_pre_rope, k_pre_rope: [B, T, H, D] projections before RoPE (Locret scores these).
       artifact: the cache's artifact pytree (or None).
+      layers: every layer's state as of this call: layers before ``layer`` already updated by this
+        call, later ones as of the previous call (set by :meth:`Cache.attend`; heads that follow
+        another layer's heads read it).
     """
 
     start: jax.Array
@@ -98,15 +101,18 @@ class AttendContext:
     q_pre_rope: jax.Array | None = None
     k_pre_rope: jax.Array | None = None
     artifact: Any = None
+    layers: tuple | None = None
     layer: int = struct.field(pytree_node=False, default=0)
 
 
 @struct.dataclass
 class FinishContext:
-    """What ``method.finish_prefill`` may need for one layer: padding, the artifact, the spec."""
+    """What ``method.finish_prefill`` may need for one layer: padding, the artifact, the spec, and
+    ``layers``: every layer's prefill-stage state (heads chosen by another layer's heads read it)."""
 
     pad: jax.Array
     artifact: Any = None
+    layers: tuple | None = None
     layer: int = struct.field(pytree_node=False, default=0)
     spec: CacheSpec | None = struct.field(pytree_node=False, default=None)
 
@@ -145,7 +151,7 @@ class Cache:
         Returns ``(attention output [B, T, Hq, D], the layer's new state)``.
         """
         state = self.layers[ctx.layer]
-        ctx = ctx.replace(artifact=self.artifact)
+        ctx = ctx.replace(artifact=self.artifact, layers=self.layers)
         if self.stage == "prefill":
             return self.method.prefill_chunk(state, q, k, v, ctx)
         return self.method.decode_attend(state, q, k, v, ctx)

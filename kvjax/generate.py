@@ -139,7 +139,8 @@ def compress_jit(cache: Cache) -> Cache:
     """Jitted body of :func:`compress` (the prefill-stage cache is donated)."""
     TRACE_COUNTS["compress"] += 1
     layers = tuple(
-        cache.method.finish_prefill(st, FinishContext(pad=cache.pad, artifact=cache.artifact, layer=i, spec=cache.spec))
+        cache.method.finish_prefill(st, FinishContext(pad=cache.pad, artifact=cache.artifact, layers=cache.layers, layer=i,
+                                                    spec=cache.spec))
         for i, st in enumerate(cache.layers)
     )
     return cache.replace(layers=layers, stage="compressed")

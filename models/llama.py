@@ -190,11 +190,11 @@ class CausalLM(nnx.Module):
         B, T = tokens.shape
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
-        states = []
         for i, layer in enumerate(self.layers):
             ctx = AttendContext(start=cache.length, pad=cache.pad, positions=positions, layer=i)
             x, state = layer(x, cos, sin, cache, ctx)
-            states.append(state)
+            # later layers see this layer's new state (methods whose heads follow another layer's heads)
+            cache = cache.replace(layers=cache.layers[:i] + (state,) + cache.layers[i + 1:])
         x = self.norm(x)
         if last_only:
             x = x[:, -1:]
@@ -202,7 +202,7 @@ class CausalLM(nnx.Module):
             logits = jnp.einsum("btd,vd->btv", x, self.embed_tokens.embedding[...], preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("btd,vd->btv", x, self.lm_head.weight[...], preferred_element_type=jnp.float32)
-        new_cache = cache.replace(layers=tuple(states), length=cache.length + T)
+        new_cache = cache.replace(length=cache.length + T)
         return logits, new_cache
 
 

@@ -6,10 +6,12 @@ from kvjax.methods.base import Method, PromptCompression
 from kvjax.methods.full import FullCache
 from kvjax.methods.h2o import H2O
 from kvjax.methods.hbw import HBW
+from kvjax.methods.heterocache import HeteroCache
 from kvjax.methods.pyramidkv import PyramidKV
 from kvjax.methods.quest import Quest
 from kvjax.methods.snapkv import SnapKV
 from kvjax.methods.streaming_llm import StreamingLLM
+from kvjax.methods.synckv import SyncKV
 
 METHODS: dict[str, type] = {
     "full": FullCache,
@@ -19,6 +21,8 @@ METHODS: dict[str, type] = {
     "pyramidkv": PyramidKV,
     "hbw": HBW,
     "quest": Quest,
+    "heterocache": HeteroCache,
+    "synckv": SyncKV,
 }
 
 
@@ -29,5 +33,5 @@ def get_method(name: str, **kwargs) -> Method:
     return METHODS[name](**kwargs)
 
 
-__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest",
+__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV",
            "METHODS", "get_method"]

@@ -1,0 +1,273 @@
+"""Leader and follower heads: the cache layout HeteroCache and SyncKV share.
+
+Some KV heads (**leaders**: HeteroCache's pivots, SyncKV's R-heads) keep every token on the device
+and, from their own attention, choose which prompt tokens their **followers** (satellites,
+NR-heads) should hold. A follower keeps a fixed number of prompt tokens on the device, and its whole
+prompt KV in ``pinned_host`` memory (:mod:`kvjax.host_tier`). When its leader publishes a new choice,
+a region of the follower's device slots is overwritten with those tokens' rows from the host copy.
+Other heads (HeteroCache's anchors and volatile heads) keep a static set or everything.
+
+One layer's state is a :class:`RecallKV`:
+
+* ``paged``: every head's tokens in page pools with per-head capacities (:mod:`kvjax.paged`):
+  leaders and other full heads hold the whole prompt in order (stored position ``j`` of row ``b`` is
+  slot ``pad[b] + j``), compressed heads their selection; later tokens are appended to all;
+* ``host``: the followers' prompt K/V (one host head per (row, follower));
+* ``picks[B, n_leaders, R]`` / ``version[B, n_leaders]``: the prompt slots each leader of this layer
+  last chose (best first) and how many times it chose;
+* ``applied[B, n_followers]``: the leader version each follower holds; ``region_start``,
+  ``region_count[B, n_followers]``: the follower's slots a recall overwrites.
+
+The method decides when a leader publishes (HeteroCache: attention drift; SyncKV: every ``m`` steps)
+in its ``decode_attend``; :func:`apply_recalls` then refreshes every follower whose leader has a new
+version. The recall is one host-gather transfer for all followers of the layer
+(:func:`kvjax.host_tier.recall`), inside ``lax.cond`` so steps without a new choice move nothing.
+A leader may sit in another layer (kvjax's cross-layer groups): a follower reads it from
+``ctx.layers``. A leader in an earlier layer is read as of this step, one in a later layer as of the
+previous step.
+
+Timing: the step that publishes attends with the followers' old tokens. The recall is issued in that
+step, after the layer's attention, and is first used by the layer's next call. Nothing waits for the
+copy until then, so it can overlap the remaining layers (the paper's asynchronous update).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from kvjax.attention import MASK_VALUE
+from kvjax.host_tier import HostKV, offload, recall, write_recalled
+from kvjax.paged import PagedKV, append, paged_attention, paged_chunk_attention, paged_device_bytes, paged_read_bytes
+from kvjax.selection import gqa_aggregate, pool1d, window_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Follower:
+    """A follower head of a layer and its leader: ``leader_layer`` and the leader's index among that layer's leaders."""
+
+    head: int
+    leader_layer: int
+    leader_index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """Static roles of one layer's KV heads.
+
+    Attributes:
+      capacities: prompt tokens each KV head keeps for the longest row (full heads: the whole row).
+      full: heads that keep every token.
+      leaders: heads that publish picks (a subset of ``full``), in order.
+      followers: heads refreshed from the host with their leader's picks.
+      picks: tokens each leader of this layer publishes (the largest region of its followers).
+    """
+
+    capacities: tuple
+    full: tuple = ()
+    leaders: tuple = ()
+    followers: tuple = ()
+    picks: int = 0
+
+
+@struct.dataclass
+class RecallKV:
+    """One layer of a leader/follower cache (see the module docstring)."""
+
+    paged: PagedKV
+    host: HostKV | None
+    region_start: jax.Array  # int32 [B, n_followers]
+    region_count: jax.Array  # int32 [B, n_followers]
+    applied: jax.Array  # int32 [B, n_followers]
+    prompt_len: jax.Array  # int32 [B] real prompt tokens of each row (held in order by full heads)
+    picks: jax.Array  # int32 [B, n_leaders, R]
+    version: jax.Array  # int32 [B, n_leaders]
+    tracker: object  # the method's per-leader state
+    steps: jax.Array  # int32 [] decode calls with one token
+    recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
+    rows_moved: jax.Array  # int32 [] token rows brought from the host
+    plan: LayerPlan = struct.field(pytree_node=False, default=None)
+
+
+# ------------------------------------------------------------------------------------------ scores
+def last_query_probs(st, pad, prompt_slots: int):
+    """Softmax (f32) of the prompt's last query over its keys, per query head ``[B, Hq, S]`` (staging recorded window >= 1)."""
+    return window_attention(st.q_window[:, -1:], st.k, pad, prompt_slots)
+
+
+def prompt_scores(probs, pad, prompt_slots: int, num_kv_heads: int, *, kernel: int, gqa: str):
+    """Per KV head scores ``[B, Hkv, S]`` from query-head probabilities: avg pooling, group aggregation; -inf off the prompt."""
+    S = probs.shape[-1]
+    slots = jnp.arange(S)[None, :]
+    real = (slots >= pad[:, None]) & (slots < prompt_slots)
+    pooled = pool1d(probs, real[:, None, :], kernel, "avg")
+    return jnp.where(real[:, None, :], gqa_aggregate(pooled, num_kv_heads, gqa), -jnp.inf)
+
+
+def to_stored(slot_values, pad, positions: int, fill):
+    """Values per prompt slot ``[B, n, S]`` -> per stored position ``[B, n, positions]`` of a full head (``j`` <-> slot ``pad + j``)."""
+    S = slot_values.shape[-1]
+    j = pad[:, None] + jnp.arange(positions)[None, :]  # [B, positions]
+    got = jnp.take_along_axis(slot_values, jnp.clip(j, 0, S - 1)[:, None, :], axis=2)
+    return jnp.where((j < S)[:, None, :], got, fill)
+
+
+def leader_queries(q, heads: tuple, num_kv_heads: int):
+    """The leader heads' query groups of ``q[B, T, Hq, D]``: ``[B, T, n, G, D]``."""
+    B, T, Hq, D = q.shape
+    return q.reshape(B, T, num_kv_heads, Hq // num_kv_heads, D)[:, :, jnp.asarray(heads, jnp.int32)]
+
+
+def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str):
+    """Scores of consecutive queries ``qg[B, T, n, G, D]`` (:func:`leader_queries`) over the leader heads' held tokens.
+
+    Returns ``[B, n, T, positions]`` (f32): softmax per query head over the tokens each query saw
+    (the ``T`` queries are the newest tokens, already appended: query ``t`` saw all but the last
+    ``T - 1 - t``), average pooling (``kernel``), aggregation over the group (``gqa``); -inf where unseen.
+    """
+    B, T, n, G, D = qg.shape
+    M = paged.block_table.shape[-1]
+    ps = paged.page_size
+    ids = jnp.asarray(heads, jnp.int32)
+    k = paged.k_pages[paged.block_table[:, ids]].reshape(B, n, M * ps, D).astype(jnp.float32)
+    s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(jnp.float32), k, precision=lax.Precision.HIGHEST) * D**-0.5
+    lengths = paged.lengths[:, ids]  # [B, n]
+    limit = lengths[..., None] - T + jnp.arange(T) + 1  # [B, n, T]
+    seen = jnp.arange(M * ps)[None, None, None, :] < limit[..., None]  # [B, n, T, S]
+    p = jax.nn.softmax(jnp.where(seen[:, :, :, None], s, MASK_VALUE), axis=-1)  # [B, n, T, G, S]
+    p = pool1d(p, seen[:, :, :, None], kernel, "avg")
+    agg = p.mean(axis=3) if gqa == "mean" else p.max(axis=3)
+    return jnp.where(seen, agg, -jnp.inf)
+
+
+def prompt_only(scores, prompt_len):
+    """Scores over stored positions ``[B, n, positions]`` with everything past each row's prompt set to -inf."""
+    j = jnp.arange(scores.shape[-1])
+    return jnp.where(j[None, None, :] < prompt_len[:, None, None], scores, -jnp.inf)
+
+
+def top_mask(scores, k: int):
+    """Bool mask of the top-``k`` entries along the last axis (only finite entries)."""
+    k = min(k, scores.shape[-1])
+    vals, idx = lax.top_k(scores, k)
+    mask = jnp.zeros(scores.shape, bool)
+    mask = jnp.put_along_axis(mask, idx, jnp.isfinite(vals), axis=-1, inplace=False)
+    return mask
+
+
+def top_slots(scores, pad, count: int):
+    """Best-first prompt slots ``[B, n, count]`` from scores over stored positions ``[B, n, positions]``."""
+    count = min(count, scores.shape[-1])
+    _, j = lax.top_k(scores, count)
+    return (j + pad[:, None, None]).astype(jnp.int32)
+
+
+# -------------------------------------------------------------------------------------------- build
+def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size: int, region_start, region_count,
+                picks, tracker):
+    """A :class:`RecallKV` from a staged layer, the kept slots per head, and the method's regions/picks/tracker.
+
+    ``keep_idx[B, Hkv, C]`` / ``keep_len[B, Hkv]``: kept prompt slots per head (in storage order).
+    ``picks[B, n_leaders, R]``: the leaders' initial choice (version 0: followers hold it already).
+    """
+    from kvjax.paged import build_paged
+
+    P = spec.prompt_slots
+    paged = build_paged(st.k, st.v, keep_idx, keep_len, plan.capacities, spec.room, page_size)
+    host = None
+    B = st.k.shape[0]
+    if plan.followers:
+        heads = [(b, f.head) for b in range(B) for f in plan.followers]
+        host = offload(st.k[:, :, :P], st.v[:, :, :P], heads, page_size=page_size)
+    nf, nl = len(plan.followers), len(plan.leaders)
+    zeros = jnp.zeros((), jnp.int32)
+    return RecallKV(
+        paged=paged, host=host,
+        region_start=jnp.broadcast_to(jnp.asarray(region_start, jnp.int32), (B, nf)),
+        region_count=jnp.broadcast_to(jnp.asarray(region_count, jnp.int32), (B, nf)),
+        applied=jnp.zeros((B, nf), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
+        picks=jnp.asarray(picks, jnp.int32),
+        version=jnp.zeros((B, nl), jnp.int32),
+        tracker=tracker, steps=zeros, recalls=zeros, rows_moved=zeros, plan=plan,
+    )
+
+
+# ------------------------------------------------------------------------------------------- decode
+def append_attend(state: RecallKV, q, k, v, implementation: str):
+    """Append the new tokens to every head and attend (kernel for one token, XLA for a chunk)."""
+    paged = append(state.paged, k, v)
+    if q.shape[1] == 1:
+        out = paged_attention(q[:, 0], paged, implementation=implementation)[:, None]
+    else:
+        out = paged_chunk_attention(q, paged)
+    steps = state.steps + (1 if q.shape[1] == 1 else 0)
+    return out.astype(q.dtype), state.replace(paged=paged, steps=steps)
+
+
+def publish(state: RecallKV, new, picks):
+    """Leaders with ``new[B, n_leaders]`` set publish ``picks[B, n_leaders, R]`` (their version increases)."""
+    return state.replace(picks=jnp.where(new[..., None], picks, state.picks), version=state.version + new.astype(jnp.int32))
+
+
+def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
+    """Refresh every follower whose leader published a version it does not hold, from the host (one transfer)."""
+    plan = state.plan
+    if not plan.followers or not enabled:
+        return state
+    B, nf = state.applied.shape
+    versions, picks = [], []
+    for f in plan.followers:
+        src = state if f.leader_layer == ctx.layer else ctx.layers[f.leader_layer]
+        versions.append(src.version[:, f.leader_index])
+        picks.append(src.picks[:, f.leader_index])
+    width = max(p.shape[-1] for p in picks)
+    picks = jnp.stack([jnp.pad(p, ((0, 0), (0, width - p.shape[-1]))) for p in picks], axis=1)  # [B, nf, R]
+    versions = jnp.stack(versions, axis=1)  # [B, nf]
+    due = versions > state.applied
+    count = jnp.where(due, jnp.minimum(state.region_count, width), 0)
+
+    def refresh(paged):
+        rk, rv = recall(state.host, picks.reshape(B * nf, width), count.reshape(-1))
+        kp, vp = write_recalled(paged.k_pages, paged.v_pages, paged.block_table, rk, rv, state.host.heads,
+                                state.region_start.reshape(-1), count.reshape(-1))
+        return paged.replace(k_pages=kp, v_pages=vp)
+
+    paged = lax.cond(jnp.any(due), refresh, lambda p: p, state.paged)
+    return state.replace(paged=paged, applied=jnp.where(due, versions, state.applied),
+                         recalls=state.recalls + due.sum().astype(jnp.int32),
+                         rows_moved=state.rows_moved + count.sum().astype(jnp.int32))
+
+
+# -------------------------------------------------------------------------------------------- stats
+def recall_stats(states) -> dict:
+    """Kept tokens per head, pools, host copy, recall events and rows moved (concrete values)."""
+    steps = max(int(st.steps) for st in states)
+    followers = sum(len(st.plan.followers) * st.applied.shape[0] for st in states)
+    recalls = sum(int(st.recalls) for st in states)
+    rows = sum(int(st.rows_moved) for st in states)
+    d, itemsize = states[0].paged.k_pages.shape[-1], states[0].paged.k_pages.dtype.itemsize
+    return {
+        "kept_tokens_per_head": [list(st.plan.capacities) for st in states],
+        "full_heads": sum(len(st.plan.full) for st in states),
+        "follower_heads": sum(len(st.plan.followers) for st in states),
+        "page_pool_bytes": sum(paged_device_bytes(st.paged) for st in states),
+        "decode_steps": steps,
+        "recall_events": recalls,
+        "recall_trigger_rate": recalls / (steps * followers) if steps and followers else 0.0,
+        "rows_recalled": rows,
+        "bytes_recalled": 2 * rows * d * itemsize,
+    }
+
+
+def attention_read_bytes(states) -> int:
+    """K/V bytes one step's attention reads: every held token of every head."""
+    return sum(paged_read_bytes(st.paged) for st in states)
+
+
+__all__ = ["Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
+           "top_mask", "top_slots", "build_layer", "append_attend", "publish", "apply_recalls", "recall_stats",
+           "attention_read_bytes"]

@@ -1,0 +1,360 @@
+"""HeteroCache (Shi et al.): head roles from offline calibration, stability-weighted per-head budgets,
+and pivot heads that refresh their satellites from host memory when their attention drifts.
+
+Calibration (``kvjax calibrate heterocache``, :func:`heterocache_artifact`): per KV head the
+stability score (Eq. 2) and the overlap graph of its group (an edge when the pairwise overlap
+reaches ``tau_sim``); **greedy star clustering** (REFERENCE_NOTES): repeatedly the unassigned head
+with the most unassigned neighbours (ties: lowest index) becomes a *pivot* and those neighbours its
+*satellites*; the remaining heads are *anchors* (stability >= ``tau_stable``) or *volatile*.
+
+Runtime:
+
+* pivots and volatile heads keep the whole prompt on the device; anchors and satellites keep their
+  top-``l_i`` tokens. Selection scores follow the reference code: softmax of the prompt's last
+  query per query head, average pooling (kernel 5), max over the GQA group; kept tokens in position
+  order, no window or sink protection.
+* ``l_i`` (Eq. 7-8 as the reference code computes them): ``base = (rho N - F) L / (N - F)``,
+  ``w_i = 1 / (stability_i + 1e-6)`` normalised to mean 1 over the compressed heads,
+  ``l_i = min(L, int(base * w_i))``; ``N`` = KV heads of all layers, ``F`` = full heads, ``rho`` =
+  the budget as a fraction of the prompt (an int budget ``b`` is ``b / L``). ``rho N <= F`` is an error.
+  Deviation: where ``base * w_i > L`` the reference code drops the excess; kvjax gives it to the other
+  compressed heads in proportion to their weights (:func:`spread_capped`), so the device holds the
+  whole budget and a budget of 1.0 keeps every token. Below the clipping point both are identical.
+* satellites' prompt KV lives in ``pinned_host`` memory; each pivot buffers its queries and every
+  ``window`` decode steps computes each buffered query's top-``base`` set over its full cache
+  (pooled, group max). If the **median** overlap with its reference set (normalised by ``base``,
+  Eq. 9) is below ``tau_drift``, the reference becomes the last query's set and every satellite's
+  first ``l_s`` slots are overwritten with the pivot's current top-``l_s`` prompt tokens, read from
+  the host (:mod:`kvjax.head_recall`).
+
+kvjax's choices where the paper is silent or the model differs (each documented):
+
+* **Cross-layer groups** (``group_layers``): the ready models have 2-3 KV heads per layer, not 8.
+  Per-layer clustering (``group_layers=1``, the paper's version) then leaves most layers with a
+  pivot, so ``F / N`` is 1/2 (Qwen2.5) and budgets below it are impossible. The shipped default
+  artifacts cluster ``(layer, head)`` units of ``ceil(8 / Hkv)`` adjacent layers. Token positions
+  are shared across layers, so a pivot's choice is meaningful for a satellite of another layer.
+  A satellite reads a pivot of a later layer one step late (see :mod:`kvjax.head_recall`).
+* Pivots choose from prompt tokens only: tokens decoded after the prompt are on the device for
+  every head already.
+* Tokens prefilled onto the compressed cache in one call (a question) count as decode steps for the
+  drift window: the last ``min(T, window)`` of them are checked at once. Without this, a question
+  asked after compression could trigger a refresh only after ``window`` decoded tokens.
+* The recall is issued in the step that detects the drift and used from the next step on.
+* Ablations: ``allocation=False`` gives every compressed head ``base`` tokens (the paper's
+  "w/o allocation"); ``retrieval=False`` never refreshes ("w/o retrieval").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from kvjax.artifacts import Artifact, require_artifact, shipped_artifact
+from kvjax.budgets import check_budget
+from kvjax.cache import Cache, CacheSpec
+from kvjax.head_recall import (Follower, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
+                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
+                               recall_stats, to_stored, top_mask, top_slots)
+from kvjax.methods.base import check_common
+from kvjax.selection import keep_to_indices, keep_top, row_capacities
+from kvjax.staging import Recording, init_staging, stage_chunk
+
+ROLES = ("pivot", "satellite", "anchor", "volatile")
+KIND = "heterocache"
+
+
+# ------------------------------------------------------------------------------------ calibration
+def star_clustering(adjacency: np.ndarray) -> list[tuple[int, list[int]]]:
+    """Greedy star clustering of a symmetric bool adjacency (no self loops): ``[(pivot, satellites), ...]``.
+
+    Repeatedly the unassigned node with the most unassigned neighbours (ties: lowest index) becomes
+    a pivot and its unassigned neighbours its satellites; stops when the best degree is 0.
+    """
+    adj = np.asarray(adjacency, bool).copy()
+    np.fill_diagonal(adj, False)
+    free = np.ones(len(adj), bool)
+    clusters = []
+    while True:
+        degree = np.where(free, (adj & free[None, :]).sum(axis=1), -1)
+        pivot = int(np.argmax(degree))
+        if degree[pivot] <= 0:
+            return clusters
+        sats = [int(j) for j in np.flatnonzero(adj[pivot] & free)]
+        free[pivot] = False
+        free[sats] = False
+        clusters.append((pivot, sats))
+
+
+def classify_group(stability: np.ndarray, similarity: np.ndarray, tau_sim: float, tau_stable: float):
+    """Roles of one group's units: (roles list, leader index per unit or -1) from stability ``[U]`` and overlaps ``[U, U]``."""
+    U = len(stability)
+    adj = (np.asarray(similarity) >= tau_sim) & ~np.eye(U, dtype=bool)
+    adj = adj & adj.T
+    roles, leader = [""] * U, [-1] * U
+    for pivot, sats in star_clustering(adj):
+        roles[pivot] = "pivot"
+        for s in sats:
+            roles[s], leader[s] = "satellite", pivot
+    for u in range(U):
+        if not roles[u]:
+            roles[u] = "anchor" if stability[u] >= tau_stable else "volatile"
+    return roles, leader
+
+
+def heterocache_artifact(stats, model_id: str, *, tau_sim: float = 0.5, tau_stable: float = 0.5) -> Artifact:
+    """Head roles, pivots and stability from calibration statistics (:class:`kvjax.calibration.HeadStatistics`)."""
+    L, H = stats.stability.shape
+    roles = [[""] * H for _ in range(L)]
+    leader = [[(-1, -1)] * H for _ in range(L)]
+    for gi, units in enumerate(stats.groups()):
+        stab = np.array([stats.stability[l, h] for l, h in units])
+        r, lead = classify_group(stab, stats.sim_median[gi], tau_sim, tau_stable)
+        for u, (l, h) in enumerate(units):
+            roles[l][h] = r[u]
+            if lead[u] >= 0:
+                leader[l][h] = units[lead[u]]
+    meta = (
+        ("roles", tuple(tuple(r) for r in roles)),
+        ("pivot_of", tuple(tuple(tuple(int(x) for x in p) for p in row) for row in leader)),
+        ("stability", tuple(tuple(round(float(x), 6) for x in row) for row in stats.stability)),
+        ("group_layers", stats.group_layers), ("tau_sim", tau_sim), ("tau_stable", tau_stable),
+        ("topk", stats.topk), ("samples", stats.samples), ("decode_steps", stats.decode_steps), ("tokens", stats.tokens),
+    )
+    arrays = {"stability": np.asarray(stats.stability, np.float32), "similarity": np.asarray(stats.similarity, np.float32)}
+    return Artifact(arrays=arrays, kind=KIND, model_id=model_id, meta=meta)
+
+
+def spread_capped(total: float, weights: np.ndarray, cap: int) -> np.ndarray:
+    """Split ``total`` in proportion to ``weights``, no share above ``cap``; what capped shares cannot take goes to the others."""
+    share = np.zeros(len(weights))
+    free = np.ones(len(weights), bool)
+    left = float(total)
+    while free.any() and left > 1e-9:
+        part = left * weights * free / weights[free].sum()
+        over = free & (share + part > cap)
+        if not over.any():
+            return share + part
+        left -= float((cap - share[over]).sum())
+        share[over] = cap
+        free &= ~over
+    return share
+
+
+def head_capacities(stability, full, rho: float, length: int, *, allocation: bool = True):
+    """(capacities per layer and head, base) by Eq. 7-8 as the reference code (see module docstring).
+
+    ``stability[L][H]`` floats, ``full[L][H]`` bools, ``rho`` the kept fraction, ``length`` the prompt.
+    """
+    L, H = len(stability), len(stability[0])
+    N = L * H
+    F = sum(bool(x) for row in full for x in row)
+    if rho * N <= F:
+        raise ValueError(f"budget {rho:.3f} of the prompt cannot hold the {F} full heads (pivot + volatile) out of {N}: "
+                         f"HeteroCache needs budget > {F / N:.3f} with this calibration (rho * N > F)")
+    if F == N:
+        return [[length] * H for _ in range(L)], length
+    base = (rho * N - F) * length / (N - F)
+    comp = [(l, h) for l in range(L) for h in range(H) if not full[l][h]]
+    w = np.array([1.0 / (stability[l][h] + 1e-6) for l, h in comp]) if allocation else np.ones(len(comp))
+    share = spread_capped(base * len(comp), w / w.mean(), length)
+    caps = [[length] * H for _ in range(L)]
+    for (l, h), c in zip(comp, share):
+        caps[l][h] = max(1, int(c))
+    return caps, max(1, int(base))
+
+
+# -------------------------------------------------------------------------------------- the method
+@struct.dataclass
+class PivotTracker:
+    """Per pivot of a layer: buffered queries ``q[W, B, n, G, D]``, the reference set ``ref[B, n, positions]``
+    and the set size ``base`` (static)."""
+
+    q: jnp.ndarray
+    ref: jnp.ndarray
+    base: int = struct.field(pytree_node=False, default=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroCache:
+    """HeteroCache (see the module docstring).
+
+    Args:
+      budget: fraction of the prompt's KV kept on the device over all heads (``rho``), or tokens per
+        head (``rho = budget / prompt``).
+      window: drift window ``W`` in decode steps (reference: 5).
+      tau_drift: drift threshold (paper: equal to tau_stable, 0.5).
+      kernel: pooling of the attention scores (reference: 5, average).
+      group_layers: which shipped artifact to load when none is given (None: the model's default,
+        cross-layer groups; 1: the paper's per-layer clustering).
+      allocation: inverse-stability budgets (False: ``base`` for every compressed head).
+      retrieval: pivots refresh satellites (False: static after prefill).
+      page_size, implementation: paged layout and decode attention implementation.
+    """
+
+    budget: int | float = 0.25
+    window: int = 5
+    tau_drift: float = 0.5
+    kernel: int = 5
+    group_layers: int | None = None
+    allocation: bool = True
+    retrieval: bool = True
+    page_size: int = 16
+    block: int = 256
+    implementation: str = "auto"
+    name = "heterocache"
+
+    def __post_init__(self):
+        check_common(self.page_size, self.block, "max", self.implementation)
+        check_budget(self.budget)
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 decode step, got {self.window}")
+        if not 0.0 <= self.tau_drift <= 1.0:
+            raise ValueError(f"tau_drift must be in [0, 1], got {self.tau_drift}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
+        if self.group_layers is not None and self.group_layers < 1:
+            raise ValueError(f"group_layers must be >= 1 or None, got {self.group_layers}")
+
+    # -- artifact and allocation
+    def artifact_for(self, spec: CacheSpec, artifact=None) -> Artifact:
+        """The given artifact (checked) or the one shipped for the spec's model."""
+        if artifact is None:
+            variant = "" if self.group_layers is None else f"g{self.group_layers}"
+            artifact = shipped_artifact(KIND, spec.model_id, variant)
+        art = require_artifact(artifact, KIND, spec.model_id)
+        meta = art.meta_dict()
+        roles = meta["roles"]
+        if len(roles) != spec.num_layers or any(len(r) != spec.num_kv_heads for r in roles):
+            raise ValueError(f"heterocache artifact has roles for {len(roles)} layers x {len(roles[0])} heads; "
+                             f"the model has {spec.num_layers} x {spec.num_kv_heads}")
+        return art
+
+    def rho(self, spec: CacheSpec) -> float:
+        """The budget as a fraction of the longest row."""
+        return self.budget / spec.longest_row if isinstance(self.budget, int) else float(self.budget)
+
+    def plans(self, spec: CacheSpec, art: Artifact) -> tuple[tuple[LayerPlan, ...], int]:
+        """Per-layer plans and the base length (drift set size)."""
+        meta = art.meta_dict()
+        roles, pivot_of = meta["roles"], meta["pivot_of"]
+        full = [[r in ("pivot", "volatile") for r in row] for row in roles]
+        caps, base = head_capacities(meta["stability"], full, self.rho(spec), spec.longest_row, allocation=self.allocation)
+        pivots = [[h for h, r in enumerate(row) if r == "pivot"] for row in roles]
+        region = {}  # pivot -> largest satellite capacity
+        for l, row in enumerate(roles):
+            for h, r in enumerate(row):
+                if r == "satellite":
+                    p = tuple(pivot_of[l][h])
+                    region[p] = max(region.get(p, 0), caps[l][h])
+        plans = []
+        for l, row in enumerate(roles):
+            followers = tuple(Follower(h, pivot_of[l][h][0], pivots[pivot_of[l][h][0]].index(pivot_of[l][h][1]))
+                              for h, r in enumerate(row) if r == "satellite")
+            plans.append(LayerPlan(
+                capacities=tuple(caps[l]), full=tuple(h for h in range(len(row)) if full[l][h]),
+                leaders=tuple(pivots[l]), followers=followers,
+                picks=max([region.get((l, p), 0) for p in pivots[l]], default=0),
+            ))
+        return tuple(plans), base
+
+    # -- protocol
+    def recording(self):
+        """HeteroCache runs its own prefill (the last query is recorded, nothing is shared)."""
+        return None
+
+    def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
+        """Dense staging recording the last query; the artifact (or the shipped one) travels with the cache."""
+        art = self.artifact_for(spec, artifact)
+        self.plans(spec, art)  # validates the budget against the full heads
+        return Cache.create(init_staging(spec, Recording(window=1, block=self.block)), self, spec, artifact=art)
+
+    def prefill_chunk(self, state, q, k, v, ctx):
+        """Stage and attend."""
+        return stage_chunk(state, q, k, v, ctx)
+
+    def finish_prefill(self, state, ctx):
+        """Keep top-``l_i`` per compressed head, everything for full heads; offload satellites; pivot reference sets."""
+        spec = ctx.spec
+        plans, base = self.plans(spec, ctx.artifact)
+        plan = plans[ctx.layer]
+        P, H = spec.prompt_slots, spec.num_kv_heads
+        probs = last_query_probs(state, ctx.pad, P)
+        scores = prompt_scores(probs, ctx.pad, P, H, kernel=self.kernel, gqa="max")  # [B, H, S]
+        caps = row_capacities(plan.capacities, self.budget, spec, ctx.pad)
+        n = (P - ctx.pad)[:, None]
+        full = jnp.asarray([h in plan.full for h in range(H)])[None, :]
+        caps = jnp.where(full, n, caps)
+        S = scores.shape[-1]
+        slots = jnp.arange(S)[None, None, :]
+        real = (slots >= ctx.pad[:, None, None]) & (slots < P)
+        keep = keep_top(scores, jnp.zeros_like(real), real, caps)
+        idx, lengths = keep_to_indices(keep, max(plan.capacities))
+        B = state.k.shape[0]
+        nl = len(plan.leaders)
+        region_count = lengths[:, jnp.asarray([f.head for f in plan.followers], jnp.int32)]  # satellites' kept tokens
+        layer = build_layer(state, idx, lengths, ctx.pad, spec, plan, page_size=self.page_size,
+                            region_start=jnp.zeros_like(region_count), region_count=region_count,
+                            picks=jnp.zeros((B, nl, max(plan.picks, 1)), jnp.int32), tracker=None)
+        positions = layer.paged.block_table.shape[-1] * self.page_size
+        if nl:
+            lead = jnp.asarray(plan.leaders, jnp.int32)
+            stored = to_stored(scores[:, lead], ctx.pad, positions, -jnp.inf)
+            ref = top_mask(stored, base)
+            G = spec.num_heads // H
+            tracker = PivotTracker(q=jnp.zeros((self.window, B, nl, G, spec.head_dim), state.k.dtype), ref=ref, base=base)
+        else:
+            tracker = PivotTracker(q=jnp.zeros((self.window, B, 0, 1, spec.head_dim), state.k.dtype),
+                                   ref=jnp.zeros((B, 0, positions), bool), base=base)
+        return layer.replace(tracker=tracker)
+
+    def drift_check(self, state, qg, pad):
+        """Pivots score their queries ``qg[B, T, n, G, D]``; where the median overlap with the reference set is
+        below ``tau_drift``, the reference becomes the last query's set and the pivot publishes its top prompt tokens."""
+        plan, tr = state.plan, state.tracker
+        scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max")  # [B, n, T, positions]
+        sets = top_mask(scores, tr.base)
+        held = jnp.isfinite(scores).sum(-1)
+        overlap = (sets & tr.ref[:, :, None]).sum(-1) / jnp.maximum(jnp.minimum(held, tr.base), 1)
+        drift = jnp.median(overlap, axis=-1) < self.tau_drift  # [B, n]
+        picks = top_slots(prompt_only(scores[:, :, -1], state.prompt_len), pad, state.picks.shape[-1])
+        state = state.replace(tracker=tr.replace(ref=jnp.where(drift[..., None], sets[:, :, -1], tr.ref)))
+        return publish(state, drift, picks)
+
+    def track(self, state, q, pad):
+        """Buffer the pivots' queries; check drift every ``window`` steps (a multi-token call is checked at once)."""
+        plan, tr = state.plan, state.tracker
+        qg = leader_queries(q, plan.leaders, len(plan.capacities))
+        T = q.shape[1]
+        if T > 1:
+            return self.drift_check(state, qg[:, -min(T, self.window):], pad)
+        buf = lax.dynamic_update_index_in_dim(tr.q, qg[:, 0].astype(tr.q.dtype), (state.steps - 1) % self.window, axis=0)
+        state = state.replace(tracker=tr.replace(q=buf))
+        return lax.cond(state.steps % self.window == 0,
+                        lambda st: self.drift_check(st, jnp.moveaxis(st.tracker.q, 0, 1), pad), lambda st: st, state)
+
+    def decode_attend(self, state, q, k, v, ctx):
+        """Attend over every head's held tokens; pivots check drift; satellites of drifted pivots are refreshed."""
+        out, state = append_attend(state, q, k, v, self.implementation)
+        if state.plan.leaders and self.retrieval:
+            state = self.track(state, q, ctx.pad)
+        return out, apply_recalls(state, ctx, enabled=self.retrieval)
+
+    def stats(self, cache: Cache) -> dict:
+        """Roles, kept tokens, recall events."""
+        if cache.stage != "compressed":
+            return {}
+        meta = cache.artifact.meta_dict()
+        counts = {r: sum(row.count(r) for row in meta["roles"]) for r in ROLES}
+        return {"head_roles": counts, "group_layers": meta["group_layers"], **recall_stats(cache.layers)}
+
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """Attention over every held token (pivots' drift checks read their keys once per window in addition)."""
+        if cache.stage != "compressed":
+            return 0
+        return attention_read_bytes(cache.layers)

@@ -1,0 +1,331 @@
+"""SyncKV: representative heads (R-heads) keep the full cache and, every ``m`` steps, choose the tokens
+their cluster's other heads (NR-heads) hold; those come back from pinned host memory.
+
+Calibration (``kvjax calibrate synckv``, :func:`synckv_artifact`): per group of KV heads, the
+similarity matrix ``S`` (mean overlap coefficient of top-k attended sets over steps and samples,
+Eq. 2; GQA groups max-pooled as the paper's Appendix B.1 — the shared calibration records sets with
+the group aggregation it is given), distance rows ``D = max(S) - S``, **K-means** (JAX, deterministic
+seed, k-means++ initialisation, best of several restarts) into ``N_r`` clusters; the R-head of a
+cluster is the head closest to its centroid. Assignments for ``N_r`` = 1..4 are stored in one
+artifact, and the method's ``num_representatives`` picks one.
+
+Runtime (Algorithm 1):
+
+* R-heads keep every prompt token on the device. NR-heads keep ``k`` tokens:
+  ``k = (budget N - F) L / (N - F)`` (``N`` KV heads of all layers, ``F`` R-heads), so the device
+  holds the budget's fraction of the prompt's KV. ``budget N <= F`` is an error.
+* Prefill (Eq. 3-4): ``I_0`` = the top-``k`` tokens of the R-head's last-query attention (max over
+  its GQA group); the best ``static_ratio * k`` are the static set, the next ``(1 - static_ratio) * k``
+  the initial dynamic set; every NR-head of the cluster holds its own K/V at ``I_0``, its full prompt
+  K/V goes to ``pinned_host`` memory.
+* Anticipation, every ``stride`` (m) decode steps (Eq. 5-7): the R-head's current attention picks
+  ``k_dyn`` prompt tokens, and the NR-heads' dynamic slots are overwritten with those rows from the
+  host (:mod:`kvjax.head_recall`). Suspension, the other steps (Eq. 8): the dynamic set is reused.
+
+kvjax's choices (documented deviations):
+
+* The dynamic set is chosen among prompt tokens **outside the static set**. The paper's
+  ``T_kdyn(A_t)`` may pick static tokens again, which would be held twice and counted twice in the
+  softmax. Decoded tokens are not candidates: every head holds them already.
+* Cross-layer groups (``group_layers``, as for HeteroCache): with 2-3 KV heads per layer and
+  ``N_r = 2``, per-layer clustering makes every head an R-head and compresses nothing (calibration
+  reports it). The shipped default artifacts cluster ``ceil(8 / Hkv)`` adjacent layers. An NR-head
+  whose R-head is in a later layer uses that R-head's choice from the previous step.
+* A multi-token call on the compressed cache (a question) is an anticipation step for its last
+  query. The recall is issued in the anticipation step and used from the next step on, as the
+  paper's asynchronous upload.
+* ``anticipation=False`` is the paper's "w/o anticipation" ablation (static ``I_0`` only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from kvjax.artifacts import Artifact, require_artifact, shipped_artifact
+from kvjax.budgets import check_budget
+from kvjax.cache import Cache, CacheSpec
+from kvjax.head_recall import (Follower, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
+                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
+                               recall_stats, to_stored, top_slots)
+from kvjax.methods.base import check_common
+from kvjax.selection import row_capacities
+from kvjax.staging import Recording, init_staging, stage_chunk
+
+KIND = "synckv"
+MAX_REPRESENTATIVES = 4
+
+
+# ------------------------------------------------------------------------------------ calibration
+def kmeans(x, k: int, *, seed: int = 0, iterations: int = 100, restarts: int = 10):
+    """K-means of the rows of ``x[n, d]`` into ``k`` clusters (JAX, deterministic for a seed).
+
+    k-means++ initialisation, Lloyd iterations, the restart with the lowest inertia wins.
+    Returns ``(assignment int [n], centroids [k, d])`` as numpy arrays.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    n = x.shape[0]
+    if not 1 <= k <= n:
+        raise ValueError(f"k-means needs 1 <= k <= {n} points, got k={k}")
+
+    def one(key):
+        first = jax.random.randint(key, (), 0, n)
+        cents = jnp.zeros((k, x.shape[1]), jnp.float32).at[0].set(x[first])
+        for i in range(1, k):  # k-means++
+            key, sub = jax.random.split(key)
+            d2 = jnp.min(((x[:, None] - cents[None, :i]) ** 2).sum(-1), axis=1)
+            p = jnp.where(d2.sum() > 0, d2 / jnp.maximum(d2.sum(), 1e-12), jnp.ones(n) / n)
+            cents = cents.at[i].set(x[jax.random.choice(sub, n, p=p)])
+
+        def step(c, _):
+            a = jnp.argmin(((x[:, None] - c[None]) ** 2).sum(-1), axis=1)
+            onehot = jax.nn.one_hot(a, k)
+            counts = onehot.sum(0)
+            new = (onehot.T @ x) / jnp.maximum(counts, 1)[:, None]
+            return jnp.where(counts[:, None] > 0, new, c), None
+
+        cents, _ = lax.scan(step, cents, None, length=iterations)
+        assign = jnp.argmin(((x[:, None] - cents[None]) ** 2).sum(-1), axis=1)
+        inertia = ((x - cents[assign]) ** 2).sum()
+        return assign, cents, inertia
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), restarts)
+    assign, cents, inertia = jax.vmap(one)(keys)
+    best = int(jnp.argmin(inertia))
+    return np.asarray(assign[best]), np.asarray(cents[best])
+
+
+def cluster_group(similarity: np.ndarray, n_r: int, seed: int = 0):
+    """(roles "R"/"NR" per unit, representative index per unit) of one group from its similarity ``[U, U]``."""
+    S = np.asarray(similarity, np.float64)
+    D = S.max() - S
+    assign, cents = kmeans(D, n_r, seed=seed)
+    U = len(S)
+    rep = [-1] * U
+    for c in range(n_r):
+        members = np.flatnonzero(assign == c)
+        if len(members) == 0:
+            continue
+        r = int(members[np.argmin(((D[members] - cents[c]) ** 2).sum(-1))])
+        for m in members:
+            rep[int(m)] = r
+    roles = ["R" if rep[u] == u else "NR" for u in range(U)]
+    return roles, rep
+
+
+def synckv_artifact(stats, model_id: str, *, seed: int = 0) -> Artifact:
+    """Clusters for ``N_r`` = 1..4 (where the groups allow it) from calibration statistics."""
+    L, H = stats.stability.shape
+    groups = stats.groups()
+    options = []
+    for n_r in range(1, MAX_REPRESENTATIVES + 1):
+        if any(n_r > len(u) for u in groups):
+            break
+        roles = [[""] * H for _ in range(L)]
+        leader = [[(-1, -1)] * H for _ in range(L)]
+        for gi, units in enumerate(groups):
+            r, rep = cluster_group(stats.sim_mean[gi], n_r, seed)
+            for u, (l, h) in enumerate(units):
+                roles[l][h] = r[u]
+                if r[u] == "NR":
+                    leader[l][h] = units[rep[u]]
+        options.append((n_r, tuple(tuple(r) for r in roles),
+                        tuple(tuple(tuple(int(x) for x in p) for p in row) for row in leader)))
+    meta = (("clusters", tuple(options)), ("group_layers", stats.group_layers), ("topk", stats.topk),
+            ("samples", stats.samples), ("decode_steps", stats.decode_steps), ("tokens", stats.tokens), ("seed", seed))
+    arrays = {"similarity": np.asarray(stats.similarity, np.float32), "stability": np.asarray(stats.stability, np.float32)}
+    return Artifact(arrays=arrays, kind=KIND, model_id=model_id, meta=meta)
+
+
+# -------------------------------------------------------------------------------------- the method
+@struct.dataclass
+class RepresentativeTracker:
+    """Per R-head of a layer: its static set in stored positions ``static[B, n, positions]`` (never re-picked)."""
+
+    static: jnp.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncKV:
+    """SyncKV (see the module docstring).
+
+    Args:
+      budget: fraction of the prompt's KV kept on the device over all heads (Mem%), or tokens per head.
+      stride: ``m``, decode steps between anticipation steps (paper: 5).
+      num_representatives: ``N_r`` R-heads per group (paper: 2; 1 for Qwen).
+      static_ratio: ``rho``, the static share of the NR-heads' ``k`` tokens (paper: 0.5).
+      anticipation: refresh the dynamic sets (False: the paper's "w/o anticipation").
+      kernel: pooling of the R-heads' scores (1: none, as the paper's equations).
+      group_layers: which shipped artifact to load when none is given (None: the model's default).
+      page_size, block, implementation: paged layout, prefill block, decode attention implementation.
+    """
+
+    budget: int | float = 0.25
+    stride: int = 5
+    num_representatives: int = 2
+    static_ratio: float = 0.5
+    anticipation: bool = True
+    kernel: int = 1
+    group_layers: int | None = None
+    page_size: int = 16
+    block: int = 256
+    implementation: str = "auto"
+    name = "synckv"
+
+    def __post_init__(self):
+        check_common(self.page_size, self.block, "max", self.implementation)
+        check_budget(self.budget)
+        if self.stride < 1:
+            raise ValueError(f"stride (m) must be >= 1 decode step, got {self.stride}")
+        if not 0.0 < self.static_ratio <= 1.0:
+            raise ValueError(f"static_ratio (rho) must be in (0, 1], got {self.static_ratio}")
+        if not 1 <= self.num_representatives <= MAX_REPRESENTATIVES:
+            raise ValueError(f"num_representatives (N_r) must be in [1, {MAX_REPRESENTATIVES}], got {self.num_representatives}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
+        if self.group_layers is not None and self.group_layers < 1:
+            raise ValueError(f"group_layers must be >= 1 or None, got {self.group_layers}")
+
+    def artifact_for(self, spec: CacheSpec, artifact=None) -> Artifact:
+        """The given artifact (checked) or the one shipped for the spec's model."""
+        if artifact is None:
+            variant = "" if self.group_layers is None else f"g{self.group_layers}"
+            artifact = shipped_artifact(KIND, spec.model_id, variant)
+        return require_artifact(artifact, KIND, spec.model_id)
+
+    def clusters(self, art: Artifact):
+        """(roles, representative of each head) for ``num_representatives``."""
+        meta = art.meta_dict()
+        for n_r, roles, leader in meta["clusters"]:
+            if n_r == self.num_representatives:
+                return roles, leader
+        group = meta["group_layers"]
+        raise ValueError(f"N_r={self.num_representatives} is larger than the KV heads of a group in this artifact "
+                         f"({group} layer(s) per group; clusters exist for N_r in {[c[0] for c in meta['clusters']]})")
+
+    def plans(self, spec: CacheSpec, art: Artifact) -> tuple[tuple[LayerPlan, ...], int]:
+        """Per-layer plans and ``k`` (tokens each NR-head keeps for the longest row)."""
+        roles, leader = self.clusters(art)
+        if len(roles) != spec.num_layers or any(len(r) != spec.num_kv_heads for r in roles):
+            raise ValueError(f"synckv artifact has roles for {len(roles)} layers x {len(roles[0])} heads; "
+                             f"the model has {spec.num_layers} x {spec.num_kv_heads}")
+        L = spec.longest_row
+        N = spec.num_layers * spec.num_kv_heads
+        F = sum(row.count("R") for row in roles)
+        rho = self.budget / L if isinstance(self.budget, int) else float(self.budget)
+        if rho * N <= F:
+            raise ValueError(f"budget {rho:.3f} of the prompt cannot hold the {F} R-heads out of {N} KV heads: SyncKV "
+                             f"with N_r={self.num_representatives} needs budget > {F / N:.3f} (budget * N > F)")
+        k = L if F == N else max(1, min(L, int((rho * N - F) * L / (N - F))))
+        reps = [[h for h, r in enumerate(row) if r == "R"] for row in roles]
+        dyn = k - int(self.static_ratio * k)
+        plans = []
+        for l, row in enumerate(roles):
+            followers = tuple(Follower(h, leader[l][h][0], reps[leader[l][h][0]].index(leader[l][h][1]))
+                              for h, r in enumerate(row) if r == "NR")
+            plans.append(LayerPlan(capacities=tuple(L if r == "R" else k for r in row), full=tuple(reps[l]),
+                                   leaders=tuple(reps[l]), followers=followers, picks=max(dyn, 1) if reps[l] else 0))
+        return tuple(plans), k
+
+    # -- protocol
+    def recording(self):
+        """SyncKV runs its own prefill (the last query is recorded)."""
+        return None
+
+    def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
+        """Dense staging recording the last query; the artifact travels with the cache."""
+        art = self.artifact_for(spec, artifact)
+        self.plans(spec, art)
+        return Cache.create(init_staging(spec, Recording(window=1, block=self.block)), self, spec, artifact=art)
+
+    def prefill_chunk(self, state, q, k, v, ctx):
+        """Stage and attend."""
+        return stage_chunk(state, q, k, v, ctx)
+
+    def finish_prefill(self, state, ctx):
+        """R-heads keep the prompt; NR-heads hold their R-head's ``I_0``; NR prompt KV to the host."""
+        spec = ctx.spec
+        plans, k = self.plans(spec, ctx.artifact)
+        plan = plans[ctx.layer]
+        P, H = spec.prompt_slots, spec.num_kv_heads
+        B = state.k.shape[0]
+        n = (P - ctx.pad).astype(jnp.int32)  # [B]
+        k_rows = row_capacities((k,), self.budget, spec, ctx.pad)[:, 0]  # [B] tokens each NR-head keeps
+        static_rows = (self.static_ratio * k_rows).astype(jnp.int32)
+
+        def initial(layer: int, head: int):
+            staged = state if layer == ctx.layer else ctx.layers[layer]
+            probs = last_query_probs(staged, ctx.pad, P)
+            scores = prompt_scores(probs, ctx.pad, P, H, kernel=self.kernel, gqa="max")[:, head]  # [B, S]
+            return lax.top_k(scores, k)[1].astype(jnp.int32)  # best first
+
+        C = max(plan.capacities)
+        in_order = jnp.clip(ctx.pad[:, None] + jnp.arange(C)[None, :], 0, P - 1).astype(jnp.int32)
+        idx, lengths = [], []
+        lead_of = {f.head: f for f in plan.followers}
+        for h in range(H):
+            if h in lead_of:
+                f = lead_of[h]
+                head = plans[f.leader_layer].leaders[f.leader_index]
+                i0 = initial(f.leader_layer, head)
+                idx.append(jnp.pad(i0, ((0, 0), (0, C - k))))
+                lengths.append(k_rows)
+            else:
+                idx.append(in_order)
+                lengths.append(n)
+        idx, lengths = jnp.stack(idx, axis=1), jnp.stack(lengths, axis=1)
+        nf = len(plan.followers)
+        layer = build_layer(state, idx, lengths, ctx.pad, spec, plan, page_size=self.page_size,
+                            region_start=jnp.broadcast_to(static_rows[:, None], (B, nf)),
+                            region_count=jnp.broadcast_to((k_rows - static_rows)[:, None], (B, nf)),
+                            picks=jnp.zeros((B, len(plan.leaders), max(plan.picks, 1)), jnp.int32), tracker=None)
+        positions = layer.paged.block_table.shape[-1] * self.page_size
+        statics = []
+        for head in plan.leaders:
+            i0 = initial(ctx.layer, head)
+            in_static = jnp.arange(k)[None, :] < static_rows[:, None]
+            mask = jnp.zeros((B, state.k.shape[2]), bool)
+            mask = jnp.put_along_axis(mask, i0, in_static, axis=-1, inplace=False)
+            statics.append(to_stored(mask[:, None], ctx.pad, positions, False)[:, 0])
+        static = jnp.stack(statics, axis=1) if statics else jnp.zeros((B, 0, positions), bool)
+        return layer.replace(tracker=RepresentativeTracker(static=static))
+
+    def anticipate(self, state, qg, pad):
+        """R-heads pick the best ``k_dyn`` prompt tokens outside their static sets for their last query and publish."""
+        plan = state.plan
+        scores = leader_probs(state.paged, plan.leaders, qg[:, -1:], self.kernel, "max")[:, :, -1]  # [B, n, positions]
+        scores = jnp.where(state.tracker.static, -jnp.inf, prompt_only(scores, state.prompt_len))
+        picks = top_slots(scores, pad, state.picks.shape[-1])
+        return publish(state, jnp.ones(state.version.shape, bool), picks)
+
+    def decode_attend(self, state, q, k, v, ctx):
+        """Attend over the held tokens; anticipation every ``stride`` steps (and for a multi-token call); recall."""
+        out, state = append_attend(state, q, k, v, self.implementation)
+        plan = state.plan
+        if plan.leaders and self.anticipation:
+            qg = leader_queries(q, plan.leaders, len(plan.capacities))
+            if q.shape[1] > 1:
+                state = self.anticipate(state, qg, ctx.pad)
+            else:
+                state = lax.cond(state.steps % self.stride == 0, lambda st: self.anticipate(st, qg, ctx.pad),
+                                 lambda st: st, state)
+        return out, apply_recalls(state, ctx, enabled=self.anticipation)
+
+    def stats(self, cache: Cache) -> dict:
+        """R/NR heads, kept tokens, recall events."""
+        if cache.stage != "compressed":
+            return {}
+        return {"num_representatives": self.num_representatives,
+                "group_layers": cache.artifact.meta_dict()["group_layers"], **recall_stats(cache.layers)}
+
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """Attention over every held token."""
+        if cache.stage != "compressed":
+            return 0
+        return attention_read_bytes(cache.layers)
