@@ -1,4 +1,4 @@
-"""The ``kvjax`` command line: generate, models, demo, eval, bench."""
+"""The ``kvjax`` command line: generate, models, demo, eval, bench, calibrate."""
 
 from __future__ import annotations
 
@@ -181,16 +181,25 @@ def build_parser() -> argparse.ArgumentParser:
                        "cache; `kvjax eval --help` for options")
     e.add_argument("eval_args", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("calibrate", help="offline head calibration: `kvjax calibrate heterocache|synckv --model M`; "
+                       "writes the artifact and plots; `kvjax calibrate --help` for options")
+    c.add_argument("calibrate_args", nargs=argparse.REMAINDER)
+    c.set_defaults(func=lambda a: __import__("evals.calibration_report", fromlist=["main"]).main(a.calibrate_args))
     return parser
 
 
 def main(argv=None) -> int:
     """Entry point of the ``kvjax`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["bench"], ["eval"]):  # options starting with -- go to the command's own parser
+    if argv[:1] in (["bench"], ["eval"], ["calibrate"]):  # options starting with -- go to the command's own parser
         try:
             if argv[0] == "bench":
                 return _run_bench(argv[1:])
+            if argv[0] == "calibrate":
+                from evals.calibration_report import main as calibrate_main
+
+                return calibrate_main(argv[1:])
             from evals.runner import main as eval_main
 
             return eval_main(argv[1:])

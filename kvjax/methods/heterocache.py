@@ -58,6 +58,7 @@ from jax import lax
 from kvjax.artifacts import Artifact, require_artifact, shipped_artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
+from kvjax.calibration import auto_group_layers
 from kvjax.head_recall import (Follower, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
                                last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
                                recall_stats, to_stored, top_mask, top_slots)
@@ -225,7 +226,7 @@ class HeteroCache:
     def artifact_for(self, spec: CacheSpec, artifact=None) -> Artifact:
         """The given artifact (checked) or the one shipped for the spec's model."""
         if artifact is None:
-            variant = "" if self.group_layers is None else f"g{self.group_layers}"
+            variant = f"g{self.group_layers or auto_group_layers(spec.num_kv_heads)}"
             artifact = shipped_artifact(KIND, spec.model_id, variant)
         art = require_artifact(artifact, KIND, spec.model_id)
         meta = art.meta_dict()

@@ -1,0 +1,339 @@
+"""HeteroCache and SyncKV: calibration statistics and clustering on hand-built cases, attended sets against
+HF attention, recall correctness against numpy/jnp references, full-budget equality, compile-once, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+from kvjax.api import generate_tokens
+from kvjax.artifacts import Artifact, model_identity
+from kvjax.cache import AttendContext, new_cache
+from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
+from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill
+from kvjax.head_recall import leader_probs, leader_queries, prompt_only, top_slots
+from kvjax.methods import FullCache, HeteroCache, SyncKV
+from kvjax.methods.heterocache import classify_group, head_capacities, spread_capped, star_clustering
+from kvjax.methods.synckv import cluster_group, kmeans
+from kvjax.paged import build_paged
+from models import load_model
+from tests.tiny import save_tiny
+
+L = 48  # prompt tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama3_hc")
+    save_tiny("llama3_rope", str(path), seed=3)
+    return load_model(str(path), "float32", tokenizer=False), str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_pair):
+    return tiny_pair[0]
+
+
+# 2 layers x 2 KV heads, one cross-layer group: (0,0) leads (0,1) and (1,0); (1,1) is an anchor (HeteroCache).
+def hc_artifact(model, model_id=None):
+    roles = (("pivot", "satellite"), ("satellite", "anchor"))
+    pivot_of = (((-1, -1), (0, 0)), ((0, 0), (-1, -1)))
+    meta = (("roles", roles), ("pivot_of", pivot_of), ("stability", ((0.9, 0.5), (0.4, 0.8))), ("group_layers", 2))
+    return Artifact(arrays={}, kind="heterocache", model_id=model_id or model_identity(model.config), meta=meta)
+
+
+def sk_artifact(model, model_id=None):
+    lead = (((-1, -1), (0, 0)), ((0, 0), (0, 0)))
+    clusters = ((1, (("R", "NR"), ("NR", "NR")), lead),)
+    return Artifact(arrays={}, kind="synckv", model_id=model_id or model_identity(model.config),
+                    meta=(("clusters", clusters), ("group_layers", 2)))
+
+
+# ------------------------------------------------------------------------------ calibration pieces
+def test_attended_set_finds_a_fixed_target():
+    """A query aligned with keys 3 and 9 attends to them most: both are in its top-2 set (pooling kernel 1)."""
+    rng = np.random.default_rng(0)
+    k = 0.01 * rng.standard_normal((1, 1, 12, 8)).astype(np.float32)
+    k[0, 0, 3] = k[0, 0, 9] = 3.0
+    q = np.full((1, 2, 8), 3.0, np.float32)  # two query heads on one KV head
+    top = attended_set(jnp.asarray(q), jnp.asarray(k), 11, jnp.zeros(1, jnp.int32), topk=2, kernel=1, gqa="mean")
+    assert sorted(np.asarray(top)[0, 0].tolist()) == [3, 9]
+    # slots after the query and left padding are never attended
+    top = attended_set(jnp.asarray(q), jnp.asarray(k), 8, jnp.array([4]), topk=2, kernel=1, gqa="mean")
+    assert 9 not in np.asarray(top)[0, 0] and 3 not in np.asarray(top)[0, 0]
+
+
+def _hf_sets(hf, tokens, positions, topk, kernel=5):
+    """Attended sets from HF attention probabilities (eager), group mean, avg pooling (zeros outside, /kernel)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf(torch.tensor(tokens), output_attentions=True)
+    sets = []
+    for a in out.attentions:  # [1, Hq, T, T]
+        a = a[0].numpy()
+        Hq = a.shape[0]
+        g = a.reshape(2, Hq // 2, *a.shape[1:]).mean(axis=1)  # [Hkv, T, T]
+        per_pos = []
+        for p in positions:
+            row = g[:, p, :p + 1]
+            padded = np.pad(row, ((0, 0), (kernel // 2, kernel // 2)))
+            pooled = np.stack([padded[:, i:i + kernel].sum(1) / kernel for i in range(p + 1)], axis=1)
+            per_pos.append([set(np.argsort(-pooled[h], kind="stable")[:topk].tolist()) for h in range(2)])
+        sets.append(per_pos)
+    return sets  # [layer][position][head] -> set
+
+
+def test_recorded_sets_match_hf_attention(tiny_pair):
+    """The prefill set (last prompt query) and the first decode step's set equal those from HF's attention."""
+    model, path = tiny_pair
+    rng = np.random.default_rng(1)
+    row = rng.integers(0, 97, size=40).tolist()
+    (prefill_sets, step_sets), = record_sets(model, [row], decode_steps=2, topk=8)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    import torch
+
+    with torch.no_grad():
+        first = int(hf(torch.tensor([row])).logits[0, -1].argmax())
+    ref = _hf_sets(hf, [row + [first]], [39, 40], topk=8)
+    for layer in range(2):
+        for h in range(2):
+            assert set(prefill_sets[layer, h].tolist()) == ref[layer][0][h]
+            assert set(step_sets[0, layer, h].tolist()) == ref[layer][1][h]
+
+
+def test_statistics_on_hand_built_sets():
+    """Head 0 keeps its prefill set (stable); heads 1 and 2 share sets that move every step (similar, unstable)."""
+    k = 4
+    prefill = np.array([[[0, 1, 2, 3], [10, 11, 12, 13], [10, 11, 12, 13]]])  # [L=1, H=3, k]
+    steps = np.stack([
+        np.array([[[0, 1, 2, 3], [10, 11, 20, 21], [10, 11, 20, 21]]]),
+        np.array([[[0, 1, 2, 3], [10, 30, 31, 32], [10, 30, 31, 32]]]),
+        np.array([[[0, 1, 2, 3], [40, 41, 42, 43], [40, 41, 42, 43]]]),
+    ])  # [T=3, L, H, k]
+    stats = head_statistics([(prefill, steps)], topk=k, group_layers=1)
+    np.testing.assert_allclose(stats.stability[0], [1.0, 0.25, 0.25])  # medians of (1,1,1) and (0.5, 0.25, 0)
+    np.testing.assert_allclose(stats.similarity[0], [0.0, 1.0, 1.0])
+    np.testing.assert_allclose(stats.sim_mean[0], [[1, 0, 0], [0, 1, 1], [0, 1, 1]])
+    roles, leader = classify_group(stats.stability[0], stats.sim_median[0], tau_sim=0.5, tau_stable=0.5)
+    assert roles == ["anchor", "pivot", "satellite"] and leader == [-1, -1, 1]
+    roles, rep = cluster_group(stats.sim_mean[0], 2)
+    assert roles.count("R") == 2 and rep[1] == rep[2] and rep[0] == 0
+
+
+def test_unit_groups_span_adjacent_layers():
+    assert unit_groups(3, 2, 2) == [[(0, 0), (0, 1), (1, 0), (1, 1)], [(2, 0), (2, 1)]]
+    with pytest.raises(ValueError, match="group_layers"):
+        unit_groups(3, 2, 0)
+
+
+def test_star_clustering_hand_case():
+    adj = np.zeros((6, 6), bool)
+    for i, j in [(0, 1), (0, 2), (3, 4), (4, 5), (3, 5), (2, 5)]:
+        adj[i, j] = adj[j, i] = True
+    # degrees: 0:2 1:1 2:2 3:2 4:2 5:3 -> pivot 5 takes 2,3,4; then 0 (free neighbour 1) takes 1
+    assert star_clustering(adj) == [(5, [2, 3, 4]), (0, [1])]
+    assert star_clustering(np.zeros((3, 3), bool)) == []
+
+
+def test_kmeans_separates_clear_clusters_deterministically():
+    x = np.array([[0, 0], [0.1, 0], [0, 0.2], [10, 10], [10.2, 10]], np.float32)
+    a1, c1 = kmeans(x, 2, seed=0)
+    a2, _ = kmeans(x, 2, seed=0)
+    np.testing.assert_array_equal(a1, a2)
+    assert a1[0] == a1[1] == a1[2] != a1[3] == a1[4]
+    with pytest.raises(ValueError, match="k-means"):
+        kmeans(x, 6)
+
+
+def test_representative_is_closest_to_centroid():
+    # heads 0-2 similar (0 most central), heads 3-4 similar
+    S = np.array([[1, .9, .9, 0, 0], [.9, 1, .6, 0, 0], [.9, .6, 1, 0, 0], [0, 0, 0, 1, .8], [0, 0, 0, .8, 1]])
+    roles, rep = cluster_group(S, 2)
+    assert rep[:3] == [0, 0, 0] and rep[3] == rep[4] and roles[0] == "R"
+
+
+def test_inverse_stability_capacities_hand_case():
+    stab = [[0.9, 0.5, 1.0, 0.25]]
+    full = [[True, False, False, False]]
+    caps, base = head_capacities(stab, full, 0.5, 100)
+    # base = (0.5*4 - 1) * 100 / 3 = 33.33; w = 2, 1, 4 normalised to mean 1 -> 6/7, 3/7, 12/7
+    assert base == 33 and caps == [[100, 28, 14, 57]]
+    caps, _ = head_capacities(stab, full, 0.5, 100, allocation=False)
+    assert caps == [[100, 33, 33, 33]]
+    with pytest.raises(ValueError, match="needs budget > 0.250"):
+        head_capacities(stab, full, 0.25, 100)
+    caps, _ = head_capacities(stab, full, 1.0, 100)  # capped shares give their excess to the others
+    assert caps == [[100, 100, 100, 100]]
+    np.testing.assert_allclose(spread_capped(300, np.array([6, 3, 12]) / 7, 100), [100, 100, 100])
+
+
+def test_leader_picks_hand_case():
+    """A leader whose query matches stored positions 2, 5, 7 picks those prompt slots (shifted by the row's padding)."""
+    D = 8
+    k = 0.01 * np.random.default_rng(2).standard_normal((1, 1, 12, D)).astype(np.float32)
+    for j in (2, 5, 7, 10):
+        k[0, 0, j] = 2.0
+    idx = jnp.arange(12, dtype=jnp.int32)[None, None]
+    paged = build_paged(jnp.asarray(k), jnp.asarray(k), idx, jnp.array([[12]]), (12,), 0, 4)
+    q = jnp.full((1, 1, 2, D), 2.0)  # two query heads on the one KV head
+    scores = leader_probs(paged, (0,), leader_queries(q, (0,), 1), 1, "max")[:, :, -1]
+    picks = top_slots(prompt_only(scores, jnp.array([10])), jnp.array([3]), 3)  # position 10 is not prompt
+    assert sorted(np.asarray(picks)[0, 0].tolist()) == [3 + 2, 3 + 5, 3 + 7]
+
+
+# --------------------------------------------------------------------------------- runtime
+def _prefilled(model, method, tokens, artifact, room=8):
+    cache = new_cache(method, model.config, tokens.shape[0], tokens.shape[1], room, model.dtype, artifact=artifact)
+    _, cache = prefill(model.graphdef, model.params, jnp.asarray(tokens), cache)
+    return compress(cache)
+
+
+def _held_rows(state, b, h):
+    """Rows a head holds, in storage order: ``[lengths, D]``."""
+    p = state.paged
+    n = int(p.lengths[b, h])
+    return np.asarray(p.k_pages[p.block_table[b, h]]).reshape(-1, p.k_pages.shape[-1])[:n]
+
+
+@pytest.mark.parametrize("which", ["heterocache", "synckv"])
+def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, which):
+    rng = np.random.default_rng(11)
+    rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
+    full, _, _, _ = generate_tokens(tiny, rows, method=FullCache(block=16), max_new_tokens=8)
+    if which == "heterocache":
+        method, art = HeteroCache(budget=1.0, block=16, window=2, tau_drift=1.0), hc_artifact(tiny)
+    else:
+        method, art = SyncKV(budget=1.0, block=16, stride=2, num_representatives=1), sk_artifact(tiny)
+    for chunk in (None, 32):
+        got, _, cache, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=8, chunk_size=chunk, artifact=art)
+        np.testing.assert_array_equal(got, full, err_msg=f"chunk_size={chunk}")
+        assert cache.stats()["recall_events"] > 0  # refreshes happened and changed nothing at a full budget
+    # a question after compression at a full budget equals the question inside the prompt
+    question = [list(rng.integers(0, 97, size=5)) for _ in rows]
+    ref, _, _, _ = generate_tokens(tiny, [r + q for r, q in zip(rows, question)], method=FullCache(block=16),
+                                   max_new_tokens=5)
+    got, _, _, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=5, question_rows=question, artifact=art)
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_heterocache_recall_writes_the_pivots_picks(tiny):
+    """Drift forced every step: each satellite's first slots then hold exactly the host rows of its pivot's picks
+    (same-layer and cross-layer satellites), checked in numpy; the host rows are the prompt's K (full cache's,
+    up to f32 rounding of a differently fused prefill); the anchor never changes."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 97, size=(1, L + 3)).astype(np.int32)
+    method = HeteroCache(budget=0.6, block=16, window=1, tau_drift=1.0)
+    cache = _prefilled(tiny, method, tokens[:, :L], hc_artifact(tiny))
+    full = _prefilled(tiny, FullCache(block=16), tokens[:, :L], None)
+    anchor_before = _held_rows(cache.layers[1], 0, 1)
+    key = jax.random.PRNGKey(0)
+    for t in range(L, L + 2):
+        _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
+    picks = np.asarray(cache.layers[0].picks)[0, 0]
+    assert int(cache.layers[0].version[0, 0]) == 2
+    for layer, head in [(0, 1), (1, 0)]:
+        st = cache.layers[layer]
+        count = int(st.region_count[0, [f.head for f in st.plan.followers].index(head)])
+        held = _held_rows(st, 0, head)
+        host_k = np.asarray(st.host.k)[st.host.heads.index((0, head))]
+        np.testing.assert_array_equal(held[:count], host_k[picks[:count]])
+        np.testing.assert_allclose(host_k[:L], np.asarray(full.layers[layer].k)[0, head, :L], atol=1e-6)
+    np.testing.assert_array_equal(_held_rows(cache.layers[1], 0, 1)[:len(anchor_before)], anchor_before)
+    s = cache.stats()
+    assert s["recall_events"] == 4 and s["rows_recalled"] > 0 and s["host_bytes"] > 0
+
+
+def _ref_attention(q, k, v):
+    """Softmax attention of ``q[G, D]`` over ``k, v[n, D]`` (numpy, f64)."""
+    s = q.astype(np.float64) @ k.T.astype(np.float64) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v.astype(np.float64)
+
+
+def test_synckv_recall_every_step_equals_attention_over_static_and_recalled(tiny):
+    """stride=1: the R-head picks the best prompt tokens outside the static set (numpy reference on its softmax);
+    the NR-head then attends exactly over static ∪ picked ∪ new tokens (numpy reference attention)."""
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
+    method = SyncKV(budget=0.5, block=16, stride=1, num_representatives=1, static_ratio=0.5)
+    cache = _prefilled(tiny, method, tokens, sk_artifact(tiny))
+    full = _prefilled(tiny, FullCache(block=16), tokens, None)
+    kf, vf = np.asarray(full.layers[0].k)[0], np.asarray(full.layers[0].v)[0]  # [H, S, D]
+    st = cache.layers[0]
+    D = kf.shape[-1]
+    nr_rows = _held_rows(st, 0, 1)
+    held_slots = [int(np.argmin(np.abs(kf[1, :L] - r).sum(-1))) for r in nr_rows]
+    static = held_slots[:int(st.region_start[0, 0])]
+    q1, k1, v1 = (jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(1, 1, 4, D), (1, 1, 2, D), (1, 1, 2, D)])
+    ctx = AttendContext(start=cache.length, pad=cache.pad, positions=jnp.array([[L]]), layers=cache.layers, layer=0)
+    out1, st1 = method.decode_attend(st, q1, k1, v1, ctx)
+    # NR-head output of the first step: its initial tokens + the new one
+    ref = _ref_attention(np.asarray(q1)[0, 0, 2:], np.concatenate([kf[1, held_slots], np.asarray(k1)[0, 0, 1:]]),
+                         np.concatenate([vf[1, held_slots], np.asarray(v1)[0, 0, 1:]]))
+    np.testing.assert_allclose(np.asarray(out1)[0, 0, 2:], ref, atol=1e-5)
+    # the R-head's picks: top k_dyn of its group-max softmax over prompt + new token, prompt only, static excluded
+    kr = np.concatenate([kf[0, :L], np.asarray(k1)[0, 0, :1]])
+    s = np.asarray(q1)[0, 0, :2] @ kr.T / np.sqrt(D)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True)).max(0)[:L]
+    p[static] = -np.inf
+    k_dyn = int(st.region_count[0, 0])
+    picks = np.asarray(st1.picks)[0, 0, :k_dyn]
+    assert set(picks.tolist()) == set(np.argsort(-p, kind="stable")[:k_dyn].tolist())
+    assert not set(picks.tolist()) & set(static)
+    # second step: the NR-head attends over static ∪ picks ∪ both new tokens
+    q2, k2, v2 = (jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(1, 1, 4, D), (1, 1, 2, D), (1, 1, 2, D)])
+    ctx2 = ctx.replace(start=cache.length + 1, positions=jnp.array([[L + 1]]), layers=(st1,) + cache.layers[1:])
+    out2, _ = method.decode_attend(st1, q2, k2, v2, ctx2)
+    slots = static + picks.tolist()
+    keys = np.concatenate([kf[1, slots], np.asarray(k1)[0, 0, 1:], np.asarray(k2)[0, 0, 1:]])
+    vals = np.concatenate([vf[1, slots], np.asarray(v1)[0, 0, 1:], np.asarray(v2)[0, 0, 1:]])
+    np.testing.assert_allclose(np.asarray(out2)[0, 0, 2:], _ref_attention(np.asarray(q2)[0, 0, 2:], keys, vals), atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["heterocache", "synckv"])
+def test_decode_loop_compiles_once_without_host_callbacks(tiny, which):
+    method, art = ((HeteroCache(budget=0.6, block=16, window=2), hc_artifact(tiny)) if which == "heterocache"
+                   else (SyncKV(budget=0.5, block=16, stride=2, num_representatives=1), sk_artifact(tiny)))
+    tokens = np.random.default_rng(5).integers(0, 97, size=(1, L)).astype(np.int32)
+    before = TRACE_COUNTS["decode_loop"]
+    for _ in range(2):
+        cache = _prefilled(tiny, method, tokens, art, room=6)
+        decode_loop(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, -1]), cache, jax.random.PRNGKey(0), max_new_tokens=6)
+    assert TRACE_COUNTS["decode_loop"] - before == 1
+    cache = _prefilled(tiny, method, tokens, art, room=6)
+    text = decode_loop_jit.lower(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, -1]), cache, jax.random.PRNGKey(0),
+                                 max_new_tokens=6).as_text()
+    assert "callback" not in text.lower()
+    assert "_xla_compute_type" in text or "host" in text  # the recall is a host-compute region, not a callback
+
+
+def test_artifact_and_hyper_parameter_errors(tiny):
+    tokens_spec = dict(config=tiny.config, batch=1, prompt_slots=L, room=4, dtype=tiny.dtype)
+
+    def make(method, art):
+        return new_cache(method, tokens_spec["config"], 1, L, 4, tiny.dtype, artifact=art)
+
+    with pytest.raises(ValueError, match="made for model"):
+        make(HeteroCache(budget=0.5), hc_artifact(tiny, model_id="other-model:123"))
+    with pytest.raises(ValueError, match="kind"):
+        make(HeteroCache(budget=0.5), sk_artifact(tiny))
+    with pytest.raises(ValueError, match="made for model"):
+        make(SyncKV(budget=0.5, num_representatives=1), sk_artifact(tiny, model_id="other-model:123"))
+    with pytest.raises(ValueError, match="needs budget > 0.250"):
+        make(HeteroCache(budget=0.2), hc_artifact(tiny))
+    with pytest.raises(ValueError, match="N_r=2 is larger"):
+        make(SyncKV(budget=0.5, num_representatives=2), sk_artifact(tiny))
+    with pytest.raises(ValueError, match="no shipped heterocache artifact"):
+        make(HeteroCache(budget=0.5), None)
+    for bad, match in [(dict(static_ratio=0.0), "static_ratio"), (dict(static_ratio=1.5), "static_ratio"),
+                       (dict(num_representatives=0), "N_r"), (dict(stride=0), "stride")]:
+        with pytest.raises(ValueError, match=match):
+            SyncKV(**bad)
+    for bad, match in [(dict(window=0), "window"), (dict(tau_drift=1.5), "tau_drift"), (dict(kernel=4), "kernel")]:
+        with pytest.raises(ValueError, match=match):
+            HeteroCache(**bad)
