@@ -109,10 +109,13 @@ def registered_methods() -> tuple[str, ...]:
 
 
 def parse_methods(text: str) -> list[str]:
-    """``"snapkv,quest"`` -> ``["full", "snapkv", "quest"]``: known names, no duplicates, the full cache first."""
+    """``"snapkv,quest"`` -> ``["full", "snapkv", "quest"]``: known names (or specs such as
+    ``synckv:stride=10``), no duplicates, the full cache first."""
+    from kvjax.methods import parse_method_spec
+
     allowed = registered_methods()
     names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in allowed]
+    bad = [v for v in names if parse_method_spec(v)[0] not in allowed]
     if not names or bad:
         raise argparse.ArgumentTypeError(
             f"unknown method(s) {', '.join(map(repr, bad)) or repr(text)}; allowed: a comma-separated subset of "

@@ -33,13 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=64, help="greedy decode steps per sample")
     p.add_argument("--topk-fraction", type=float, default=0.2,
                    help="attended-set size as a fraction of the sample (reference: 1024 of ~5000 tokens)")
-    p.add_argument("--group-layers", default="auto",
-                   help="adjacent layers clustered together: 1 = the papers' per-layer version; auto = ceil(8 / KV heads)")
+    p.add_argument("--group-layers", default="1,auto",
+                   help="comma list of group sizes (adjacent layers clustered together), one artifact each from one "
+                        "recording: 1 = the papers' per-layer version; auto = ceil(16 / KV heads), the shipped default")
     p.add_argument("--tau-sim", type=float, default=0.5, help="HeteroCache similarity threshold")
     p.add_argument("--tau-stable", type=float, default=0.5, help="HeteroCache stability threshold")
     p.add_argument("--seed", type=int, default=0, help="SyncKV k-means seed")
-    p.add_argument("--out", default=None, help="artifact path (default: the shipped location)")
-    p.add_argument("--report-dir", default=None, help="plots and summary (default docs/results/calibration/...)")
+    p.add_argument("--out-dir", default=None, help="artifact directory (default: the shipped location)")
+    p.add_argument("--report-dir", default="docs/results/calibration",
+                   help="plots and summaries go to <report-dir>/<kind>-<model>-g<G>/")
     return p
 
 
@@ -54,34 +56,49 @@ def main(argv=None) -> int:
         raise ValueError(f"--topk-fraction must be in (0, 1), got {args.topk_fraction}")
     model = kvjax.load(args.model, "float32", progress=True)
     cfg = model.config
-    group = auto_group_layers(cfg.num_kv_heads) if args.group_layers == "auto" else int(args.group_layers)
+    groups = []
+    for g in args.group_layers.split(","):
+        g = auto_group_layers(cfg.num_kv_heads) if g.strip() == "auto" else int(g)
+        if g < 1 or g > cfg.num_layers:
+            raise ValueError(f"--group-layers must be in [1, {cfg.num_layers}] or auto, got {g}")
+        if g not in groups:
+            groups.append(g)
     topk = max(1, int(args.topk_fraction * (args.tokens - 1)))
     t0 = time.perf_counter()
     rows = calibration_rows(model.tokenizer, args.samples, args.tokens)
     gqa = "mean" if args.kind == "heterocache" else "max"  # reference code: group mean; SyncKV B.1: group max-pooling
     records = record_sets(model, rows, decode_steps=args.decode_steps, topk=topk, gqa=gqa, progress=True)
-    stats = head_statistics(records, topk=topk, group_layers=group, tokens=args.tokens)
+    record_s = time.perf_counter() - t0
     mid = model_identity(cfg)
-    if args.kind == "heterocache":
-        from kvjax.methods.heterocache import heterocache_artifact
-
-        art = heterocache_artifact(stats, mid, tau_sim=args.tau_sim, tau_stable=args.tau_stable)
-    else:
-        from kvjax.methods.synckv import synckv_artifact
-
-        art = synckv_artifact(stats, mid, seed=args.seed)
-    wall = time.perf_counter() - t0
-    out = Path(args.out) if args.out else shipped_artifact_path(args.kind, mid, f"g{group}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_artifact(art, out)
     name = mid.split(":")[0]
-    report = Path(args.report_dir or f"docs/results/calibration/{args.kind}-{name}-g{group}")
-    report.mkdir(parents=True, exist_ok=True)
     command = "kvjax calibrate " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
-    lines = write_report(report, args.kind, stats, art, cfg, command=command, wall_s=wall)
-    print("\n".join(lines))
-    print(f"artifact: {out}\nreport: {report}")
+    for group in groups:
+        t1 = time.perf_counter()
+        stats = head_statistics(records, topk=topk, group_layers=group, tokens=args.tokens)
+        if args.kind == "heterocache":
+            from kvjax.methods.heterocache import heterocache_artifact
+
+            art = heterocache_artifact(stats, mid, tau_sim=args.tau_sim, tau_stable=args.tau_stable)
+        else:
+            from kvjax.methods.synckv import synckv_artifact
+
+            art = synckv_artifact(stats, mid, seed=args.seed, default_representatives=paper_representatives(cfg))
+        wall = record_s + time.perf_counter() - t1
+        out = (Path(args.out_dir) / f"{name}-g{group}.json" if args.out_dir
+               else shipped_artifact_path(args.kind, mid, f"g{group}"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_artifact(art, out)
+        report = Path(args.report_dir) / f"{args.kind}-{name}-g{group}"
+        report.mkdir(parents=True, exist_ok=True)
+        lines = write_report(report, args.kind, stats, art, cfg, command=command, wall_s=wall)
+        print("\n".join(lines))
+        print(f"artifact: {out}\nreport: {report}\n")
     return 0
+
+
+def paper_representatives(cfg) -> int:
+    """SyncKV's N_r as its paper sets it per model family: 1 for Qwen, 2 for Llama."""
+    return 1 if "qwen" in cfg.architecture.lower() else 2
 
 
 def feasibility(kind: str, art, cfg) -> list[str]:
@@ -110,9 +127,9 @@ def write_report(report: Path, kind: str, stats, art, cfg, *, command: str, wall
     lines = [f"# {kind} calibration: {cfg.name}, groups of {group} layer(s)", "",
              f"Command: `{command}`", "",
              f"{stats.samples} samples x {stats.tokens} tokens of stdlib docstrings, {stats.decode_steps} greedy decode "
-             f"steps, attended sets of {stats.topk} tokens; {wall_s:.0f} s on this machine.", ""]
+             f"steps, attended sets of {stats.topk} tokens; {wall_s:.0f} s on this machine (2-core CPU).", ""]
     lines += [f"- {x}" for x in feasibility(kind, art, cfg)]
-    for n_r in ((2,) if kind == "synckv" else ()):
+    for n_r in ((1, 2) if kind == "synckv" else ()):
         w = few_heads_warning(cfg.num_kv_heads, group, n_r)
         if w:
             lines.append(f"- WARNING: {w}")

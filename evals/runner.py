@@ -62,9 +62,9 @@ class EvalConfig:
 
     def __post_init__(self):
         from evals.tasks import TASKS
-        from kvjax.methods import METHODS
+        from kvjax.methods import METHODS, parse_method_spec
 
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if parse_method_spec(m)[0] not in METHODS]
         if unknown:
             raise ValueError(f"unknown methods {unknown}; available: {', '.join(sorted(METHODS))}")
         bad_tasks = [t for t in self.tasks if t not in TASKS]
@@ -327,7 +327,8 @@ def build_parser():
     p = argparse.ArgumentParser(prog="kvjax eval", description="accuracy of KV-cache methods on synthetic long-context tasks")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS, help="comma list (the full cache always runs)")
+    p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS,
+                   help="comma list (the full cache always runs); hyper-parameters as name:key=value, e.g. synckv:stride=10")
     p.add_argument("--budgets", type=_csv(parse_budget), default=(0.1, 0.25, 0.5), help="comma list of fractions (or ints: tokens/head)")
     p.add_argument("--tasks", type=_csv(str), default=("niah_single", "passkey"), help="comma list; '' with --fidelity-texts for fidelity only")
     p.add_argument("--lengths", type=_csv(int), default=(2048,), help="target prompt lengths in the model's tokens")

@@ -118,9 +118,13 @@ class AttentionRecorder:
         """Runs its own prefill (it is never shared)."""
         return None
 
+    def artifact_for(self, spec: CacheSpec, artifact=None) -> None:
+        """No artifact (a given one is an error)."""
+        no_artifact(artifact, self.name)
+
     def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
         """Dense staging with room for the decode steps."""
-        no_artifact(artifact, self.name)
+        self.artifact_for(spec, artifact)
         return Cache.create(init_staging(spec, Recording(block=self.block)), self, spec)
 
     def prefill_chunk(self, state: StagedKV, q, k, v, ctx):
@@ -197,6 +201,14 @@ def overlap_fraction(a: np.ndarray, b: np.ndarray, topk: int) -> np.ndarray:
     return (a[..., :, None] == b[..., None, :]).any(axis=-1).sum(axis=-1) / topk
 
 
+def membership(sets: np.ndarray, positions: int) -> np.ndarray:
+    """Index sets ``[..., k]`` as float membership vectors ``[..., positions]``."""
+    flat = sets.reshape(-1, sets.shape[-1])
+    out = np.zeros((flat.shape[0], positions), np.float32)
+    np.put_along_axis(out, flat, 1.0, axis=1)
+    return out.reshape(*sets.shape[:-1], positions)
+
+
 @dataclasses.dataclass
 class HeadStatistics:
     """Calibration statistics (numpy).
@@ -246,15 +258,16 @@ def head_statistics(records, *, topk: int, group_layers: int, tokens: int = 0) -
     sim_mean = [np.zeros((len(g), len(g))) for g in groups]
     sim_median = [np.zeros((len(g), len(g))) for g in groups]
     for prefill, steps in records:
-        o = overlap_fraction(steps, prefill[None], topk)  # [T, L, H]
+        positions = int(max(steps.max(), prefill.max())) + 1
+        o = (membership(steps, positions) * membership(prefill, positions)[None]).sum(-1) / topk  # [T, L, H]
         curve.append(o)
         stab.append(np.median(o, axis=0))
         best = np.zeros((T, L, H))
         for gi, units in enumerate(groups):
             ls = np.array([u[0] for u in units])
             hs = np.array([u[1] for u in units])
-            sets = steps[:, ls, hs]  # [T, U, k]
-            pair = overlap_fraction(sets[:, :, None], sets[:, None, :], topk)  # [T, U, U]
+            member = membership(steps[:, ls, hs], int(steps.max()) + 1)  # [T, U, positions]
+            pair = np.einsum("tup,tvp->tuv", member, member) / topk  # [T, U, U] overlap coefficients
             sim_mean[gi] += pair.mean(axis=0) / len(records)
             sim_median[gi] += np.median(pair, axis=0) / len(records)
             off = np.where(np.eye(len(units), dtype=bool)[None], -1.0, pair)
@@ -267,8 +280,12 @@ def head_statistics(records, *, topk: int, group_layers: int, tokens: int = 0) -
     )
 
 
-def auto_group_layers(num_kv_heads: int, target_units: int = 8) -> int:
-    """Adjacent layers per group so a group has at least ``target_units`` KV heads (the papers' models have 8 per layer)."""
+def auto_group_layers(num_kv_heads: int, target_units: int = 16) -> int:
+    """Adjacent layers per group so a group has at least ``target_units`` KV heads.
+
+    16 units: with one representative per group (SyncKV's N_r = 1, HeteroCache's usual single pivot)
+    the full heads are about 1/16 of all heads, so a 10% budget is feasible; groups of 8 (the
+    papers' heads per layer) would put the floor at 1/8."""
     return max(1, -(-target_units // num_kv_heads))
 
 
@@ -283,5 +300,5 @@ def few_heads_warning(num_kv_heads: int, group_layers: int, representatives: int
 
 
 __all__ = ["CALIBRATION_MODULES", "calibration_corpus", "calibration_rows", "AttentionRecorder", "attended_set",
-           "record_sets", "overlap_fraction", "HeadStatistics", "unit_groups", "head_statistics",
+           "record_sets", "overlap_fraction", "membership", "HeadStatistics", "unit_groups", "head_statistics",
            "auto_group_layers", "few_heads_warning"]

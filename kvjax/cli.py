@@ -19,7 +19,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     from kvjax.methods import METHODS
 
-    p.add_argument("--method", default="full", choices=sorted(METHODS), help="KV-cache method")
+    p.add_argument("--method", default="full",
+                   help=f"KV-cache method: {', '.join(sorted(METHODS))}; hyper-parameters as name:key=value[:key=value], "
+                        "e.g. synckv:stride=10")
     p.add_argument("--budget", type=parse_budget, default=None,
                    help="KV budget: an int = tokens per KV head per layer, a float in (0, 1] = fraction of the prompt's KV kept")
     p.add_argument("--implementation", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
@@ -29,10 +31,10 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 def _method(args):
     from kvjax.methods import get_method
 
-    if args.method == "full":
+    if args.method.split(":")[0] == "full":
         if args.budget is not None:
             raise ValueError("--budget does not apply to --method full (it keeps every token)")
-        return get_method("full", implementation=args.implementation)
+        return get_method(args.method, implementation=args.implementation)
     kwargs = {"implementation": args.implementation}
     if args.budget is not None:
         kwargs["budget"] = args.budget

@@ -114,3 +114,36 @@ def test_ask_several_questions_over_one_compressed_context(smollm2):
         assert got.prompt_tokens == ref.prompt_tokens
     small = kvjax.ask(smollm2, context, questions[:1], method=SnapKV(budget=32, window=8), chat=True, max_new_tokens=4)
     assert small[0].cache_stats["kept_tokens_per_head"][0] == [32, 32, 32]
+
+
+@pytest.mark.parametrize("kind", ["heterocache", "synckv"])
+def test_shipped_calibration_artifacts_match_the_ready_models(smollm2, kind):
+    """Both ready models have a default (cross-layer) and a per-layer artifact of each kind, stamped with their identity."""
+    from kvjax.artifacts import load_artifact, model_identity, shipped_artifact_path
+    from kvjax.calibration import auto_group_layers
+
+    mid = model_identity(smollm2.config)
+    for group in (1, auto_group_layers(smollm2.config.num_kv_heads)):
+        art = load_artifact(shipped_artifact_path(kind, mid, f"g{group}"))
+        art.check(kind, mid)
+        assert art.meta_dict()["group_layers"] == group
+    qwen = shipped_artifact_path(kind, "qwen2.5-coder-0.5b:x", "g8")
+    assert qwen.exists() and load_artifact(qwen).model_id.startswith("qwen2.5-coder-0.5b:")
+
+
+def test_qwen_passkey_2k_with_heterocache_and_synckv_at_quarter_budget():
+    """The default model answers a 2K passkey with HeteroCache and SyncKV at 25% with the shipped calibrations,
+    holding about a quarter of the prompt's KV on the device (the rest of the followers' KV on the host)."""
+    ready_model_or_skip("qwen2.5-coder-0.5b")
+    import kvjax
+    from evals.passkey import make_passkey
+    from kvjax.methods import HeteroCache, SyncKV
+
+    model = load_model("qwen2.5-coder-0.5b", "float32")
+    sample = make_passkey(model.tokenizer, 2048, depth=0.3, seed=1)
+    full = kvjax.generate(model, sample.prompt, chat=True, max_new_tokens=8, chunk_size=512)
+    for method in (HeteroCache(budget=0.25), SyncKV(budget=0.25)):
+        result = kvjax.generate(model, sample.prompt, method=method, chat=True, max_new_tokens=8, chunk_size=512)
+        assert sample.answer in result.text, f"{method.name} answered {result.text!r}, expected {sample.answer}"
+        s = result.cache_stats
+        assert s["host_bytes"] > 0 and s["device_bytes"] < 0.45 * full.cache_stats["device_bytes"]

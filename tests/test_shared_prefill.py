@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from kvjax.generate import compress, decode_step, prefill
-from kvjax.methods import H2O, HBW, FullCache, PyramidKV, Quest, SnapKV, StreamingLLM
+from kvjax.artifacts import Artifact, model_identity
+from kvjax.methods import H2O, HBW, FullCache, HeteroCache, PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV
 from kvjax.cache import CacheSpec
 from kvjax.shared_prefill import cache_for, init_shared_cache
 from models import load_model
@@ -19,8 +20,24 @@ L, STEPS = 48, 5
 METHODS = [
     FullCache(block=16), SnapKV(budget=12, window=4, block=16), HBW(budget=16, window=8, block=16, block_size=2),
     StreamingLLM(budget=10, block=16), H2O(budget=12, block=16), PyramidKV(budget=0.3, window=4, block=16),
-    Quest(budget=16, block=16, page_size=8, dense_layers=1),
+    Quest(budget=16, block=16, page_size=8, dense_layers=1), HeteroCache(budget=0.6, block=16, window=2, tau_drift=1.0),
+    SyncKV(budget=0.5, block=16, stride=2, num_representatives=1),
 ]
+
+
+def artifact_for(method, model):
+    """Hand-made calibrations for the tiny model (2 layers x 2 KV heads, one cross-layer group)."""
+    mid = model_identity(model.config)
+    lead = (((-1, -1), (0, 0)), ((0, 0), (-1, -1)))
+    if method.name == "heterocache":
+        meta = (("roles", (("pivot", "satellite"), ("satellite", "anchor"))), ("pivot_of", lead),
+                ("stability", ((0.9, 0.5), (0.4, 0.8))), ("group_layers", 2))
+        return Artifact(arrays={}, kind="heterocache", model_id=mid, meta=meta)
+    if method.name == "synckv":
+        lead = (((-1, -1), (0, 0)), ((0, 0), (0, 0)))
+        meta = (("clusters", ((1, (("R", "NR"), ("NR", "NR")), lead),)), ("group_layers", 2))
+        return Artifact(arrays={}, kind="synckv", model_id=mid, meta=meta)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +61,17 @@ def test_shared_prefill_equals_own_prefill(tiny):
     tokens[1, :5] = 0  # row 1 is left-padded by 5 slots
     pad = np.asarray([0, 5], np.int32)  # a fresh device array per cache: prefill donates it
     spec = CacheSpec.for_model(tiny.config, 2, L, STEPS, tiny.dtype)
-    staged = init_shared_cache(METHODS, spec).replace(pad=jnp.asarray(pad))
+    arts = [artifact_for(m, tiny) for m in METHODS]
+    staged = init_shared_cache(METHODS, spec, arts).replace(pad=jnp.asarray(pad))
     assert staged.method.shared.window == 8 and staged.method.shared.accumulate
     for i in range(0, L, 16):  # chunked: the window and accumulation are recorded across chunks
         first_shared, staged = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, i:i + 16]), staged)
-    for method in METHODS:
-        own = new_cache(method, tiny.config, 2, L, STEPS, tiny.dtype).replace(pad=jnp.asarray(pad))
+    for method, art in zip(METHODS, arts):
+        own = new_cache(method, tiny.config, 2, L, STEPS, tiny.dtype, artifact=art).replace(pad=jnp.asarray(pad))
         for i in range(0, L, 16):
             first_own, own = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, i:i + 16]), own)
         own = compress(own)
-        derived = compress(cache_for(staged, method))
+        derived = compress(cache_for(staged, method, art))
         assert jax.tree_util.tree_structure(derived) == jax.tree_util.tree_structure(own), method.name
         for a, b in zip(jax.tree_util.tree_leaves(derived), jax.tree_util.tree_leaves(own)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=method.name)

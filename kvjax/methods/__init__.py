@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvjax.methods.base import Method, PromptCompression
 from kvjax.methods.full import FullCache
 from kvjax.methods.h2o import H2O
@@ -27,11 +29,46 @@ METHODS: dict[str, type] = {
 
 
 def get_method(name: str, **kwargs) -> Method:
-    """Instantiate the method registered under ``name`` with its hyper-parameters."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
-    return METHODS[name](**kwargs)
+    """Instantiate the method registered under ``name`` with its hyper-parameters.
+
+    ``name`` may carry hyper-parameters as a spec, ``"synckv:stride=10:num_representatives=1"``
+    (:func:`parse_method_spec`); keyword arguments win over the spec's.
+    """
+    base, spec_kwargs = parse_method_spec(name)
+    if base not in METHODS:
+        raise ValueError(f"unknown method {base!r}; available: {', '.join(sorted(METHODS))}")
+    try:
+        return METHODS[base](**{**spec_kwargs, **kwargs})
+    except TypeError as e:  # an unknown hyper-parameter name
+        fields = [f.name for f in dataclasses.fields(METHODS[base])]
+        raise ValueError(f"{base}: {e}; its hyper-parameters are {', '.join(fields)}") from None
+
+
+def _literal(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_method_spec(spec: str) -> tuple[str, dict]:
+    """``"name:key=value:key=value"`` -> ``(name, {key: value})``; values are int, float, true/false, none or text."""
+    name, *parts = spec.strip().split(":")
+    kwargs = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"bad method spec {spec!r}: expected name:key=value[:key=value...]")
+        kwargs[key.strip()] = _literal(value.strip())
+    return name.strip(), kwargs
 
 
 __all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV",
-           "METHODS", "get_method"]
+           "METHODS", "get_method", "parse_method_spec"]

@@ -8,9 +8,12 @@ explicit per-layer lifecycle. Every function is required; nothing is discovered 
     ``None`` when the method runs its own prefill. A method that returns a recording promises that
     its prefill state is that staging (:class:`kvjax.staging.StagedKV`), so one prefill can serve
     several methods (:mod:`kvjax.shared_prefill`).
+``artifact_for(spec, artifact=None)``
+    The artifact the cache carries: ``None`` for a method without one (being given one is an
+    error), else the given artifact checked against the model, or the one shipped for it.
 ``init_cache(spec, artifact=None)``
     Allocate the cache (stage ``"prefill"``) for a :class:`kvjax.cache.CacheSpec`; validates the
-    budget against the spec and the artifact against the model.
+    budget against the spec and the artifact against the model (:meth:`artifact_for`).
 ``prefill_chunk(state, q, k, v, ctx)``
     One layer, one prompt chunk (``q[B,T,Hq,D]``, ``k, v[B,T,Hkv,D]`` post-RoPE at slots
     ``ctx.start..``): store, attend causally, record, possibly evict. Returns ``(output, state)``.
@@ -49,6 +52,10 @@ class Method(Protocol):
 
     def recording(self) -> Recording | None:
         """What a shared staging prefill must record, or None (own prefill)."""
+        ...
+
+    def artifact_for(self, spec: CacheSpec, artifact: Any = None) -> Any:
+        """The artifact the cache carries (None when the method takes none)."""
         ...
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
@@ -163,9 +170,13 @@ class PromptCompression:
             self.check_capacity(c)
         return caps
 
+    def artifact_for(self, spec: CacheSpec, artifact: Any = None) -> None:
+        """No artifact (a given one is an error)."""
+        no_artifact(artifact, self.name)
+
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging of the prompt; pages are allocated by ``finish_prefill``."""
-        no_artifact(artifact, self.name)
+        self.artifact_for(spec, artifact)
         self.head_capacities(spec)
         return Cache.create(init_staging(spec, self.recording()), self, spec)
 

@@ -45,9 +45,13 @@ class FullCache:
         """The plain staging (it already has room for the answer)."""
         return Recording(block=self.block)
 
+    def artifact_for(self, spec: CacheSpec, artifact=None) -> None:
+        """No artifact (a given one is an error)."""
+        no_artifact(artifact, self.name)
+
     def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
         """Zero-filled ``[B, Hkv, round_up(prompt + room, block), D]`` per layer."""
-        no_artifact(artifact, self.name)
+        self.artifact_for(spec, artifact)
         return Cache.create(init_staging(spec, self.recording()), self, spec)
 
     def prefill_chunk(self, state: StagedKV, q, k, v, ctx):

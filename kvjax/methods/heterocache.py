@@ -32,7 +32,7 @@ kvjax's choices where the paper is silent or the model differs (each documented)
 * **Cross-layer groups** (``group_layers``): the ready models have 2-3 KV heads per layer, not 8.
   Per-layer clustering (``group_layers=1``, the paper's version) then leaves most layers with a
   pivot, so ``F / N`` is 1/2 (Qwen2.5) and budgets below it are impossible. The shipped default
-  artifacts cluster ``(layer, head)`` units of ``ceil(8 / Hkv)`` adjacent layers. Token positions
+  artifacts cluster ``(layer, head)`` units of ``ceil(16 / Hkv)`` adjacent layers (:func:`kvjax.calibration.auto_group_layers`). Token positions
   are shared across layers, so a pivot's choice is meaningful for a satellite of another layer.
   A satellite reads a pivot of a later layer one step late (see :mod:`kvjax.head_recall`).
 * Pivots choose from prompt tokens only: tokens decoded after the prompt are on the device for
@@ -265,15 +265,15 @@ class HeteroCache:
         return tuple(plans), base
 
     # -- protocol
-    def recording(self):
-        """HeteroCache runs its own prefill (the last query is recorded, nothing is shared)."""
-        return None
+    def recording(self) -> Recording:
+        """A dense staging that keeps the prompt's last query (shareable with other methods)."""
+        return Recording(window=1, block=self.block)
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging recording the last query; the artifact (or the shipped one) travels with the cache."""
         art = self.artifact_for(spec, artifact)
         self.plans(spec, art)  # validates the budget against the full heads
-        return Cache.create(init_staging(spec, Recording(window=1, block=self.block)), self, spec, artifact=art)
+        return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
 
     def prefill_chunk(self, state, q, k, v, ctx):
         """Stage and attend."""

@@ -118,9 +118,13 @@ class Quest:
         """The plain staging."""
         return Recording(block=self.block)
 
+    def artifact_for(self, spec: CacheSpec, artifact=None) -> None:
+        """No artifact (a given one is an error)."""
+        no_artifact(artifact, self.name)
+
     def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
         """Dense staging; ``finish_prefill`` moves every real token into pages."""
-        no_artifact(artifact, self.name)
+        self.artifact_for(spec, artifact)
         self.pages_per_step(spec)
         return Cache.create(init_staging(spec, self.recording()), self, spec)
 

@@ -29,7 +29,7 @@ kvjax's choices (documented deviations):
   softmax. Decoded tokens are not candidates: every head holds them already.
 * Cross-layer groups (``group_layers``, as for HeteroCache): with 2-3 KV heads per layer and
   ``N_r = 2``, per-layer clustering makes every head an R-head and compresses nothing (calibration
-  reports it). The shipped default artifacts cluster ``ceil(8 / Hkv)`` adjacent layers. An NR-head
+  reports it). The shipped default artifacts cluster ``ceil(16 / Hkv)`` adjacent layers. An NR-head
   whose R-head is in a later layer uses that R-head's choice from the previous step.
 * A multi-token call on the compressed cache (a question) is an anticipation step for its last
   query. The recall is issued in the anticipation step and used from the next step on, as the
@@ -120,8 +120,11 @@ def cluster_group(similarity: np.ndarray, n_r: int, seed: int = 0):
     return roles, rep
 
 
-def synckv_artifact(stats, model_id: str, *, seed: int = 0) -> Artifact:
-    """Clusters for ``N_r`` = 1..4 (where the groups allow it) from calibration statistics."""
+def synckv_artifact(stats, model_id: str, *, seed: int = 0, default_representatives: int = 2) -> Artifact:
+    """Clusters for ``N_r`` = 1..4 (where the groups allow it) from calibration statistics.
+
+    ``default_representatives`` is the ``N_r`` used when the method does not set one (the paper: 2
+    for Llama, 1 for Qwen)."""
     L, H = stats.stability.shape
     groups = stats.groups()
     options = []
@@ -139,7 +142,8 @@ def synckv_artifact(stats, model_id: str, *, seed: int = 0) -> Artifact:
         options.append((n_r, tuple(tuple(r) for r in roles),
                         tuple(tuple(tuple(int(x) for x in p) for p in row) for row in leader)))
     meta = (("clusters", tuple(options)), ("group_layers", stats.group_layers), ("topk", stats.topk),
-            ("samples", stats.samples), ("decode_steps", stats.decode_steps), ("tokens", stats.tokens), ("seed", seed))
+            ("samples", stats.samples), ("decode_steps", stats.decode_steps), ("tokens", stats.tokens), ("seed", seed),
+            ("default_representatives", default_representatives))
     arrays = {"similarity": np.asarray(stats.similarity, np.float32), "stability": np.asarray(stats.stability, np.float32)}
     return Artifact(arrays=arrays, kind=KIND, model_id=model_id, meta=meta)
 
@@ -159,7 +163,8 @@ class SyncKV:
     Args:
       budget: fraction of the prompt's KV kept on the device over all heads (Mem%), or tokens per head.
       stride: ``m``, decode steps between anticipation steps (paper: 5).
-      num_representatives: ``N_r`` R-heads per group (paper: 2; 1 for Qwen).
+      num_representatives: ``N_r`` R-heads per group (None: the artifact's default, the paper's choice for
+        the model family: 2 for Llama, 1 for Qwen).
       static_ratio: ``rho``, the static share of the NR-heads' ``k`` tokens (paper: 0.5).
       anticipation: refresh the dynamic sets (False: the paper's "w/o anticipation").
       kernel: pooling of the R-heads' scores (1: none, as the paper's equations).
@@ -169,7 +174,7 @@ class SyncKV:
 
     budget: int | float = 0.25
     stride: int = 5
-    num_representatives: int = 2
+    num_representatives: int | None = None
     static_ratio: float = 0.5
     anticipation: bool = True
     kernel: int = 1
@@ -186,7 +191,7 @@ class SyncKV:
             raise ValueError(f"stride (m) must be >= 1 decode step, got {self.stride}")
         if not 0.0 < self.static_ratio <= 1.0:
             raise ValueError(f"static_ratio (rho) must be in (0, 1], got {self.static_ratio}")
-        if not 1 <= self.num_representatives <= MAX_REPRESENTATIVES:
+        if self.num_representatives is not None and not 1 <= self.num_representatives <= MAX_REPRESENTATIVES:
             raise ValueError(f"num_representatives (N_r) must be in [1, {MAX_REPRESENTATIVES}], got {self.num_representatives}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
@@ -200,14 +205,21 @@ class SyncKV:
             artifact = shipped_artifact(KIND, spec.model_id, variant)
         return require_artifact(artifact, KIND, spec.model_id)
 
+    def representatives(self, art: Artifact) -> int:
+        """``N_r``: the method's, or the artifact's default."""
+        if self.num_representatives is not None:
+            return self.num_representatives
+        return int(art.meta_dict().get("default_representatives", 2))
+
     def clusters(self, art: Artifact):
-        """(roles, representative of each head) for ``num_representatives``."""
+        """(roles, representative of each head) for ``N_r``."""
         meta = art.meta_dict()
+        n_r_wanted = self.representatives(art)
         for n_r, roles, leader in meta["clusters"]:
-            if n_r == self.num_representatives:
+            if n_r == n_r_wanted:
                 return roles, leader
         group = meta["group_layers"]
-        raise ValueError(f"N_r={self.num_representatives} is larger than the KV heads of a group in this artifact "
+        raise ValueError(f"N_r={n_r_wanted} is larger than the KV heads of a group in this artifact "
                          f"({group} layer(s) per group; clusters exist for N_r in {[c[0] for c in meta['clusters']]})")
 
     def plans(self, spec: CacheSpec, art: Artifact) -> tuple[tuple[LayerPlan, ...], int]:
@@ -222,7 +234,7 @@ class SyncKV:
         rho = self.budget / L if isinstance(self.budget, int) else float(self.budget)
         if rho * N <= F:
             raise ValueError(f"budget {rho:.3f} of the prompt cannot hold the {F} R-heads out of {N} KV heads: SyncKV "
-                             f"with N_r={self.num_representatives} needs budget > {F / N:.3f} (budget * N > F)")
+                             f"with N_r={self.representatives(art)} needs budget > {F / N:.3f} (budget * N > F)")
         k = L if F == N else max(1, min(L, int((rho * N - F) * L / (N - F))))
         reps = [[h for h, r in enumerate(row) if r == "R"] for row in roles]
         dyn = k - int(self.static_ratio * k)
@@ -235,15 +247,15 @@ class SyncKV:
         return tuple(plans), k
 
     # -- protocol
-    def recording(self):
-        """SyncKV runs its own prefill (the last query is recorded)."""
-        return None
+    def recording(self) -> Recording:
+        """A dense staging that keeps the prompt's last query (shareable with other methods)."""
+        return Recording(window=1, block=self.block)
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging recording the last query; the artifact travels with the cache."""
         art = self.artifact_for(spec, artifact)
         self.plans(spec, art)
-        return Cache.create(init_staging(spec, Recording(window=1, block=self.block)), self, spec, artifact=art)
+        return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
 
     def prefill_chunk(self, state, q, k, v, ctx):
         """Stage and attend."""
@@ -322,7 +334,7 @@ class SyncKV:
         """R/NR heads, kept tokens, recall events."""
         if cache.stage != "compressed":
             return {}
-        return {"num_representatives": self.num_representatives,
+        return {"num_representatives": self.representatives(cache.artifact),
                 "group_layers": cache.artifact.meta_dict()["group_layers"], **recall_stats(cache.layers)}
 
     def bytes_read_per_step(self, cache: Cache) -> int:
