@@ -596,6 +596,19 @@ def render_markdown(report: dict) -> str:
             f"{c['prefill'] + c['compress']:.1f} / {c['decode']:.1f}",
         ]) + " |")
 
+    recall_rows = [r for r in report["rows"] if "recall_events" in (r.get("cache_stats_after_decode") or {})]
+    if recall_rows:
+        lines += ["", "## Host recall (methods with a pinned-host tier)", "",
+                  "From `cache.stats()` after the timed decode loop (N - 1 steps): refreshes of follower heads "
+                  "(summed over layers), their rate per (follower head, step), token rows and K+V bytes brought "
+                  "from host memory, and those bytes per decode step.", "",
+                  "| L | method | recall events | trigger rate | rows recalled | KiB recalled | KiB / step |",
+                  "|---:|---|---:|---:|---:|---:|---:|"]
+        for r in recall_rows:
+            a = r["cache_stats_after_decode"]
+            steps = max(a["decode_steps"], 1)
+            lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['recall_events']} | {a['recall_trigger_rate']:.3f} | "
+                         f"{a['rows_recalled']} | {a['bytes_recalled'] / 1024:.1f} | {a['bytes_recalled'] / 1024 / steps:.1f} |")
     lines += ["", "## Prefill sharing", "", "- full: its own `FullCache().init_cache` prefill."]
     for kind in report["staging_kinds"]:
         lines.append(f"- one staging prefill (observation window {kind['window']}, accumulated attention "

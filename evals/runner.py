@@ -99,6 +99,9 @@ def budget_label(budget) -> str:
     return "full" if budget is None else (f"{budget:g}" if isinstance(budget, float) else str(budget))
 
 
+RECALL_STATS = ("recall_trigger_rate", "bytes_recalled")  # per run of methods that recall from the host tier
+
+
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
     """EOS plus the chat end-of-turn tokens the vocabulary has (a chat answer ends at either)."""
     ids = set()
@@ -238,8 +241,9 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 if agnostic:  # the question comes after compression, appended uncompressed
                     logits, cache = prefill(model.graphdef, model.params, jnp.asarray(question), cache)
                     method_first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-                gen, count, _ = decode_loop(model.graphdef, model.params, method_first, cache, jax.random.PRNGKey(0),
-                                            max_new_tokens=max_new, eos_ids=eos)
+                gen, count, final = decode_loop(model.graphdef, model.params, method_first, cache, jax.random.PRNGKey(0),
+                                                max_new_tokens=max_new, eos_ids=eos)
+                recalls = {k: v for k, v in final.stats().items() if k in RECALL_STATS}
                 gen, count = np.asarray(gen), np.asarray(count)
                 elapsed = time.perf_counter() - t0
                 for b, s in enumerate(batch):
@@ -254,6 +258,8 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                         "answers": list(s.answers), "output": text, "score": score(text, s.answers),
                         "device_bytes": stats["device_bytes"] // len(rows), "host_bytes": stats["host_bytes"] // len(rows),
                         "prefill_s": prefill_s / len(rows), "compress_decode_s": elapsed / len(rows),
+                        **({"recall_trigger_rate": recalls["recall_trigger_rate"],
+                            "bytes_recalled": recalls["bytes_recalled"] // len(rows)} if recalls else {}),
                     })
                 if bar is not None:
                     bar.update()

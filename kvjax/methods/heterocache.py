@@ -32,8 +32,9 @@ kvjax's choices where the paper is silent or the model differs (each documented)
 * **Cross-layer groups** (``group_layers``): the ready models have 2-3 KV heads per layer, not 8.
   Per-layer clustering (``group_layers=1``, the paper's version) then leaves most layers with a
   pivot, so ``F / N`` is 1/2 (Qwen2.5) and budgets below it are impossible. The shipped default
-  artifacts cluster ``(layer, head)`` units of ``ceil(16 / Hkv)`` adjacent layers (:func:`kvjax.calibration.auto_group_layers`). Token positions
-  are shared across layers, so a pivot's choice is meaningful for a satellite of another layer.
+  artifacts cluster ``(layer, head)`` units of ``ceil(16 / Hkv)`` adjacent layers
+  (:func:`kvjax.calibration.auto_group_layers`). Token positions are shared across layers, so a
+  pivot's choice is meaningful for a satellite of another layer.
   A satellite reads a pivot of a later layer one step late (see :mod:`kvjax.head_recall`).
 * Pivots choose from prompt tokens only: tokens decoded after the prompt are on the device for
   every head already.
