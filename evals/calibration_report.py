@@ -1,7 +1,9 @@
 """``kvjax calibrate heterocache|synckv``: record attended sets, build the artifact, write plots and a summary.
 
-Outputs: the artifact JSON (default: the shipped location ``kvjax/data/<kind>/<model>-g<G>.json``),
-and in ``--report-dir`` (default ``docs/results/calibration/<kind>-<model>-g<G>/``): ``summary.md``
+One recording (prefill + greedy decode of the calibration samples) serves every group size in
+``--group-layers``. Per group size: the artifact JSON (default: the shipped location
+``kvjax/data/<kind>/<model>-g<G>.json``; ``--out-dir`` elsewhere), and in
+``<report-dir>/<kind>-<model>-g<G>/`` (default report dir ``docs/results/calibration``): ``summary.md``
 (settings, command, roles, the smallest feasible budget, warnings), ``stats.json`` and PNG plots —
 head roles per layer (HeteroCache) or R-heads per layer (SyncKV), stability per head, the overlap
 matrices of a few groups.

@@ -337,3 +337,12 @@ def test_artifact_and_hyper_parameter_errors(tiny):
     for bad, match in [(dict(window=0), "window"), (dict(tau_drift=1.5), "tau_drift"), (dict(kernel=4), "kernel")]:
         with pytest.raises(ValueError, match=match):
             HeteroCache(**bad)
+
+
+def test_few_heads_per_layer_are_detected():
+    """2 KV heads per layer with N_r = 2 compresses nothing (reported); cross-layer groups make room."""
+    from kvjax.calibration import auto_group_layers, few_heads_warning
+
+    assert "every head is a representative" in few_heads_warning(2, 1, 2)
+    assert few_heads_warning(2, auto_group_layers(2), 2) is None
+    assert auto_group_layers(2) == 8 and auto_group_layers(3) == 6 and auto_group_layers(8) == 2

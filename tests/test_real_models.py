@@ -147,3 +147,33 @@ def test_qwen_passkey_2k_with_heterocache_and_synckv_at_quarter_budget():
         assert sample.answer in result.text, f"{method.name} answered {result.text!r}, expected {sample.answer}"
         s = result.cache_stats
         assert s["host_bytes"] > 0 and s["device_bytes"] < 0.45 * full.cache_stats["device_bytes"]
+
+
+@pytest.mark.parametrize("kind", ["heterocache", "synckv"])
+def test_calibrate_command_end_to_end(smollm2, tmp_path, kind):
+    """`kvjax calibrate` on SmolLM2 (1 short sample): per-layer and cross-layer artifacts, reports and plots;
+    the artifact drives the method; the smallest feasible budget is reported (per layer, SyncKV's N_r = 2 keeps 2 of
+    SmolLM2's 3 KV heads full)."""
+    from kvjax.api import generate_tokens
+    from kvjax.artifacts import load_artifact
+    from kvjax.cli import main
+    from kvjax.methods import get_method
+
+    rc = main(["calibrate", kind, "--model", "smollm2-135m", "--samples", "1", "--tokens", "300", "--decode-steps", "4",
+               "--group-layers", "1,6", "--out-dir", str(tmp_path / "art"), "--report-dir", str(tmp_path / "rep")])
+    assert rc == 0
+    for g in (1, 6):
+        art = load_artifact(tmp_path / "art" / f"smollm2-135m-g{g}.json")
+        assert art.meta_dict()["group_layers"] == g
+        report = tmp_path / "rep" / f"{kind}-smollm2-135m-g{g}"
+        assert {"summary.md", "stats.json", "roles.png", "stability.png", "similarity.png"} <= {p.name for p in report.iterdir()}
+    summary = (tmp_path / "rep" / f"{kind}-smollm2-135m-g1" / "summary.md").read_text()
+    if kind == "synckv":
+        assert "N_r = 2: 60 R-heads of 90; budgets must exceed 0.667" in summary
+    else:
+        assert "budgets must exceed F / N" in summary
+    rows = [list(np.random.default_rng(0).integers(0, 1000, size=200))]
+    _, _, cache, _ = generate_tokens(smollm2, rows, method=get_method(kind, budget=0.5), max_new_tokens=4,
+                                     artifact=load_artifact(tmp_path / "art" / "smollm2-135m-g6.json"))
+    assert cache.stats()["host_bytes"] > 0
+    assert main(["calibrate", kind, "--model", "smollm2-135m", "--group-layers", "0"]) == 2  # clear error
