@@ -93,6 +93,26 @@ class RecallKV:
     plan: LayerPlan = struct.field(pytree_node=False, default=None)
 
 
+# --------------------------------------------------------------------------- calibrated methods
+def check_calibrated(kernel: int, group_layers) -> None:
+    """Validate the hyper-parameters HeteroCache and SyncKV share (score pooling, artifact group size)."""
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel must be a positive odd number, got {kernel}")
+    if group_layers is not None and group_layers < 1:
+        raise ValueError(f"group_layers must be >= 1 or None, got {group_layers}")
+
+
+def calibrated_artifact(kind: str, spec, artifact, group_layers):
+    """The given artifact checked against ``kind`` and the spec's model, or the one shipped for the model
+    (``-g<group_layers>``; None: :func:`kvjax.calibration.auto_group_layers`)."""
+    from kvjax.artifacts import require_artifact, shipped_artifact
+    from kvjax.calibration import auto_group_layers
+
+    if artifact is None:
+        artifact = shipped_artifact(kind, spec.model_id, f"g{group_layers or auto_group_layers(spec.num_kv_heads)}")
+    return require_artifact(artifact, kind, spec.model_id)
+
+
 # ------------------------------------------------------------------------------------------ scores
 def last_query_probs(st, pad, prompt_slots: int):
     """Softmax (f32) of the prompt's last query over its keys, per query head ``[B, Hq, S]`` (staging recorded window >= 1)."""
@@ -268,6 +288,6 @@ def attention_read_bytes(states) -> int:
     return sum(paged_read_bytes(st.paged) for st in states)
 
 
-__all__ = ["Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
+__all__ = ["check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
            "top_mask", "top_slots", "build_layer", "append_attend", "publish", "apply_recalls", "recall_stats",
            "attention_read_bytes"]

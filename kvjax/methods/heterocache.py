@@ -56,11 +56,10 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from kvjax.artifacts import Artifact, require_artifact, shipped_artifact
+from kvjax.artifacts import Artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
-from kvjax.calibration import auto_group_layers
-from kvjax.head_recall import (Follower, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
+from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
                                last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
                                recall_stats, to_stored, top_mask, top_slots)
 from kvjax.methods.base import check_common
@@ -218,18 +217,12 @@ class HeteroCache:
             raise ValueError(f"window must be >= 1 decode step, got {self.window}")
         if not 0.0 <= self.tau_drift <= 1.0:
             raise ValueError(f"tau_drift must be in [0, 1], got {self.tau_drift}")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
-        if self.group_layers is not None and self.group_layers < 1:
-            raise ValueError(f"group_layers must be >= 1 or None, got {self.group_layers}")
+        check_calibrated(self.kernel, self.group_layers)
 
     # -- artifact and allocation
     def artifact_for(self, spec: CacheSpec, artifact=None) -> Artifact:
         """The given artifact (checked) or the one shipped for the spec's model."""
-        if artifact is None:
-            variant = f"g{self.group_layers or auto_group_layers(spec.num_kv_heads)}"
-            artifact = shipped_artifact(KIND, spec.model_id, variant)
-        art = require_artifact(artifact, KIND, spec.model_id)
+        art = calibrated_artifact(KIND, spec, artifact, self.group_layers)
         meta = art.meta_dict()
         roles = meta["roles"]
         if len(roles) != spec.num_layers or any(len(r) != spec.num_kv_heads for r in roles):
