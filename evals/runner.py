@@ -264,6 +264,9 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 if bar is not None:
                     bar.update()
             del staged
+            # A batch's longest row is part of the cache spec (static), so the next batch compiles anew:
+            # drop this batch's executables, or a long run accumulates them (tens of GB for 24-layer models).
+            jax.clear_caches()
             for r in records:
                 out.write(json.dumps(r) + "\n")
             out.flush()
