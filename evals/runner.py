@@ -263,10 +263,11 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                     })
                 if bar is not None:
                     bar.update()
+                # A batch's longest row is part of the cache spec (static), so every batch compiles each method
+                # anew: drop the executables now (kept, a 4K run of 25 configs grew past 17 GB and was OOM-killed).
+                del cache, final
+                jax.clear_caches()
             del staged
-            # A batch's longest row is part of the cache spec (static), so the next batch compiles anew:
-            # drop this batch's executables, or a long run accumulates them (tens of GB for 24-layer models).
-            jax.clear_caches()
             for r in records:
                 out.write(json.dumps(r) + "\n")
             out.flush()
