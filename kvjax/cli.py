@@ -136,6 +136,13 @@ def _run_bench(argv) -> int:
     return bench_main(argv[1:] if argv[:1] == ["methods"] else argv)
 
 
+def cmd_calibrate(args) -> int:
+    """Offline head calibration for HeteroCache / SyncKV (see ``evals/calibration_report.py``)."""
+    from evals.calibration_report import main as calibrate_main
+
+    return calibrate_main(args.calibrate_args)
+
+
 def cmd_eval(args) -> int:
     """Task accuracy and fidelity of methods x budgets (see ``evals/runner.py``)."""
     from evals.runner import main as eval_main
@@ -187,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="offline head calibration: `kvjax calibrate heterocache|synckv --model M`; "
                        "writes the artifact and plots; `kvjax calibrate --help` for options")
     c.add_argument("calibrate_args", nargs=argparse.REMAINDER)
-    c.set_defaults(func=lambda a: __import__("evals.calibration_report", fromlist=["main"]).main(a.calibrate_args))
+    c.set_defaults(func=cmd_calibrate)
     return parser
 
 

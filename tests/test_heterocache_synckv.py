@@ -346,3 +346,16 @@ def test_few_heads_per_layer_are_detected():
     assert "every head is a representative" in few_heads_warning(2, 1, 2)
     assert few_heads_warning(2, auto_group_layers(2), 2) is None
     assert auto_group_layers(2) == 8 and auto_group_layers(3) == 6 and auto_group_layers(8) == 2
+
+
+def test_method_specs_carry_hyper_parameters():
+    from kvjax.methods import get_method, parse_method_spec
+
+    assert parse_method_spec("synckv:stride=10:anticipation=false:static_ratio=0.25") == (
+        "synckv", {"stride": 10, "anticipation": False, "static_ratio": 0.25})
+    m = get_method("heterocache:retrieval=false:group_layers=1", budget=0.3)
+    assert (m.retrieval, m.group_layers, m.budget) == (False, 1, 0.3)
+    with pytest.raises(ValueError, match="hyper-parameters are"):
+        get_method("synckv:strid=3")
+    with pytest.raises(ValueError, match="name:key=value"):
+        parse_method_spec("synckv:stride")
