@@ -196,11 +196,6 @@ def record_sets(model, rows, *, decode_steps: int, topk: int, kernel: int = 5, g
 
 
 # -------------------------------------------------------------------------------------- statistics
-def overlap_fraction(a: np.ndarray, b: np.ndarray, topk: int) -> np.ndarray:
-    """``|a ∩ b| / topk`` of index sets along the last axis (``a, b[..., topk]``, broadcasting)."""
-    return (a[..., :, None] == b[..., None, :]).any(axis=-1).sum(axis=-1) / topk
-
-
 def membership(sets: np.ndarray, positions: int) -> np.ndarray:
     """Index sets ``[..., k]`` as float membership vectors ``[..., positions]``."""
     flat = sets.reshape(-1, sets.shape[-1])
@@ -300,5 +295,5 @@ def few_heads_warning(num_kv_heads: int, group_layers: int, representatives: int
 
 
 __all__ = ["CALIBRATION_MODULES", "calibration_corpus", "calibration_rows", "AttentionRecorder", "attended_set",
-           "record_sets", "overlap_fraction", "membership", "HeadStatistics", "unit_groups", "head_statistics",
+           "record_sets", "membership", "HeadStatistics", "unit_groups", "head_statistics",
            "auto_group_layers", "few_heads_warning"]

@@ -66,14 +66,14 @@ def test_qwen_logits_match_transformers():
     assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_qwen_passkey_2k_with_snapkv_and_hbw_at_quarter_budget():
-    """The default model answers a 2K passkey with SnapKV and HBW-KV at 25% (one shared prefill)."""
+def _qwen_passkey_2k(methods, check_cache):
+    """The default model on a 2K passkey: one shared prefill, then per method compress, ``check_cache(method,
+    cache, prompt_len, config)``, decode 8 tokens and assert the pass key is in the answer."""
     ready_model_or_skip("qwen2.5-coder-0.5b")
     from evals.passkey import make_passkey
     from kvjax.api import left_pad
     from kvjax.cache import CacheSpec
     from kvjax.generate import compress, decode_loop, prefill_prompt
-    from kvjax.methods import HBW, SnapKV
     from kvjax.shared_prefill import cache_for, init_shared_cache
 
     model = load_model("qwen2.5-coder-0.5b", "float32")
@@ -82,20 +82,29 @@ def test_qwen_passkey_2k_with_snapkv_and_hbw_at_quarter_budget():
     text = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False, add_generation_prompt=True)
     ids = tok(text)["input_ids"]
     tokens, pad = left_pad([ids], tok.pad_token_id, multiple=512)
-    snap, hbw = SnapKV(budget=0.25), HBW(budget=0.25)
     spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], 8, model.dtype, longest_row=len(ids))
-    staged = init_shared_cache([snap, hbw], spec).replace(pad=jnp.asarray(pad))
+    staged = init_shared_cache(methods, spec).replace(pad=jnp.asarray(pad))
     logits, staged = prefill_prompt(model.graphdef, model.params, tokens, staged, chunk_size=512)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    for method in (snap, hbw):
+    for method in methods:
         cache = compress(cache_for(staged, method))
-        kept = cache.stats()["kept_tokens_per_head"][0][0]
-        assert kept == int(0.25 * len(ids))  # of the real prompt, not of the padded 2048 slots
-        assert np.asarray(cache.layers[0].lengths).tolist() == [[kept, kept]]
+        check_cache(method, cache, len(ids), model.config)
         out, count, _ = decode_loop(model.graphdef, model.params, first, cache, jax.random.PRNGKey(0),
                                     max_new_tokens=8, eos_ids=(tok.eos_token_id,))
         answer = tok.decode(np.asarray(out[0, : int(count[0])]), skip_special_tokens=True)
         assert sample.answer in answer, f"{method.name} answered {answer!r}, expected {sample.answer}"
+
+
+def test_qwen_passkey_2k_with_snapkv_and_hbw_at_quarter_budget():
+    """The default model answers a 2K passkey with SnapKV and HBW-KV at 25% (one shared prefill)."""
+    from kvjax.methods import HBW, SnapKV
+
+    def check(method, cache, prompt_len, config):
+        kept = cache.stats()["kept_tokens_per_head"][0][0]
+        assert kept == int(0.25 * prompt_len)  # of the real prompt, not of the padded 2048 slots
+        assert np.asarray(cache.layers[0].lengths).tolist() == [[kept, kept]]
+
+    _qwen_passkey_2k((SnapKV(budget=0.25), HBW(budget=0.25)), check)
 
 
 def test_ask_several_questions_over_one_compressed_context(smollm2):
@@ -134,35 +143,14 @@ def test_shipped_calibration_artifacts_match_the_ready_models(smollm2, kind):
 def test_qwen_passkey_2k_with_heterocache_and_synckv_at_quarter_budget():
     """The default model answers a 2K passkey with HeteroCache and SyncKV at 25% with the shipped calibrations
     (one shared prefill), holding about a quarter of the prompt's KV on the device, the followers' KV on the host."""
-    ready_model_or_skip("qwen2.5-coder-0.5b")
-    from evals.passkey import make_passkey
-    from kvjax.api import left_pad
-    from kvjax.cache import CacheSpec
-    from kvjax.generate import compress, decode_loop, prefill_prompt
     from kvjax.methods import HeteroCache, SyncKV
-    from kvjax.shared_prefill import cache_for, init_shared_cache
 
-    model = load_model("qwen2.5-coder-0.5b", "float32")
-    tok = model.tokenizer
-    sample = make_passkey(tok, 2048, depth=0.3, seed=1)
-    text = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False, add_generation_prompt=True)
-    ids = tok(text)["input_ids"]
-    tokens, pad = left_pad([ids], tok.pad_token_id, multiple=512)
-    methods = (HeteroCache(budget=0.25), SyncKV(budget=0.25))
-    spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], 8, model.dtype, longest_row=len(ids))
-    staged = init_shared_cache(methods, spec).replace(pad=jnp.asarray(pad))
-    logits, staged = prefill_prompt(model.graphdef, model.params, tokens, staged, chunk_size=512)
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    c = model.config
-    prompt_kv = 2 * c.num_layers * c.num_kv_heads * len(ids) * c.head_dim * 4
-    for method in methods:
-        cache = compress(cache_for(staged, method))
+    def check(method, cache, prompt_len, c):
+        prompt_kv = 2 * c.num_layers * c.num_kv_heads * prompt_len * c.head_dim * 4
         s = cache.stats()
         assert s["host_bytes"] > 0 and s["device_bytes"] < 0.32 * prompt_kv  # 25% + room, page rounding, trackers
-        out, count, _ = decode_loop(model.graphdef, model.params, first, cache, jax.random.PRNGKey(0),
-                                    max_new_tokens=8, eos_ids=(tok.eos_token_id,))
-        answer = tok.decode(np.asarray(out[0, : int(count[0])]), skip_special_tokens=True)
-        assert sample.answer in answer, f"{method.name} answered {answer!r}, expected {sample.answer}"
+
+    _qwen_passkey_2k((HeteroCache(budget=0.25), SyncKV(budget=0.25)), check)
 
 
 @pytest.mark.parametrize("kind", ["heterocache", "synckv"])

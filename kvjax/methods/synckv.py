@@ -265,11 +265,14 @@ class SyncKV:
         k_rows = row_capacities((k,), self.budget, spec, ctx.pad)[:, 0]  # [B] tokens each NR-head keeps
         static_rows = (self.static_ratio * k_rows).astype(jnp.int32)
 
+        layer_scores = {}  # layer -> [B, H, S]: each leader layer's last-query scores, computed once
+
         def initial(layer: int, head: int):
-            staged = state if layer == ctx.layer else ctx.layers[layer]
-            probs = last_query_probs(staged, ctx.pad, P)
-            scores = prompt_scores(probs, ctx.pad, P, H, kernel=self.kernel, gqa="max")[:, head]  # [B, S]
-            return lax.top_k(scores, k)[1].astype(jnp.int32)  # best first
+            if layer not in layer_scores:
+                staged = state if layer == ctx.layer else ctx.layers[layer]
+                probs = last_query_probs(staged, ctx.pad, P)
+                layer_scores[layer] = prompt_scores(probs, ctx.pad, P, H, kernel=self.kernel, gqa="max")
+            return lax.top_k(layer_scores[layer][:, head], k)[1].astype(jnp.int32)  # best first
 
         C = max(plan.capacities)
         in_order = jnp.clip(ctx.pad[:, None] + jnp.arange(C)[None, :], 0, P - 1).astype(jnp.int32)
