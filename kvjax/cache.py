@@ -131,9 +131,14 @@ class Cache:
 
     @classmethod
     def create(cls, layers: tuple, method, spec: CacheSpec, artifact: Any = None) -> "Cache":
-        """A fresh prefill-stage cache: nothing written yet, no padding (set ``pad`` with ``replace``)."""
+        """A fresh prefill-stage cache: nothing written yet, no padding (set ``pad`` with ``replace``).
+
+        The cache holds its own copy of the artifact's arrays (:func:`own_arrays`): jitted calls donate
+        the cache, which would otherwise delete the caller's artifact (e.g. one set of codebooks
+        passed to several caches).
+        """
         return cls(layers=layers, length=jnp.zeros((), jnp.int32), pad=jnp.zeros((spec.batch,), jnp.int32),
-                   artifact=artifact, method=method, spec=spec)
+                   artifact=own_arrays(artifact), method=method, spec=spec)
 
     @property
     def batch_size(self) -> int:
@@ -177,6 +182,11 @@ class Cache:
             "kv_bytes_read_per_step": self.method.bytes_read_per_step(self),
             **self.method.stats(self),
         }
+
+
+def own_arrays(tree):
+    """A copy of every array leaf of ``tree`` (a cache is donated to jitted calls; its leaves must be its own)."""
+    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x, tree)
 
 
 def array_bytes(x) -> int:

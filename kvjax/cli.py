@@ -26,6 +26,15 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                    help="KV budget: an int = tokens per KV head per layer, a float in (0, 1] = fraction of the prompt's KV kept")
     p.add_argument("--implementation", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"],
                    help="attention implementation (auto: pallas on TPU/GPU, xla on CPU)")
+    h = p.add_argument_group("hcattention", "options of --method hcattention (instead of --budget)")
+    h.add_argument("--groups", type=int, default=None, help="key groups g (codes of g bytes per token); 0 = exact keys")
+    h.add_argument("--centroids", type=int, default=None, help="codebook size c (default 256)")
+    h.add_argument("--tau", type=float, default=None, help="cumulative attention mass kept (default 0.9)")
+    h.add_argument("--value-path", default=None, choices=["host", "device"],
+                   help="weighted sum where the values live (host) or selected rows moved to the device")
+
+
+HCATTENTION_OPTIONS = ("groups", "centroids", "tau", "value_path")
 
 
 def _method(args):
@@ -38,7 +47,11 @@ def _method(args):
     kwargs = {"implementation": args.implementation}
     if args.budget is not None:
         kwargs["budget"] = args.budget
-    return get_method(args.method, **kwargs)
+    given = {k: getattr(args, k) for k in HCATTENTION_OPTIONS if getattr(args, k) is not None}
+    if given and args.method.split(":")[0] != "hcattention":
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{flags} apply to --method hcattention only, not {args.method}")
+    return get_method(args.method, **kwargs, **given)
 
 
 def _fmt_bytes(n: int) -> str:

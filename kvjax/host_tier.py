@@ -226,21 +226,14 @@ def _recall(host: HostKV, idx, count, *, block: int, limit: int, mechanism: str)
         raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
     n, R = idx.shape
     D = host.k.shape[-1]
-    count = jnp.asarray(count, jnp.int32)
-    live = jnp.arange(R, dtype=jnp.int32)[None, :] < count[:, None]  # [n, R]
     # Entries past count may be garbage: point them at block 0 (their rows are zeroed below).
-    safe = jnp.where(live, jnp.clip(jnp.asarray(idx, jnp.int32), 0, limit - 1), 0)
+    safe, live = _live_ids(idx, count, limit)
 
     if mechanism == "host_gather":
 
         def gather(k, v, ids):
             ids = jax.device_put(ids, HOST)  # same memory space as k, v for the gather
-
-            def one(x):  # [n, S_pad, D] -> [n, R * block, D]
-                blocks = x.reshape(n, -1, block, D)
-                return jax.vmap(lambda a, i: a[i])(blocks, ids).reshape(n, R * block, D)
-
-            return jnp.stack([one(k), one(v)])
+            return jnp.stack([take_blocks(k, ids, block), take_blocks(v, ids, block)])
 
         kv = _device_host(gather)(host.k, host.v, safe)  # ONE transfer: [2, n, R*block, D]
         k_out, v_out = kv[0], kv[1]
@@ -257,6 +250,55 @@ def _recall(host: HostKV, idx, count, *, block: int, limit: int, mechanism: str)
 
     keep = jnp.repeat(live, block, axis=1)[..., None]  # [n, R*block, 1]
     return jnp.where(keep, k_out, 0), jnp.where(keep, v_out, 0)
+
+
+def take_blocks(x, ids, block: int = 1):
+    """Blocks ``ids[n, R]`` of ``block`` rows of each head of ``x[n, S_pad, D]`` -> ``[n, R * block, D]`` (a gather;
+    call it inside a ``device_host`` region when ``x`` lives in host memory)."""
+    n, _, D = x.shape
+    R = ids.shape[1]
+    blocks = x.reshape(n, -1, block, D)
+    return jax.vmap(lambda a, i: a[i])(blocks, ids).reshape(n, R * block, D)
+
+
+def to_host(x) -> jax.Array:
+    """``x`` in ``pinned_host`` memory (eagerly or inside jit, where the result keeps the host memory kind)."""
+    return jax.device_put(x, HOST)
+
+
+def _live_ids(idx, count, limit: int):
+    """``idx`` with entries at positions ``>= count`` (and out-of-range values) replaced by valid row 0, and the live mask."""
+    R = idx.shape[1]
+    live = jnp.arange(R, dtype=jnp.int32)[None, :] < jnp.asarray(count, jnp.int32)[:, None]
+    return jnp.where(live, jnp.clip(jnp.asarray(idx, jnp.int32), 0, limit - 1), 0), live
+
+
+def gather_rows(x_host, idx, count):
+    """Rows ``idx[n, R]`` of a host array ``x_host[n, S, D]`` brought to the device in **one** transfer.
+
+    The gather runs in a ``device_host`` region (as :func:`recall`); rows at positions ``>= count[i]`` are
+    zero. Returns ``[n, R, D]`` in device memory.
+    """
+    safe, live = _live_ids(idx, count, x_host.shape[1])
+    rows = _device_host(lambda x, ids: take_blocks(x, jax.device_put(ids, HOST)))(x_host, safe)
+    return jnp.where(live[..., None], rows, 0)
+
+
+def weighted_rows_on_host(x_host, idx, weights):
+    """``out[i, q] = sum_r weights[i, q, r] * x_host[i, idx[i, r]]`` computed **where the rows live** (host).
+
+    Only ``idx[n, R]`` and ``weights[n, Q, R]`` go to the host and ``out[n, Q, D]`` (float32) comes back:
+    the rows themselves never move. Entries with zero weight contribute nothing (their ``idx`` may be
+    any valid row).
+    """
+    S = x_host.shape[1]
+
+    def weighted(x, ids, w):
+        ids, w = jax.device_put(ids, HOST), jax.device_put(w, HOST)
+        rows = take_blocks(x, jnp.clip(ids, 0, S - 1)).astype(jnp.float32)
+        return jnp.einsum("nqr,nrd->nqd", w.astype(jnp.float32), rows)
+
+    return _device_host(weighted)(x_host, jnp.asarray(idx, jnp.int32), weights)
 
 
 def recall(host: HostKV, idx, count, *, mechanism: str = "host_gather"):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.artifacts import no_artifact
-from kvjax.cache import Cache, CacheSpec
+from kvjax.cache import Cache, CacheSpec, own_arrays
 from kvjax.staging import Recording, init_staging, restrict, stage_chunk
 
 
@@ -106,4 +106,4 @@ def cache_for(staged: Cache, method, artifact=None) -> Cache:
     art = method.artifact_for(staged.spec, artifact)
     layers = jax.tree_util.tree_map(jnp.copy, tuple(restrict(st, rec) for st in staged.layers))
     return staged.replace(layers=layers, length=jnp.copy(staged.length), pad=jnp.copy(staged.pad), method=method,
-                          artifact=art)
+                          artifact=own_arrays(art))

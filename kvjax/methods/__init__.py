@@ -8,6 +8,7 @@ from kvjax.methods.base import Method, PromptCompression
 from kvjax.methods.full import FullCache
 from kvjax.methods.h2o import H2O
 from kvjax.methods.hbw import HBW
+from kvjax.methods.hcattention import HCAttention
 from kvjax.methods.heterocache import HeteroCache
 from kvjax.methods.pyramidkv import PyramidKV
 from kvjax.methods.quest import Quest
@@ -25,6 +26,7 @@ METHODS: dict[str, type] = {
     "quest": Quest,
     "heterocache": HeteroCache,
     "synckv": SyncKV,
+    "hcattention": HCAttention,
 }
 
 
@@ -70,5 +72,5 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), kwargs
 
 
-__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV",
+__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV", "HCAttention",
            "METHODS", "get_method", "parse_method_spec"]

@@ -1,0 +1,359 @@
+"""HCAttention (Yang et al.): product-quantized keys on the device, values in host memory, and top-p
+(cumulative attention mass) selection of the values that take part in each decode step.
+
+Lifecycle:
+
+* **prefill** is the ordinary dense staging (shared with every static method, :mod:`kvjax.shared_prefill`).
+* **finish_prefill** encodes each layer's prompt keys (post-RoPE) to codes ``P[B, Hkv, S, g]`` against
+  the layer's codebooks (uint8 for ``c <= 256``, uint16 above; :func:`kvjax.pq_codebooks.encode_keys`),
+  drops the full keys from the device and moves the prompt's values to ``pinned_host`` memory. With
+  ``groups=0`` the keys stay exact on the device (the paper's "value offloading only" configuration).
+* **decode_attend** (any number of new tokens: a question or one decoded token) per layer and query:
+
+  1. approximate logits of the prompt tokens ``z~_j = sum_i T[i, P[j, i]]`` from the lookup table
+     ``T = q . C`` (Eq. 3; :func:`pallas_kernels.pq_attention.pq_scores`: the Pallas kernel on
+     accelerators, its XLA reference on CPU, one call per layer for every query head and new token);
+     the tokens appended after the prompt keep exact keys and values on the device;
+  2. one softmax over both (Eq. 2), then the smallest set of prompt tokens whose cumulative mass,
+     with the always-kept newer tokens counted first, reaches ``tau`` (Eq. 4; ties broken by the
+     lower position);
+  3. the weighted sum of the selected values (Eq. 5), by one of two paths: ``value_path="host"``
+     sends the row ids and weights to the host, computes the weighted sum where the values live
+     (a ``compute_on`` host region, :func:`kvjax.host_tier.weighted_rows_on_host`) and brings back
+     ``[Hq, D]`` per row; ``value_path="device"`` brings the selected value rows to the device in one
+     batched transfer per layer (:func:`kvjax.host_tier.gather_rows`) and sums there.
+
+Where kvjax differs from the paper (each a choice the paper leaves open or one forced by our setting):
+
+* **Renormalisation** (``renormalize=True``): Eq. 5 sums the selected tokens' probabilities as they
+  are, which scales the output by the selected mass (about ``tau``); kvjax divides by the selected
+  mass, so the output is a convex combination of values. ``renormalize=False`` is the literal Eq. 5.
+  With ``tau = 1`` both are the same.
+* **Newest tokens exact**: tokens after the prompt (question, decoded tokens) keep exact keys and
+  values on the device and are always part of the selection; only the prompt is quantized and
+  offloaded. The paper quantizes every key; its memory table counts the prompt.
+* **Rows per KV head**: a KV head's query heads (GQA) and new tokens share one set of value rows,
+  the union of their selections, capped at ``max_selected`` of the prompt (default 1.0: no cap,
+  Eq. 4 exactly). A cap makes the transfer of the device path bounded; where the union exceeds it,
+  the rows with the highest group-max probability are used and the event is counted
+  (``truncated_selections`` in the stats).
+* **Value fetch timing**: the rows a step needs depend on that step's query, so the transfer cannot
+  be issued a step ahead (unlike HeteroCache's/SyncKV's recalls); it is issued as soon as the
+  selection is known, after the scores.
+* **Budget**: the paper names memory configurations, not token budgets. ``budget`` (a fraction of
+  the prompt's KV bytes on the device) picks one: ``>= 0.5`` keeps exact keys (values offloaded);
+  below, the finer of the paper's two key quantizations, ``g = D/2`` or ``g = D/4``, whose codes fit
+  the budget. Codes are ``g`` bytes (``c <= 256``) against ``2 * D * itemsize`` bytes of K and V,
+  so in float32 ``g = D/2`` holds 6.25% (the paper's 25% counts 16-bit codes against 16-bit keys).
+  The codebooks (``Hkv * c * D`` floats per layer) and the exact newer tokens come on top and are
+  reported by ``cache.stats()``: the device bytes are measured, never assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from kvjax.artifacts import Artifact, no_artifact, require_artifact, shipped_artifact
+from kvjax.attention import resolve_implementation
+from kvjax.cache import Cache, CacheSpec
+from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
+from pallas_kernels.pq_attention import pq_scores
+
+KIND = "hcattention"
+VALUE_PATHS = ("host", "device")
+
+
+# ------------------------------------------------------------------------------------- selection
+def top_p_select(mass, total, forced, tau: float, cap: int):
+    """Eq. 4 per query: the smallest set of tokens, in descending mass, whose cumulative mass reaches ``tau``.
+
+    Args:
+      mass: non-negative unnormalised probabilities ``[..., S]`` of the candidate tokens.
+      total: ``[...]`` the softmax normaliser (candidates plus ``forced``).
+      forced: ``[...]`` mass of tokens that are always kept (counted before any candidate).
+      tau: threshold in (0, 1]; ``tau >= 1`` keeps every candidate with non-zero mass.
+      cap: static number of candidates considered (``S`` for no cap).
+
+    Returns:
+      ``(idx, selected)``, both ``[..., cap]``: candidate ids in descending mass (ties: lower id first)
+      and whether each is selected. A candidate is selected when the mass before it is below
+      ``tau * total`` and its own mass is positive.
+    """
+    vals, idx = lax.top_k(mass, cap)
+    if tau >= 1.0:
+        return idx, vals > 0
+    before = jnp.cumsum(vals, axis=-1) - vals
+    return idx, (forced[..., None] + before < tau * total[..., None]) & (vals > 0)
+
+
+def key_bytes_fraction(groups: int | None, centroids: int, head_dim: int, itemsize: int) -> float:
+    """Device bytes of a prompt token's key representation over its full K + V bytes (values offloaded)."""
+    if not groups:
+        return 0.5
+    return groups * (1 if centroids <= 256 else 2) / (2 * head_dim * itemsize)
+
+
+# ---------------------------------------------------------------------------------------- state
+@struct.dataclass
+class HCAttentionKV:
+    """One layer after compression.
+
+    Attributes:
+      codes: ``[B, Hkv, S, g]`` uint8/uint16 codes of the prompt keys (None with exact keys).
+      keys: ``[B, Hkv, S, D]`` exact prompt keys (only with ``groups=0``).
+      values: ``[B * Hkv, S, D]`` prompt values in ``pinned_host`` memory (head ``i`` = row ``i // Hkv``).
+      recent_k, recent_v: ``[B, Hkv, room, D]`` exact K/V of the tokens after the prompt (device).
+      selected: sum over queries of the fraction of the row's prompt tokens selected (float32).
+      queries: number of (row, query head, new token) selections made.
+      rows: sum over calls and (row, KV head) of the value rows used (moved, or weighted on the host).
+      calls: decode calls (a question counts once).
+      truncated: (row, KV head, call) whose union of selections exceeded the row cap.
+    """
+
+    codes: jax.Array | None
+    keys: jax.Array | None
+    values: jax.Array
+    recent_k: jax.Array
+    recent_v: jax.Array
+    selected: jax.Array
+    queries: jax.Array
+    rows: jax.Array
+    calls: jax.Array
+    truncated: jax.Array
+
+
+# --------------------------------------------------------------------------------------- method
+@dataclasses.dataclass(frozen=True)
+class HCAttention:
+    """HCAttention (see the module docstring).
+
+    Args:
+      budget: fraction of the prompt's KV bytes on the device; picks the key representation (module
+        docstring). Give either ``budget`` or ``groups``.
+      groups: key groups ``g`` (``D % g == 0``); 0 keeps exact keys (value offloading only); None with
+        no budget: ``D // 2`` (the paper's ``g = 64`` at ``D = 128``).
+      centroids: codebook size ``c`` per (layer, KV head, group); codes are uint8 up to 256.
+      tau: cumulative attention mass kept (Eq. 4; paper 0.9).
+      value_path: "host" (weighted sum where the values live) | "device" (selected rows transferred).
+      max_selected: cap on the value rows per KV head and call, as a fraction of the prompt (1.0: none).
+      renormalize: divide by the selected mass (False: the literal Eq. 5).
+      block: key-block size of the prefill attention.
+      implementation: PQ scoring, auto | xla | pallas | pallas_interpret (auto: Pallas on TPU/GPU).
+    """
+
+    budget: float | None = None
+    groups: int | None = None
+    centroids: int = 256
+    tau: float = 0.9
+    value_path: str = "host"
+    max_selected: float = 1.0
+    renormalize: bool = True
+    block: int = 256
+    implementation: str = "auto"
+    name = "hcattention"
+
+    def __post_init__(self):
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, float) or not 0 < self.budget <= 1:
+                raise ValueError(f"hcattention budget must be a float fraction of the prompt's KV bytes in (0, 1], "
+                                 f"got {self.budget!r} (it picks the key representation; token budgets do not apply)")
+            if self.groups is not None:
+                raise ValueError(f"give hcattention either budget ({self.budget}) or groups ({self.groups}), not both")
+        if self.groups is not None and (isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 0):
+            raise ValueError(f"groups must be an int >= 0 (0: exact keys), got {self.groups!r}")
+        if not 1 <= self.centroids <= 65536:
+            raise ValueError(f"centroids must be in [1, 65536] (uint8 codes up to 256, uint16 above), got {self.centroids}")
+        if not 0.0 < self.tau <= 1.0:
+            raise ValueError(f"tau must be in (0, 1], got {self.tau}")
+        if self.value_path not in VALUE_PATHS:
+            raise ValueError(f"value_path must be one of {VALUE_PATHS}, got {self.value_path!r}")
+        if not 0.0 < self.max_selected <= 1.0:
+            raise ValueError(f"max_selected must be in (0, 1], got {self.max_selected}")
+        if self.block <= 0:
+            raise ValueError(f"block must be positive, got {self.block}")
+        resolve_implementation(self.implementation)
+
+    # -- configuration
+    def key_groups(self, spec: CacheSpec) -> int:
+        """Key groups for ``spec`` (0: exact keys), validated against the head dimension."""
+        D = spec.head_dim
+        if self.budget is not None:
+            itemsize = jnp.dtype(spec.dtype).itemsize
+            if self.budget >= 0.5:
+                return 0
+            for g in (D // 2, D // 4):
+                if g >= 1 and key_bytes_fraction(g, self.centroids, D, itemsize) <= self.budget:
+                    return g
+            smallest = key_bytes_fraction(max(D // 4, 1), self.centroids, D, itemsize)
+            raise ValueError(f"hcattention budget {self.budget} is below its smallest configuration "
+                             f"(g = D/4 = {D // 4} groups of {self.centroids} centroids: {smallest:.4f} of the KV bytes)")
+        g = D // 2 if self.groups is None else self.groups
+        if g and D % g:
+            raise ValueError(f"groups={g} must divide the head dimension {D}")
+        return g
+
+    def row_cap(self, prompt_slots: int) -> int:
+        """Static number of value rows per KV head and call for a prompt of ``prompt_slots``."""
+        return min(prompt_slots, max(1, math.ceil(self.max_selected * prompt_slots)))
+
+    def artifact_for(self, spec: CacheSpec, artifact: Any = None) -> Artifact | None:
+        """Codebooks ``[L, Hkv, g, c, D // g]`` for quantized keys (given, or shipped as ``g<g>-c<c>``); none for exact keys."""
+        g = self.key_groups(spec)
+        if not g:
+            no_artifact(artifact, f"{self.name} with exact keys (groups=0)")
+            return None
+        if artifact is None:
+            artifact = shipped_artifact(KIND, spec.model_id, f"g{g}-c{self.centroids}")
+        art = require_artifact(artifact, KIND, spec.model_id)
+        want = (spec.num_layers, spec.num_kv_heads, g, self.centroids, spec.head_dim // g)
+        got = tuple(art.arrays["codebooks"].shape)
+        if got != want:
+            raise ValueError(f"hcattention codebooks have shape {got}; this method needs [L, Hkv, g, c, D/g] = {want} "
+                             f"(groups={g}, centroids={self.centroids}); calibrate with `kvjax calibrate hcattention "
+                             f"--groups {g} --centroids {self.centroids}`")
+        return art
+
+    # -- protocol
+    def recording(self) -> Recording:
+        """A plain dense staging (shareable)."""
+        return Recording(block=self.block)
+
+    def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
+        """Dense staging; the codebooks travel with the cache as its artifact."""
+        art = self.artifact_for(spec, artifact)
+        return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
+
+    def prefill_chunk(self, state, q, k, v, ctx):
+        """Stage and attend."""
+        return stage_chunk(state, q, k, v, ctx)
+
+    def finish_prefill(self, state: StagedKV, ctx) -> HCAttentionKV:
+        """Encode the prompt keys (or keep them exact), move the prompt values to host memory."""
+        spec = ctx.spec
+        P, B, H, D = spec.prompt_slots, spec.batch, spec.num_kv_heads, spec.head_dim
+        keys, values = state.k[:, :, :P], state.v[:, :, :P]
+        if self.key_groups(spec):
+            from kvjax.pq_codebooks import encode_keys
+            codes, exact = encode_keys(keys, ctx.artifact.arrays["codebooks"][ctx.layer]), None
+        else:
+            codes, exact = None, keys
+        room = (B, H, max(spec.room, 1), D)
+        zero = jnp.zeros((), jnp.float32)
+        return HCAttentionKV(
+            codes=codes, keys=exact, values=to_host(values.reshape(B * H, P, D)),
+            recent_k=jnp.zeros(room, state.k.dtype), recent_v=jnp.zeros(room, state.v.dtype),
+            selected=zero, queries=zero, rows=zero, calls=jnp.zeros((), jnp.int32), truncated=jnp.zeros((), jnp.int32),
+        )
+
+    def prompt_logits(self, state: HCAttentionKV, qg, ctx):
+        """Scaled logits ``[B, Hkv, G, T, S]`` of the prompt tokens: PQ lookup (Eq. 3) or exact keys."""
+        B, H, G, T, D = qg.shape
+        if state.codes is None:
+            return jnp.einsum("bhgtd,bhsd->bhgts", qg, state.keys.astype(jnp.float32),
+                              precision=lax.Precision.HIGHEST) * D**-0.5
+        codebooks = ctx.artifact.arrays["codebooks"][ctx.layer]
+        z = pq_scores(qg.reshape(B, H * G * T, D), codebooks, state.codes,
+                      implementation=resolve_implementation(self.implementation))
+        return z.reshape(B, H, G, T, -1)
+
+    def decode_attend(self, state: HCAttentionKV, q, k, v, ctx):
+        """Append the new tokens exactly, score the prompt approximately, select by top-p, weighted sum of values."""
+        B, T, Hq, D = q.shape
+        H = state.recent_k.shape[1]
+        G = Hq // H
+        S = state.values.shape[1]
+        n = ctx.start - S  # tokens after the prompt already held
+        rk = lax.dynamic_update_slice_in_dim(state.recent_k, k.transpose(0, 2, 1, 3).astype(state.recent_k.dtype), n, axis=2)
+        rv = lax.dynamic_update_slice_in_dim(state.recent_v, v.transpose(0, 2, 1, 3).astype(state.recent_v.dtype), n, axis=2)
+        qg = q.astype(jnp.float32).reshape(B, T, H, G, D).transpose(0, 2, 3, 1, 4)  # [B, H, G, T, D]
+
+        real = jnp.arange(S)[None, :] >= ctx.pad[:, None]  # [B, S]
+        z_p = jnp.where(real[:, None, None, None], self.prompt_logits(state, qg, ctx), -jnp.inf)
+        room = rk.shape[2]
+        visible = jnp.arange(room)[None, :] <= n + jnp.arange(T)[:, None]  # [T, room]
+        z_r = jnp.einsum("bhgtd,bhrd->bhgtr", qg, rk.astype(jnp.float32), precision=lax.Precision.HIGHEST) * D**-0.5
+        z_r = jnp.where(visible, z_r, -jnp.inf)
+        m = jnp.maximum(z_p.max(-1), z_r.max(-1))  # finite: the query's own token is visible
+        p_p, p_r = jnp.exp(z_p - m[..., None]), jnp.exp(z_r - m[..., None])
+        forced = p_r.sum(-1)
+        total = p_p.sum(-1) + forced
+
+        cap = self.row_cap(S)
+        idx, sel = top_p_select(p_p, total, forced, self.tau, cap)  # [B, H, G, T, cap]
+        chosen = jnp.put_along_axis(jnp.zeros(p_p.shape, bool), idx, sel, axis=-1, inplace=False)
+        union = chosen.any(axis=(2, 3))  # [B, H, S]
+        in_union = union.sum(-1)
+        key = jnp.where(union, (p_p / total[..., None]).max(axis=(2, 3)), -1.0)
+        rows = lax.top_k(key, cap)[1].astype(jnp.int32)  # [B, H, cap]: union members first
+        count = jnp.minimum(in_union, cap).astype(jnp.int32)
+        live = jnp.arange(cap)[None, None, :] < count[..., None]
+        w = jnp.take_along_axis(jnp.where(chosen, p_p, 0.0), jnp.broadcast_to(rows[:, :, None, None], (B, H, G, T, cap)), axis=-1)
+        w = jnp.where(live[:, :, None, None], w, 0.0)
+
+        if self.value_path == "host":
+            out_p = weighted_rows_on_host(state.values, rows.reshape(B * H, cap), w.reshape(B * H, G * T, cap))
+            out_p = out_p.reshape(B, H, G, T, D)
+        else:
+            vals = gather_rows(state.values, rows.reshape(B * H, cap), count.reshape(B * H)).reshape(B, H, cap, D)
+            out_p = jnp.einsum("bhgtr,bhrd->bhgtd", w, vals.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        out_r = jnp.einsum("bhgtr,bhrd->bhgtd", p_r, rv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        denom = w.sum(-1) + forced if self.renormalize else total
+        out = (out_p + out_r) / denom[..., None]
+        out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
+
+        prompt_len = jnp.maximum(S - ctx.pad, 1).astype(jnp.float32)  # [B]
+        frac = sel.sum(-1) / prompt_len[:, None, None, None]
+        state = state.replace(
+            recent_k=rk, recent_v=rv, selected=state.selected + frac.sum(), queries=state.queries + frac.size,
+            rows=state.rows + count.sum().astype(jnp.float32), calls=state.calls + 1,
+            truncated=state.truncated + (in_union > cap).sum().astype(jnp.int32))
+        return out, state
+
+    # -- reporting
+    def stats(self, cache: Cache) -> dict:
+        """Key representation, bytes by kind, selection ratio per layer, value rows per call."""
+        if cache.stage != "compressed":
+            return {}
+        layers = cache.layers
+        first = layers[0]
+        groups = 0 if first.codes is None else first.codes.shape[-1]
+        codebook = 0 if cache.artifact is None else int(cache.artifact.arrays["codebooks"].nbytes)
+        ratios = [float(st.selected) / max(float(st.queries), 1.0) for st in layers]
+        calls = max(int(first.calls), 1)
+        BH = first.recent_k.shape[0] * first.recent_k.shape[1]
+        return {
+            "key_representation": f"pq g={groups} c={self.centroids}" if groups else "exact",
+            "tau": self.tau, "value_path": self.value_path,
+            "code_bytes": sum(int(st.codes.nbytes) for st in layers if st.codes is not None),
+            "exact_key_bytes": sum(int(st.keys.nbytes) for st in layers if st.keys is not None),
+            "codebook_bytes": codebook,
+            "host_value_bytes": sum(int(st.values.nbytes) for st in layers),
+            "selection_ratio_per_layer": [round(r, 5) for r in ratios],
+            "selection_ratio": round(sum(ratios) / len(ratios), 5),
+            "value_rows_per_head_per_call": round(sum(float(st.rows) for st in layers) / (calls * BH * len(layers)), 2),
+            "truncated_selections": sum(int(st.truncated) for st in layers),
+        }
+
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """Device bytes a decode step reads: codes (or exact keys), the codebooks and the newer tokens' K/V."""
+        if cache.stage != "compressed":
+            return 0
+        first = cache.layers[0]
+        S = first.values.shape[1]
+        newer = max(int(cache.length) - S, 0)
+        B, H, _, D = first.recent_k.shape
+        per_layer = 2 * B * H * newer * D * first.recent_k.dtype.itemsize
+        total = 0
+        for st in cache.layers:
+            total += per_layer + (int(st.codes.nbytes) if st.codes is not None else int(st.keys.nbytes))
+        if cache.artifact is not None:
+            total += int(cache.artifact.arrays["codebooks"].nbytes)
+        return total

@@ -1,0 +1,285 @@
+"""HCAttention: Eq. 4 on hand-computed distributions, one layer's output against a numpy reference (exact and
+product-quantized keys, both value paths), tau = 1 with exact keys equal to the full cache (chunk padding, a
+ragged batch, a question after compression), bytes held, compile-once without host callbacks, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.api import generate_tokens
+from kvjax.artifacts import Artifact, model_identity
+from kvjax.cache import AttendContext, CacheSpec, new_cache
+from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, prefill
+from kvjax.host_tier import to_host
+from kvjax.methods import FullCache, HCAttention, get_method
+from kvjax.methods.hcattention import HCAttentionKV, top_p_select
+from kvjax.pq_codebooks import encode_keys
+from models import load_model
+from tests.tiny import save_tiny
+
+L = 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama3_hca")
+    save_tiny("llama3_rope", str(path), seed=3)
+    return load_model(str(path), "float32", tokenizer=False)
+
+
+def codebook_artifact(cfg, groups, centroids=8, seed=0, model_id=None):
+    """Random codebooks ``[L, Hkv, g, c, D/g]`` (the selection and scoring do not depend on how they were fitted)."""
+    shape = (cfg.num_layers, cfg.num_kv_heads, groups, centroids, cfg.head_dim // groups)
+    cb = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    return Artifact(arrays={"codebooks": jnp.asarray(cb)}, kind="hcattention",
+                    model_id=model_id or model_identity(cfg), meta=(("groups", groups), ("centroids", centroids)))
+
+
+# ------------------------------------------------------------------------------------ Eq. 4 by hand
+def _select(mass, tau, forced=0.0, total=None):
+    mass = jnp.asarray([mass], jnp.float32)
+    total = mass.sum(-1) + forced if total is None else jnp.asarray([total], jnp.float32)
+    idx, sel = top_p_select(mass, total, jnp.asarray([forced], jnp.float32), tau, mass.shape[-1])
+    return sorted(np.asarray(idx[0])[np.asarray(sel[0])].tolist())
+
+
+def test_top_p_hand_cases():
+    assert _select([0.5, 0.25, 0.125, 0.125], 0.75) == [0, 1]  # 0.5 + 0.25 reaches 0.75: k* = 2
+    assert _select([0.5, 0.25, 0.125, 0.125], 0.76) == [0, 1, 2]
+    assert _select([0.5, 0.25, 0.125, 0.125], 0.3) == [0]
+    # ties: sorted 0.5 (1), 0.25 (0), 0.125 (2), 0.125 (3); the tie is broken by the lower position
+    assert _select([0.25, 0.5, 0.125, 0.125], 0.8) == [0, 1, 2]
+    # tau = 1 keeps every token with non-zero mass, and only those
+    assert _select([0.5, 0.0, 0.5, 0.0], 1.0) == [0, 2]
+    assert _select([1e-30, 0.7, 0.3 - 1e-30], 1.0) == [0, 1, 2]
+    # unnormalised masses: 2 of 4 reaches 0.5
+    assert _select([2.0, 1.0, 1.0], 0.5) == [0]
+    # always-kept tokens count first: 0.5 forced + 0.25 reaches 0.75
+    assert _select([0.25, 0.25], 0.75, forced=0.5) == [0]
+    assert _select([0.25, 0.25], 0.5, forced=0.5) == []
+
+
+# ------------------------------------------------------------------------- one layer vs numpy
+def _reference(q, keys, values, rk, rv, pad, n_prev, tau, renormalize=True):
+    """Per query: exact softmax over prompt slots >= pad and newer tokens <= its own, Eq. 4 over the prompt
+    with the newer tokens counted first, the (renormalised) weighted sum; float64."""
+    B, T, Hq, D = q.shape
+    H, S = keys.shape[1], keys.shape[2]
+    G = Hq // H
+    out = np.zeros((B, T, Hq, D))
+    for b in range(B):
+        for t in range(T):
+            for hq in range(Hq):
+                h = hq // G
+                zp = keys[b, h, pad[b]:] @ q[b, t, hq] / np.sqrt(D)
+                zr = rk[b, h, :n_prev + t + 1] @ q[b, t, hq] / np.sqrt(D)
+                m = max(zp.max(), zr.max())
+                pp, pr = np.exp(zp - m), np.exp(zr - m)
+                total = pp.sum() + pr.sum()
+                order = np.argsort(-pp, kind="stable")
+                before = np.concatenate([[0.0], np.cumsum(pp[order])[:-1]])
+                keep = order[(pr.sum() + before < tau * total) & (pp[order] > 0)] if tau < 1 else np.flatnonzero(pp > 0)
+                num = pp[keep] @ values[b, h, pad[b]:][keep] + pr @ rv[b, h, :n_prev + t + 1]
+                den = (pp[keep].sum() + pr.sum()) if renormalize else total
+                out[b, t, hq] = num / den
+    return out
+
+
+def _decoded(codes, codebooks):
+    """numpy: the quantized keys ``[B, H, S, D]`` from codes ``[B, H, S, g]`` and codebooks ``[H, g, c, D/g]``."""
+    B, H, S, g = codes.shape
+    out = np.stack([np.stack([np.concatenate([codebooks[h, i][codes[b, h, :, i]] for i in range(g)], axis=-1)
+                              for h in range(H)]) for b in range(B)])
+    return out.astype(np.float64)
+
+
+@pytest.mark.parametrize("value_path", ["host", "device"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["exact_keys", "pq_keys"])
+@pytest.mark.parametrize("tau,renormalize", [(0.6, True), (0.9, False), (1.0, True)])
+def test_layer_output_matches_numpy(value_path, quantized, tau, renormalize):
+    rng = np.random.default_rng(0)
+    B, H, G, S, D, T, room = 2, 2, 3, 24, 8, 3, 6
+    pad = np.array([0, 5])
+    keys = rng.normal(size=(B, H, S, D)).astype(np.float32) * 2
+    values = rng.normal(size=(B, H, S, D)).astype(np.float32)
+    q = rng.normal(size=(B, T, H * G, D)).astype(np.float32)
+    k_new = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    v_new = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    n_prev = 2  # two newer tokens already held
+    rk = np.zeros((B, H, room, D), np.float32)
+    rv = np.zeros((B, H, room, D), np.float32)
+    rk[:, :, :n_prev] = rng.normal(size=(B, H, n_prev, D))
+    rv[:, :, :n_prev] = rng.normal(size=(B, H, n_prev, D))
+    art, codes, ref_keys = None, None, keys.astype(np.float64)
+    if quantized:
+        cb = rng.normal(size=(H, 4, 16, D // 4)).astype(np.float32)
+        art = Artifact(arrays={"codebooks": jnp.asarray(cb[None])}, kind="hcattention", model_id="m")
+        codes = encode_keys(jnp.asarray(keys), jnp.asarray(cb))
+        ref_keys = _decoded(np.asarray(codes), cb)
+    state = HCAttentionKV(
+        codes=codes, keys=None if quantized else jnp.asarray(keys), values=to_host(jnp.asarray(values.reshape(B * H, S, D))),
+        recent_k=jnp.asarray(rk), recent_v=jnp.asarray(rv), selected=jnp.zeros(()), queries=jnp.zeros(()),
+        rows=jnp.zeros(()), calls=jnp.zeros((), jnp.int32), truncated=jnp.zeros((), jnp.int32))
+    ctx = AttendContext(start=jnp.asarray(S + n_prev, jnp.int32), pad=jnp.asarray(pad, jnp.int32),
+                        positions=jnp.zeros((B, T), jnp.int32), artifact=art, layer=0)
+    method = HCAttention(groups=4 if quantized else 0, centroids=16, tau=tau, value_path=value_path, renormalize=renormalize)
+    out, new = jax.jit(method.decode_attend)(state, jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), ctx)
+    rk_all, rv_all = rk.copy(), rv.copy()
+    rk_all[:, :, n_prev:n_prev + T] = k_new.transpose(0, 2, 1, 3)
+    rv_all[:, :, n_prev:n_prev + T] = v_new.transpose(0, 2, 1, 3)
+    ref = _reference(q.astype(np.float64), ref_keys, values.astype(np.float64), rk_all, rv_all, pad, n_prev, tau, renormalize)
+    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.asarray(new.recent_k), rk_all)
+    if tau < 1:
+        assert 0 < float(new.selected) / float(new.queries) < 1  # the comparison is not against the full attention
+
+
+def test_pallas_interpret_scoring_equals_xla():
+    rng = np.random.default_rng(1)
+    B, H, G, S, D = 1, 2, 2, 40, 16
+    cb = rng.normal(size=(H, 8, 16, D // 8)).astype(np.float32)
+    keys = jnp.asarray(rng.normal(size=(B, H, S, D)).astype(np.float32))
+    codes = encode_keys(keys, jnp.asarray(cb))
+    art = Artifact(arrays={"codebooks": jnp.asarray(cb[None])}, kind="hcattention", model_id="m")
+    ctx = AttendContext(start=jnp.asarray(S, jnp.int32), pad=jnp.zeros((B,), jnp.int32),
+                        positions=jnp.zeros((B, 1), jnp.int32), artifact=art, layer=0)
+    qg = jnp.asarray(rng.normal(size=(B, H, G, 1, D)).astype(np.float32))
+    st = HCAttentionKV(codes=codes, keys=None, values=None, recent_k=None, recent_v=None, selected=None,
+                       queries=None, rows=None, calls=None, truncated=None)
+    xla = HCAttention(groups=8, centroids=16, implementation="xla").prompt_logits(st, qg, ctx)
+    interp = HCAttention(groups=8, centroids=16, implementation="pallas_interpret").prompt_logits(st, qg, ctx)
+    ref = np.einsum("bhgtd,bhsd->bhgts", np.asarray(qg, np.float64), _decoded(np.asarray(codes), cb)) / np.sqrt(D)
+    np.testing.assert_allclose(np.asarray(xla), ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(interp), ref, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("value_path", ["host", "device"])
+def test_tau_one_exact_keys_equals_full_cache(tiny, value_path):
+    """tau = 1 with exact keys is the full attention: chunk padding, a ragged batch and a question after
+    compression change nothing (values really come from host memory)."""
+    rng = np.random.default_rng(11)
+    rows = [list(rng.integers(0, 97, size=L)), list(rng.integers(0, 97, size=20))]
+    method = HCAttention(groups=0, tau=1.0, block=16, value_path=value_path)
+    full, _, _, _ = generate_tokens(tiny, rows, method=FullCache(block=16), max_new_tokens=8)
+    for chunk in (None, 32):
+        got, _, cache, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=8, chunk_size=chunk)
+        np.testing.assert_array_equal(got, full, err_msg=f"chunk_size={chunk}")
+        s = cache.stats()
+        assert s["host_value_bytes"] == cache.host_bytes() > 0 and s["selection_ratio"] == 1.0
+    question = [list(rng.integers(0, 97, size=5)) for _ in rows]
+    ref, _, _, _ = generate_tokens(tiny, [r + q for r, q in zip(rows, question)], method=FullCache(block=16),
+                                   max_new_tokens=5)
+    got, _, _, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=5, question_rows=question)
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_quantized_keys_hold_codes_not_keys(tiny):
+    cfg = tiny.config
+    g, c = 4, 8
+    tokens = np.random.default_rng(2).integers(0, 97, size=(1, L)).astype(np.int32)
+    art = codebook_artifact(cfg, g, c)
+    method = HCAttention(groups=g, centroids=c, tau=0.9, block=16)
+    cache = new_cache(method, cfg, 1, L, 4, tiny.dtype, artifact=art)
+    _, cache = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens), cache)
+    cache = compress(cache)
+    s = cache.stats()
+    H, D = cfg.num_kv_heads, cfg.head_dim
+    for st in cache.layers:
+        assert st.codes.shape == (1, H, L, g) and st.codes.dtype == jnp.uint8 and st.keys is None
+        assert st.values.sharding.memory_kind == "pinned_host" and st.values.shape == (H, L, D)
+    assert s["code_bytes"] == cfg.num_layers * H * L * g
+    assert s["codebook_bytes"] == cfg.num_layers * H * c * D * 4
+    assert s["host_value_bytes"] == cache.host_bytes() == cfg.num_layers * H * L * D * 4
+    # device: codes + codebooks + 4 newer tokens' exact K/V + per-layer counters (a few scalars)
+    newer = cfg.num_layers * 2 * H * 4 * D * 4
+    assert s["code_bytes"] + s["codebook_bytes"] + newer <= cache.device_bytes() <= s["code_bytes"] + s["codebook_bytes"] + newer + 200
+    assert s["key_representation"] == f"pq g={g} c={c}"
+
+
+def test_decode_loop_compiles_once_without_host_callbacks(tiny):
+    cfg = tiny.config
+    art = codebook_artifact(cfg, 4)
+    method = HCAttention(groups=4, centroids=8, tau=0.9, block=16)
+    tokens = np.random.default_rng(5).integers(0, 97, size=(1, L)).astype(np.int32)
+
+    def prefilled():
+        cache = new_cache(method, cfg, 1, L, 6, tiny.dtype, artifact=art)
+        _, cache = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens), cache)
+        return compress(cache)
+
+    before = TRACE_COUNTS["decode_loop"]
+    for _ in range(2):
+        decode_loop(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, -1]), prefilled(), jax.random.PRNGKey(0), max_new_tokens=6)
+    assert TRACE_COUNTS["decode_loop"] - before == 1
+    text = decode_loop_jit.lower(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, -1]), prefilled(), jax.random.PRNGKey(0),
+                                 max_new_tokens=6).as_text()
+    assert "callback" not in text.lower()
+    assert "_xla_compute_type" in text  # the weighted sum over host values is a host-compute region
+
+
+def test_budget_picks_the_key_representation():
+    def spec(dtype):
+        return CacheSpec(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, batch=1, prompt_slots=100,
+                         longest_row=100, room=4, dtype=dtype)
+
+    f32, bf16 = spec("float32"), spec("bfloat16")
+    assert HCAttention(budget=0.5).key_groups(f32) == 0  # value offloading only
+    assert HCAttention(budget=0.25).key_groups(f32) == 32  # g = D/2: 32 bytes of 512 = 6.25%
+    assert HCAttention(budget=0.0625).key_groups(f32) == 32
+    assert HCAttention(budget=0.05).key_groups(f32) == 16
+    assert HCAttention(budget=0.25).key_groups(bf16) == 32  # 32 of 256 bytes = 12.5%
+    assert HCAttention(budget=0.1).key_groups(bf16) == 16
+    assert HCAttention(budget=0.125, centroids=1024).key_groups(f32) == 32  # uint16 codes: 64 of 512 bytes
+    assert HCAttention(budget=0.1, centroids=1024).key_groups(f32) == 16
+    assert HCAttention().key_groups(f32) == 32
+    with pytest.raises(ValueError, match="below its smallest configuration"):
+        HCAttention(budget=0.02).key_groups(f32)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(budget=0.25, groups=32), "either budget"),
+    (dict(budget=64), "float fraction"),
+    (dict(tau=0.0), "tau"),
+    (dict(tau=1.5), "tau"),
+    (dict(groups=-1), "groups"),
+    (dict(centroids=70000), "centroids"),
+    (dict(value_path="gpu"), "value_path"),
+    (dict(max_selected=0.0), "max_selected"),
+])
+def test_bad_hyper_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HCAttention(**kwargs)
+
+
+def test_artifact_errors(tiny):
+    cfg = tiny.config
+    spec = CacheSpec.for_model(cfg, 1, L, 4, "float32")
+    with pytest.raises(ValueError, match="made for model"):
+        HCAttention(groups=4, centroids=8).init_cache(spec, codebook_artifact(cfg, 4, model_id="other:123"))
+    with pytest.raises(ValueError, match="codebooks have shape"):
+        HCAttention(groups=4, centroids=16).init_cache(spec, codebook_artifact(cfg, 4, 8))
+    with pytest.raises(ValueError, match="divide the head dimension"):
+        HCAttention(groups=5).init_cache(spec)
+    with pytest.raises(ValueError, match="takes no artifact"):
+        HCAttention(groups=0).init_cache(spec, codebook_artifact(cfg, 4))
+    with pytest.raises(ValueError, match="no shipped hcattention artifact"):
+        HCAttention(groups=4, centroids=8).init_cache(spec)
+    wrong_kind = Artifact(arrays={}, kind="heterocache", model_id=model_identity(cfg))
+    with pytest.raises(ValueError, match="kind"):
+        HCAttention(groups=4, centroids=8).init_cache(spec, wrong_kind)
+
+
+def test_method_spec_and_cli_flags():
+    from kvjax.cli import _method, build_parser
+
+    m = get_method("hcattention:groups=16:tau=0.5:value_path=device")
+    assert (m.groups, m.tau, m.value_path) == (16, 0.5, "device")
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--method", "hcattention", "--groups", "32", "--tau", "0.7"])
+    assert (_method(args).groups, _method(args).tau) == (32, 0.7)
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--method", "snapkv", "--tau", "0.7"])
+    with pytest.raises(ValueError, match="apply to --method hcattention only"):
+        _method(args)
