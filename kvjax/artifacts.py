@@ -82,9 +82,39 @@ def _plain(x):
 
 
 def save_artifact(artifact: Artifact, path) -> None:
-    """Write ``artifact`` as JSON (arrays as nested lists with their dtype); small calibration results only."""
-    import numpy as np
+    """Write ``artifact`` to ``path``; the format follows the suffix.
 
+    * ``.json``: arrays as nested lists with their dtype (small calibration results: head classes,
+      clusters; readable and diffable);
+    * ``.npz``: ``np.savez_compressed`` with each array under its name and a ``__doc__`` entry, the
+      JSON of ``kind``, ``model_id``, ``meta`` and each array's dtype. When ``meta`` has
+      ``storage_dtype`` (e.g. ``"float16"``) the floating arrays are stored in it and loaded back in
+      their recorded dtype (halves the repository cost of f32 codebooks; the rounding is the
+      artifact maker's decision, recorded in ``meta``).
+
+    ``arrays`` must be a dict of arrays (names without ``/``; ``__doc__`` is reserved).
+    """
+    import numpy as np
+    from pathlib import Path
+
+    path = Path(path)
+    if path.suffix == ".npz":
+        meta = dict(artifact.meta)
+        storage = meta.get("storage_dtype")
+        arrays, dtypes = {}, {}
+        for name, a in artifact.arrays.items():
+            if name == "__doc__" or "/" in name:
+                raise ValueError(f"artifact array name {name!r} cannot be stored in an .npz file")
+            a = np.asarray(a)
+            dtypes[name] = str(a.dtype)
+            arrays[name] = a.astype(storage) if storage and np.issubdtype(a.dtype, np.floating) else a
+        doc = {"kind": artifact.kind, "model_id": artifact.model_id,
+               "meta": {k: _plain(v) for k, v in artifact.meta}, "dtypes": dtypes}
+        with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name without it
+            np.savez_compressed(f, __doc__=np.asarray(json.dumps(doc)), **arrays)
+        return
+    if path.suffix != ".json":
+        raise ValueError(f"artifact files are .json or .npz, got {path.name!r}")
     arrays = {name: {"dtype": str(np.asarray(a).dtype), "data": np.asarray(a).tolist()} for name, a in artifact.arrays.items()}
     doc = {"kind": artifact.kind, "model_id": artifact.model_id,
            "meta": {k: _plain(v) for k, v in artifact.meta}, "arrays": arrays}
@@ -94,30 +124,52 @@ def save_artifact(artifact: Artifact, path) -> None:
 
 
 def load_artifact(path) -> Artifact:
-    """Read an artifact written by :func:`save_artifact` (arrays become jax arrays)."""
+    """Read an artifact written by :func:`save_artifact` (``.json`` or ``.npz``; arrays become jax arrays)."""
     import jax.numpy as jnp
+    from pathlib import Path
 
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    arrays = {name: jnp.asarray(a["data"], a["dtype"]) for name, a in doc["arrays"].items()}
+    path = Path(path)
+    if path.suffix == ".npz":
+        import numpy as np
+
+        with np.load(path, allow_pickle=False) as z:
+            if "__doc__" not in z.files:
+                raise ValueError(f"{path} is not a kvjax artifact (no __doc__ entry)")
+            doc = json.loads(str(z["__doc__"]))
+            arrays = {name: jnp.asarray(z[name], doc["dtypes"].get(name, str(z[name].dtype)))
+                      for name in z.files if name != "__doc__"}
+    else:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        arrays = {name: jnp.asarray(a["data"], a["dtype"]) for name, a in doc["arrays"].items()}
     meta = tuple((k, _frozen(v)) for k, v in doc["meta"].items())
     return Artifact(arrays=arrays, kind=doc["kind"], model_id=doc["model_id"], meta=meta)
 
 
-def shipped_artifact_path(kind: str, model_id: str, variant: str = ""):
-    """Where the artifact shipped with kvjax for ``kind`` and a model lives (may not exist)."""
+def shipped_artifact_path(kind: str, model_id: str, variant: str = "", *, suffix: str | None = None):
+    """Where the artifact shipped with kvjax for ``kind`` and a model lives (may not exist).
+
+    ``kvjax/data/<kind>/<model>[-<variant>]<suffix>``. With ``suffix=None``: the existing ``.json``
+    file, else the existing ``.npz`` file (large arrays, e.g. PQ codebooks), else the ``.json`` path.
+    """
     from pathlib import Path
 
     model = model_id.split(":")[0] or "model"
-    suffix = f"-{variant}" if variant else ""
-    return Path(__file__).parent / "data" / kind / f"{model}{suffix}.json"
+    stem = f"{model}-{variant}" if variant else model
+    folder = Path(__file__).parent / "data" / kind
+    if suffix is not None:
+        return folder / f"{stem}{suffix}"
+    for ext in (".json", ".npz"):
+        if (folder / f"{stem}{ext}").exists():
+            return folder / f"{stem}{ext}"
+    return folder / f"{stem}.json"
 
 
 def shipped_artifact(kind: str, model_id: str, variant: str = "") -> Artifact:
     """The artifact shipped for ``kind`` and the model ``model_id``; a clear error when there is none."""
     path = shipped_artifact_path(kind, model_id, variant)
     if not path.exists():
-        raise ValueError(f"no shipped {kind} artifact for model {model_id!r} ({path.name}); "
+        raise ValueError(f"no shipped {kind} artifact for model {model_id!r} ({path.stem}.json|.npz); "
                          f"run `kvjax calibrate {kind} --model <model>` and pass the artifact")
     art = load_artifact(path)
     art.check(kind, model_id)

@@ -286,6 +286,21 @@ def test_pq_lowers(hq, hkv, d, g, c, dtype, platform):
     _check(kernels, platform, f32_matmuls=False)
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("new_tokens", [1, 48])
+def test_pq_lowers_as_hcattention_calls_it(platform, new_tokens):
+    """HCAttention's call: every query head of every new token (a decoded token, or a question of 48
+    tokens prefilled onto the compressed cache) in one call, no lengths, no stats; the default model's
+    shape (14 query heads, 2 KV heads, D = 64) at g = D/2 and D/4, c = 256."""
+    backend = "gpu" if platform == "cuda" else "tpu"
+    for groups in (32, 16):
+        q, cb, codes, _ = _pq_args(1, 14 * new_tokens, 2, 64, groups, 256, jnp.float32, seq=4001)
+        kernels = lower_kernels(lambda q, cb, codes: pq_scores(q, cb, codes, implementation="pallas", backend=backend),
+                                (q, cb, codes), platform)
+        assert len(kernels) == 1
+        _check(kernels, platform, f32_matmuls=False)
+
+
 def test_pq_tpu_rejects_block_s_not_multiple_of_128():
     """Compiled TPU form: block_s lies on the lane axis, so it must be a multiple of 128."""
     args = _pq_args(1, 4, 2, 64, 16, 256, jnp.float32, seq=1000)
