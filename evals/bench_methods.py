@@ -247,8 +247,10 @@ def kv_read_bytes_per_step(name: str, stats_before: dict, stats_after: dict | No
         after = stats_after.get("kv_bytes_read_per_step", before) if stats_after else before
         return (before + after) / 2
     kept = stats_before.get("kept_tokens_per_head")
-    if kept is None:
-        return None
+    if kept is None:  # the method's own account (``method.bytes_read_per_step``), mean of before and after decoding
+        before = stats_before["kv_bytes_read_per_step"]
+        after = stats_after.get("kv_bytes_read_per_step", before) if stats_after else before
+        return (before + after) / 2
     grow = 0 if stats_before.get("evicts_during_decode") else new_tokens / 2  # H2O with eviction: fixed capacity
     tokens = sum(c + grow for layer in kept for c in layer)  # over layers and KV heads
     return batch * 2 * config.head_dim * itemsize * tokens
@@ -609,6 +611,21 @@ def render_markdown(report: dict) -> str:
             steps = max(a["decode_steps"], 1)
             lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['recall_events']} | {a['recall_trigger_rate']:.3f} | "
                          f"{a['rows_recalled']} | {a['bytes_recalled'] / 1024:.1f} | {a['bytes_recalled'] / 1024 / steps:.1f} |")
+    value_rows = [r for r in report["rows"] if "selection_ratio" in (r.get("cache_stats_after_decode") or {})]
+    if value_rows:
+        lines += ["", "## Values in host memory (HCAttention)", "",
+                  "From `cache.stats()` after the timed decode loop: key representation on the device, the mean fraction "
+                  "of the prompt selected per query (Eq. 4), value rows per (row, KV head) and decode call, and the "
+                  "bytes crossing between host and device per decode step over all layers: with `value_path=host` "
+                  "the row ids and weights go to the host and the weighted sums come back; with `device` the "
+                  "selected value rows come to the device.", "",
+                  "| L | method | keys | tau | value path | selected | value rows / head / call | KiB moved / step |",
+                  "|---:|---|---|---:|---|---:|---:|---:|"]
+        for r in value_rows:
+            a = r["cache_stats_after_decode"]
+            lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['key_representation']} | {a['tau']} | {a['value_path']} | "
+                         f"{a['selection_ratio']:.3f} | {a['value_rows_per_head_per_call']:.1f} | "
+                         f"{a['bytes_moved_per_call'] / 1024:.1f} |")
     lines += ["", "## Prefill sharing", "", "- full: its own `FullCache().init_cache` prefill."]
     for kind in report["staging_kinds"]:
         lines.append(f"- one staging prefill (observation window {kind['window']}, accumulated attention "

@@ -1,4 +1,6 @@
-"""``kvjax calibrate heterocache|synckv``: record attended sets, build the artifact, write plots and a summary.
+"""``kvjax calibrate heterocache|synckv|hcattention``: calibrate, build the artifact, write plots and a summary.
+
+``hcattention`` (PQ key codebooks) has its own options and flow, see :func:`main_hcattention`.
 
 One recording (prefill + greedy decode of the calibration samples) serves every group size in
 ``--group-layers``. Per group size: the artifact JSON (default: the shipped location
@@ -20,14 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
-KINDS = ("heterocache", "synckv")
+KINDS = ("heterocache", "synckv", "hcattention")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Options of ``kvjax calibrate``."""
     from models import DEFAULT_MODEL
 
-    p = argparse.ArgumentParser(prog="kvjax calibrate", description="offline head calibration for HeteroCache / SyncKV")
+    p = argparse.ArgumentParser(prog="kvjax calibrate", description="offline head calibration for HeteroCache / SyncKV "
+                                "(`kvjax calibrate hcattention --help`: PQ key codebooks for HCAttention)")
     p.add_argument("kind", choices=KINDS)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--samples", type=int, default=4, help="calibration samples (slices of stdlib docstrings)")
@@ -53,7 +56,14 @@ def main(argv=None) -> int:
     from kvjax.artifacts import model_identity, save_artifact, shipped_artifact_path
     from kvjax.calibration import auto_group_layers, calibration_rows, head_statistics, record_sets
 
+    if argv is None:
+        argv = sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:]
+    argv = list(argv)
+    if argv[:1] == ["hcattention"]:
+        return main_hcattention(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.kind == "hcattention":  # options before the kind
+        raise ValueError("give the kind first: `kvjax calibrate hcattention [options]`")
     if not 0 < args.topk_fraction < 1:
         raise ValueError(f"--topk-fraction must be in (0, 1), got {args.topk_fraction}")
     model = kvjax.load(args.model, "float32", progress=True)
@@ -73,7 +83,7 @@ def main(argv=None) -> int:
     record_s = time.perf_counter() - t0
     mid = model_identity(cfg)
     name = mid.split(":")[0]
-    command = "kvjax calibrate " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
+    command = "kvjax calibrate " + " ".join(shlex.quote(a) for a in argv)
     for group in groups:
         t1 = time.perf_counter()
         stats = head_statistics(records, topk=topk, group_layers=group, tokens=args.tokens)
@@ -209,3 +219,278 @@ def plot(report: Path, kind: str, stats, art) -> None:
         ax.set_title(f"group {gi}: mean overlap", fontsize=9)
     fig.colorbar(im, ax=fig.axes)
     fig.savefig(report / "similarity.png", dpi=110, bbox_inches="tight")
+
+
+# ------------------------------------------------------------------------------------- hcattention
+HC_QUERY_WINDOW = 64  # held-out queries (last tokens of the first held-out sample) for the attention checks
+HC_TAU = 0.9  # HCAttention's top-p threshold (its experiments)
+
+
+def build_hcattention_parser() -> argparse.ArgumentParser:
+    """Options of ``kvjax calibrate hcattention``."""
+    from models import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(
+        prog="kvjax calibrate hcattention",
+        description="PQ key codebooks for HCAttention: post-RoPE keys of stdlib-docstring samples, one mini-batch "
+                    "K-means per (layer, KV head, group); one artifact per (groups, centroids)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--groups", default=None,
+                   help="comma list of group counts g (D/g dims per group); default D/2,D/4 (the paper's two key "
+                        "configurations: 2 and 4 dims per group)")
+    p.add_argument("--centroids", default="256", help="comma list of codebook sizes c (<= 256: uint8 codes)")
+    p.add_argument("--samples", type=int, default=3, help="training samples (the paper: 3)")
+    p.add_argument("--heldout", type=int, default=1, help="extra samples held out for the error report")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per sample")
+    p.add_argument("--iterations", type=int, default=100,
+                   help="mini-batch K-means steps (the paper: scikit-learn max_iter=200 passes with early stopping)")
+    p.add_argument("--batch", type=int, default=4096, help="points per mini-batch step (the paper: 10,000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--storage-dtype", default="float16", choices=["float16", "float32"],
+                   help="dtype of the codebooks in the .npz file (loaded as float32)")
+    p.add_argument("--out-dir", default=None, help="artifact directory (default: the shipped location)")
+    p.add_argument("--report-dir", default="docs/results/calibration",
+                   help="plots and summaries go to <report-dir>/hcattention-<model>-g<g>-c<c>/")
+    return p
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{what} must be a comma list of integers, got {text!r}") from None
+    if not out:
+        raise ValueError(f"--{what} is empty")
+    return list(dict.fromkeys(out))
+
+
+def main_hcattention(argv) -> int:
+    """``kvjax calibrate hcattention``: collect keys once, fit and report one artifact per (g, c).
+
+    Keys of ``samples + heldout`` consecutive slices of the calibration corpus are collected with one
+    full-cache prefill each; the first ``samples`` train the codebooks, the rest measure them (key
+    error, and for the first held-out slice the attention of its last 64 queries). Fitting time
+    scales as ``layers * iterations * batch * H_kv * g * c`` (:mod:`kvjax.pq_codebooks`).
+    """
+    import kvjax
+    from kvjax.artifacts import load_artifact, model_identity, save_artifact
+    from kvjax.calibration import calibration_rows
+    from kvjax.pq_codebooks import (codebook_variant, code_dtype, collect_keys, fit_codebooks, hcattention_artifact,
+                                    quantization_error, shipped_codebooks_path)
+
+    args = build_hcattention_parser().parse_args(argv)
+    if args.samples < 1 or args.heldout < 0 or args.tokens < HC_QUERY_WINDOW:
+        raise ValueError(f"need --samples >= 1, --heldout >= 0, --tokens >= {HC_QUERY_WINDOW}; got "
+                         f"{args.samples}, {args.heldout}, {args.tokens}")
+    centroids = _int_list(args.centroids, "centroids")
+    for c in centroids:
+        code_dtype(c)
+        if c > args.samples * args.tokens:
+            raise ValueError(f"--centroids {c} needs at least as many training keys, got {args.samples * args.tokens}")
+    t0 = time.perf_counter()
+    model = kvjax.load(args.model, "float32", progress=True)
+    cfg = model.config
+    D = cfg.head_dim
+    groups = _int_list(args.groups, "groups") if args.groups else [D // 2, D // 4]
+    for g in groups:
+        if g < 1 or D % g:
+            raise ValueError(f"--groups {g} must divide the head dim D={D}")
+    rows = calibration_rows(model.tokenizer, args.samples + args.heldout, args.tokens)
+    t1 = time.perf_counter()
+    if args.heldout:
+        keys, queries = collect_keys(model, rows, progress=True, query_window=HC_QUERY_WINDOW)
+    else:
+        keys, queries = collect_keys(model, rows, progress=True), None
+    collect_s = time.perf_counter() - t1
+    n_train = args.samples * args.tokens
+    train, held = keys[:, :, :n_train], keys[:, :, n_train:]
+    first_held = held[:, :, :args.tokens]
+    w = HC_QUERY_WINDOW
+    held_q = queries[:, :, args.samples * w:(args.samples + 1) * w] if args.heldout else None
+    mid = model_identity(cfg)
+    name = mid.split(":")[0]
+    command = "kvjax calibrate hcattention " + " ".join(shlex.quote(a) for a in argv)
+    for g in groups:
+        for c in centroids:
+            t2 = time.perf_counter()
+            cbs = fit_codebooks(train, groups=g, centroids=c, iterations=args.iterations, batch=args.batch,
+                                seed=args.seed, progress=True)
+            fit_s = time.perf_counter() - t2
+            stored = cbs.astype(args.storage_dtype).astype(np.float32)
+            train_err = quantization_error(train, stored)
+            held_err = quantization_error(first_held, stored, queries=held_q, tau=HC_TAU) if args.heldout else None
+            held_all = quantization_error(held, stored) if args.heldout else None
+            f32_err = quantization_error(held if args.heldout else train, cbs)["mean"]
+            art = hcattention_artifact(
+                cbs, mid, samples=args.samples, tokens=args.tokens, iterations=args.iterations, batch=args.batch,
+                seed=args.seed, relative_error=(held_all or train_err)["relative_error"],
+                relative_error_on="held-out samples" if args.heldout else "training samples",
+                heldout=args.heldout, storage_dtype=args.storage_dtype)
+            variant = codebook_variant(g, c)
+            out = (Path(args.out_dir) / f"{name}-{variant}.npz" if args.out_dir else shipped_codebooks_path(mid, g, c))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            save_artifact(art, out)
+            back = load_artifact(out)
+            back.check("hcattention", mid)
+            assert np.array_equal(np.asarray(back.arrays["codebooks"]), stored)
+            report = Path(args.report_dir) / f"hcattention-{name}-{variant}"
+            report.mkdir(parents=True, exist_ok=True)
+            lines = write_hcattention_report(
+                report, cfg, args, g=g, c=c, command=command, artifact_path=out,
+                times={"load_s": t1 - t0, "collect_s": collect_s, "fit_s": fit_s},
+                train_err=train_err, held_err=held_err, held_all=held_all, f32_err=f32_err,
+                keys=first_held if args.heldout else train[:, :, :args.tokens], queries=held_q, codebooks=stored)
+            print("\n".join(lines))
+            print(f"artifact: {out} ({out.stat().st_size} bytes)\nreport: {report}\n")
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command: str, artifact_path: Path, times,
+                             train_err, held_err, held_all, f32_err, keys, queries, codebooks) -> list[str]:
+    """summary.md, stats.json, error.png and attention.png of one (g, c) artifact; returns the summary lines."""
+    from kvjax.pq_codebooks import code_dtype
+
+    L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    d = D // g
+    code_b = g * np.dtype(code_dtype(c)).itemsize
+    book_b = L * H * g * c * d * 4
+    wall = times["load_s"] + times["collect_s"] + times["fit_s"]
+    ref = held_all or train_err
+    on = "held-out" if held_all else "training"
+    shown = artifact_path.as_posix()
+    shown = "kvjax/data/" + shown.split("kvjax/data/")[-1] if "kvjax/data/" in shown else shown
+    held_text = (f"; {args.heldout} further sample(s) held out for the errors below." if args.heldout
+                 else "; no held-out samples (errors are on the training keys).")
+    dtype = np.dtype(code_dtype(c)).name
+    lines = [f"# hcattention PQ codebooks: {cfg.name}, g = {g} groups of {d} dims, c = {c} centroids", "",
+             f"Command: `{command}`", "",
+             f"Keys: post-RoPE keys of every layer and KV head over {args.samples} training samples x {args.tokens} "
+             "tokens of stdlib docstrings (`kvjax.calibration.calibration_corpus`, not the evaluation haystacks)"
+             + held_text,
+             "Fit: mini-batch K-means (Sculley 2010, as scikit-learn's MiniBatchKMeans), k-means++ init, "
+             f"{args.iterations} steps of {args.batch} keys, seed {args.seed}; one codebook per (layer, KV head, "
+             f"group) = {L * H * g} K-means problems.", "",
+             f"Wall time on this machine (2-core CPU, shared): {wall:.0f} s = model load {times['load_s']:.0f} s + "
+             f"key collection {times['collect_s']:.0f} s (shared by every configuration of the run) + fit "
+             f"{times['fit_s']:.0f} s. Fitting scales as layers x iterations x batch x H_kv x g x c.", "",
+             f"- artifact: `{shown}` ({_fmt_bytes(artifact_path.stat().st_size)} on disk, codebooks stored as "
+             f"{args.storage_dtype}, loaded as float32)",
+             f"- codebooks on device (float32): {_fmt_bytes(book_b)} for the model ({_fmt_bytes(book_b / L)} per layer)",
+             f"- codes: {code_b} B per token per KV head ({dtype}) vs {4 * D} B for a float32 key "
+             f"({code_b / (4 * D):.1%}) and {2 * D} B for bfloat16 ({code_b / (2 * D):.1%})",
+             f"- mean relative key error ||k - Q(k)||^2 / ||k||^2: training {train_err['mean']:.4f}"
+             + (f", held-out {held_all['mean']:.4f}" if held_all else ""),
+             f"- {args.storage_dtype} storage: mean {on} error {ref['mean']:.6f} vs {f32_err:.6f} with the float32 "
+             "codebooks",
+             f"- centroids no {on} key is coded to: mean {np.mean(ref['unused_centroids']):.1%} "
+             "(no dead-centre reassignment)"]
+    if held_err and "attention_tv" in held_err:
+        lines += [f"- attention of the last {queries.shape[2]} queries of the first held-out sample (all query "
+                  "heads): total-variation distance between the softmax over exact and over quantized keys, mean "
+                  f"{np.mean(held_err['attention_tv']):.4f}; exact attention mass of the top-p (tau = {HC_TAU}) set "
+                  f"chosen from quantized scores, mean {np.mean(held_err['top_p_mass']):.4f} (exact scores would "
+                  f"give >= {HC_TAU})"]
+    lines += ["", "| layer | rel. error (train) | rel. error (held-out) | attention TV | top-p mass | unused centroids |",
+              "|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(err, key, l, fmt=".4f"):
+        return format(err[key][l], fmt) if err and key in err else "-"
+
+    for l in range(L):
+        lines.append(f"| {l} | {train_err['relative_error'][l]:.4f} | {cell(held_all, 'relative_error', l)} | "
+                     f"{cell(held_err, 'attention_tv', l)} | {cell(held_err, 'top_p_mass', l)} | "
+                     f"{cell(ref, 'unused_centroids', l, '.1%')} |")
+    mean = lambda err, key, fmt=".4f": format(np.mean(err[key]), fmt) if err and key in err else "-"  # noqa: E731
+    lines.append(f"| mean | {mean(train_err, 'relative_error')} | {mean(held_all, 'relative_error')} | "
+                 f"{mean(held_err, 'attention_tv')} | {mean(held_err, 'top_p_mass')} | "
+                 f"{mean(ref, 'unused_centroids', '.1%')} |")
+    lines += ["", "Plots: `error.png` (relative key error per layer and head), `attention.png` (HCAttention Fig. 4: "
+              "attention probabilities of one held-out query, exact vs quantized keys, four layers)."]
+    (report / "summary.md").write_text("\n".join(lines) + "\n")
+    stats = {"model": cfg.name, "groups": g, "centroids": c, "sub_dim": d, "samples": args.samples,
+             "heldout": args.heldout, "tokens": args.tokens, "iterations": args.iterations, "batch": args.batch,
+             "seed": args.seed, "storage_dtype": args.storage_dtype,
+             "times_s": {k: round(v, 1) for k, v in times.items()},
+             "artifact_bytes": artifact_path.stat().st_size, "codebook_device_bytes_f32": book_b,
+             "code_bytes_per_token_per_head": code_b, "f32_key_bytes_per_token_per_head": 4 * D,
+             "train": train_err, "heldout": held_all, "heldout_attention": held_err,
+             "heldout_mean_error_float32_codebooks": f32_err}
+    (report / "stats.json").write_text(json.dumps(stats, indent=1, default=float) + "\n")
+    plot_hcattention(report, cfg, g=g, c=c, train_err=train_err, held_all=held_all, held_err=held_err, keys=keys,
+                     queries=queries, codebooks=codebooks)
+    return lines
+
+
+def plot_hcattention(report: Path, cfg, *, g, c, train_err, held_all, held_err, keys, queries, codebooks) -> None:
+    """error.png (relative key error and attention error per layer) and attention.png (HCAttention Fig. 4)."""
+    import jax.numpy as jnp
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from kvjax.pq_codebooks import decode_keys, encode_keys
+
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    fig = Figure(figsize=(11, 3.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 2, 1)
+    layers = np.arange(L)
+    ax.plot(layers, train_err["relative_error"], "o-", label="training keys (mean over heads)")
+    if held_all:
+        ax.plot(layers, held_all["relative_error"], "s-", label="held-out keys (mean over heads)")
+        per_head = np.asarray(held_all["relative_error_per_head"])
+        for h in range(H):
+            ax.plot(layers, per_head[:, h], ":", lw=1, color="gray", label="held-out, per KV head" if h == 0 else None)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("||k - Q(k)||² / ||k||²")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"relative key quantization error (g={g}, c={c})", fontsize=10)
+    ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 2, 2)
+    if held_err and "attention_tv" in held_err:
+        ax.plot(layers, held_err["attention_tv"], "o-", color="tab:red", label="total-variation distance")
+        ax.plot(layers, 1 - np.asarray(held_err["top_p_mass"]), "s-", color="tab:purple",
+                label=f"1 - exact mass of quantized top-p (tau={HC_TAU})")
+        ax.axhline(1 - HC_TAU, color="gray", ls="--", lw=1, label=f"1 - tau = {1 - HC_TAU:.1f}")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    ax.set_xlabel("layer")
+    ax.set_title(f"attention error, held-out queries (g={g}, c={c})", fontsize=10)
+    fig.savefig(report / "error.png", dpi=110, bbox_inches="tight")
+
+    if queries is None:
+        return
+    pick = sorted({0, L // 3, (2 * L) // 3, L - 1})
+    first = 300
+    fig = Figure(figsize=(12, 2.6 * len(pick)))
+    FigureCanvasAgg(fig)
+    n, D = keys.shape[2], keys.shape[3]
+    for i, l in enumerate(pick):
+        kq = np.asarray(decode_keys(encode_keys(jnp.asarray(keys[l][None]), jnp.asarray(codebooks[l])),
+                                    jnp.asarray(codebooks[l])))[0]
+        q = queries[l, 0, -1].astype(np.float64)  # query head 0, the last token of the held-out sample
+        probs = []
+        for kk in (keys[l, 0], kq[0]):  # query head 0 reads KV head 0
+            z = kk.astype(np.float64) @ q * D**-0.5
+            p = np.exp(z - z.max())
+            probs.append(p / p.sum())
+        ax = fig.add_subplot(len(pick), 1, i + 1)
+        ax.plot(np.arange(first), probs[0][:first], color="tab:blue", lw=1.4, label="exact keys")
+        ax.plot(np.arange(first), probs[1][:first], color="tab:red", lw=1.0, ls="--", label="quantized keys")
+        ax.set_yscale("log")
+        tv = 0.5 * np.abs(probs[0] - probs[1]).sum()
+        ax.set_title(f"layer {l}: query head 0 at position {n - 1}, first {first} of {n} keys "
+                     f"(total variation over all keys {tv:.3f})", fontsize=9)
+        ax.set_ylabel("attention prob.")
+        if i == 0:
+            ax.legend(fontsize=8, loc="upper right")
+    fig.axes[-1].set_xlabel("key position")
+    fig.suptitle(f"{cfg.name}: attention probabilities, exact vs PQ keys (g={g}, c={c})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(report / "attention.png", dpi=110, bbox_inches="tight")

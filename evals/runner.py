@@ -100,6 +100,7 @@ def budget_label(budget) -> str:
 
 
 RECALL_STATS = ("recall_trigger_rate", "bytes_recalled")  # per run of methods that recall from the host tier
+SELECTION_STATS = ("selection_ratio", "value_rows_per_head_per_call")  # per run of methods that select values per step
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
@@ -243,7 +244,9 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                     method_first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 gen, count, final = decode_loop(model.graphdef, model.params, method_first, cache, jax.random.PRNGKey(0),
                                                 max_new_tokens=max_new, eos_ids=eos)
-                recalls = {k: v for k, v in final.stats().items() if k in RECALL_STATS}
+                final_stats = final.stats()
+                recalls = {k: v for k, v in final_stats.items() if k in RECALL_STATS}
+                selection = {k: v for k, v in final_stats.items() if k in SELECTION_STATS}
                 gen, count = np.asarray(gen), np.asarray(count)
                 elapsed = time.perf_counter() - t0
                 for b, s in enumerate(batch):
@@ -260,6 +263,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                         "prefill_s": prefill_s / len(rows), "compress_decode_s": elapsed / len(rows),
                         **({"recall_trigger_rate": recalls["recall_trigger_rate"],
                             "bytes_recalled": recalls["bytes_recalled"] // len(rows)} if recalls else {}),
+                        **selection,
                     })
                 if bar is not None:
                     bar.update()

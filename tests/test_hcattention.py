@@ -122,7 +122,7 @@ def test_layer_output_matches_numpy(value_path, quantized, tau, renormalize):
     state = HCAttentionKV(
         codes=codes, keys=None if quantized else jnp.asarray(keys), values=to_host(jnp.asarray(values.reshape(B * H, S, D))),
         recent_k=jnp.asarray(rk), recent_v=jnp.asarray(rv), selected=jnp.zeros(()), queries=jnp.zeros(()),
-        rows=jnp.zeros(()), calls=jnp.zeros((), jnp.int32), truncated=jnp.zeros((), jnp.int32))
+        rows=jnp.zeros(()), calls=jnp.zeros((), jnp.int32), moved=jnp.zeros(()), truncated=jnp.zeros((), jnp.int32))
     ctx = AttendContext(start=jnp.asarray(S + n_prev, jnp.int32), pad=jnp.asarray(pad, jnp.int32),
                         positions=jnp.zeros((B, T), jnp.int32), artifact=art, layer=0)
     method = HCAttention(groups=4 if quantized else 0, centroids=16, tau=tau, value_path=value_path, renormalize=renormalize)
@@ -148,7 +148,7 @@ def test_pallas_interpret_scoring_equals_xla():
                         positions=jnp.zeros((B, 1), jnp.int32), artifact=art, layer=0)
     qg = jnp.asarray(rng.normal(size=(B, H, G, 1, D)).astype(np.float32))
     st = HCAttentionKV(codes=codes, keys=None, values=None, recent_k=None, recent_v=None, selected=None,
-                       queries=None, rows=None, calls=None, truncated=None)
+                       queries=None, rows=None, calls=None, moved=None, truncated=None)
     xla = HCAttention(groups=8, centroids=16, implementation="xla").prompt_logits(st, qg, ctx)
     interp = HCAttention(groups=8, centroids=16, implementation="pallas_interpret").prompt_logits(st, qg, ctx)
     ref = np.einsum("bhgtd,bhsd->bhgts", np.asarray(qg, np.float64), _decoded(np.asarray(codes), cb)) / np.sqrt(D)

@@ -115,6 +115,7 @@ class HCAttentionKV:
       queries: number of (row, query head, new token) selections made.
       rows: sum over calls and (row, KV head) of the value rows used (moved, or weighted on the host).
       calls: decode calls (a question counts once).
+      moved: bytes crossing between host and device (ids and weights out, sums or rows back), summed over calls.
       truncated: (row, KV head, call) whose union of selections exceeded the row cap.
     """
 
@@ -127,6 +128,7 @@ class HCAttentionKV:
     queries: jax.Array
     rows: jax.Array
     calls: jax.Array
+    moved: jax.Array
     truncated: jax.Array
 
 
@@ -250,7 +252,8 @@ class HCAttention:
         return HCAttentionKV(
             codes=codes, keys=exact, values=to_host(values.reshape(B * H, P, D)),
             recent_k=jnp.zeros(room, state.k.dtype), recent_v=jnp.zeros(room, state.v.dtype),
-            selected=zero, queries=zero, rows=zero, calls=jnp.zeros((), jnp.int32), truncated=jnp.zeros((), jnp.int32),
+            selected=zero, queries=zero, rows=zero, calls=jnp.zeros((), jnp.int32), moved=zero,
+            truncated=jnp.zeros((), jnp.int32),
         )
 
     def prompt_logits(self, state: HCAttentionKV, qg, ctx):
@@ -298,10 +301,13 @@ class HCAttention:
         w = jnp.take_along_axis(jnp.where(chosen, p_p, 0.0), jnp.broadcast_to(rows[:, :, None, None], (B, H, G, T, cap)), axis=-1)
         w = jnp.where(live[:, :, None, None], w, 0.0)
 
-        if self.value_path == "host":
+        ids_bytes = 4 * B * H * cap
+        if self.value_path == "host":  # ids + weights out, one f32 sum per query head and token back
+            moved = ids_bytes + 4 * B * H * G * T * cap + 4 * B * H * G * T * D
             out_p = weighted_rows_on_host(state.values, rows.reshape(B * H, cap), w.reshape(B * H, G * T, cap))
             out_p = out_p.reshape(B, H, G, T, D)
-        else:
+        else:  # ids out, the [cap] value rows back (a static block)
+            moved = ids_bytes + B * H * cap * D * state.values.dtype.itemsize
             vals = gather_rows(state.values, rows.reshape(B * H, cap), count.reshape(B * H)).reshape(B, H, cap, D)
             out_p = jnp.einsum("bhgtr,bhrd->bhgtd", w, vals.astype(jnp.float32), precision=lax.Precision.HIGHEST)
         out_r = jnp.einsum("bhgtr,bhrd->bhgtd", p_r, rv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
@@ -313,7 +319,7 @@ class HCAttention:
         frac = sel.sum(-1) / prompt_len[:, None, None, None]
         state = state.replace(
             recent_k=rk, recent_v=rv, selected=state.selected + frac.sum(), queries=state.queries + frac.size,
-            rows=state.rows + count.sum().astype(jnp.float32), calls=state.calls + 1,
+            rows=state.rows + count.sum().astype(jnp.float32), calls=state.calls + 1, moved=state.moved + moved,
             truncated=state.truncated + (in_union > cap).sum().astype(jnp.int32))
         return out, state
 
@@ -339,6 +345,7 @@ class HCAttention:
             "selection_ratio_per_layer": [round(r, 5) for r in ratios],
             "selection_ratio": round(sum(ratios) / len(ratios), 5),
             "value_rows_per_head_per_call": round(sum(float(st.rows) for st in layers) / (calls * BH * len(layers)), 2),
+            "bytes_moved_per_call": round(sum(float(st.moved) for st in layers) / calls),
             "truncated_selections": sum(int(st.truncated) for st in layers),
         }
 
