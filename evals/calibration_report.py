@@ -224,6 +224,7 @@ def plot(report: Path, kind: str, stats, art) -> None:
 # ------------------------------------------------------------------------------------- hcattention
 HC_QUERY_WINDOW = 64  # held-out queries (last tokens of the first held-out sample) for the attention checks
 HC_TAU = 0.9  # HCAttention's top-p threshold (its experiments)
+HC_FIG_KEYS = 300  # Fig. 4: the query at this position of the held-out sample over the keys before it
 
 
 def build_hcattention_parser() -> argparse.ArgumentParser:
@@ -307,6 +308,10 @@ def main_hcattention(argv) -> int:
     first_held = held[:, :, :args.tokens]
     w = HC_QUERY_WINDOW
     held_q = queries[:, :, args.samples * w:(args.samples + 1) * w] if args.heldout else None
+    fig_keys, fig_q = None, None
+    if args.heldout:  # HCAttention Fig. 4: one query over the first few hundred keys (prefix of the held-out sample)
+        prefix = rows[args.samples][:min(HC_FIG_KEYS, args.tokens)]
+        fig_keys, fig_q = collect_keys(model, [prefix], query_window=1)
     mid = model_identity(cfg)
     name = mid.split(":")[0]
     command = "kvjax calibrate hcattention " + " ".join(shlex.quote(a) for a in argv)
@@ -319,7 +324,7 @@ def main_hcattention(argv) -> int:
             stored = cbs.astype(args.storage_dtype).astype(np.float32)
             train_err = quantization_error(train, stored)
             held_err = quantization_error(first_held, stored, queries=held_q, tau=HC_TAU) if args.heldout else None
-            held_all = quantization_error(held, stored) if args.heldout else None
+            held_all = (held_err if args.heldout == 1 else quantization_error(held, stored)) if args.heldout else None
             f32_err = quantization_error(held if args.heldout else train, cbs)["mean"]
             art = hcattention_artifact(
                 cbs, mid, samples=args.samples, tokens=args.tokens, iterations=args.iterations, batch=args.batch,
@@ -332,14 +337,15 @@ def main_hcattention(argv) -> int:
             save_artifact(art, out)
             back = load_artifact(out)
             back.check("hcattention", mid)
-            assert np.array_equal(np.asarray(back.arrays["codebooks"]), stored)
+            if not np.array_equal(np.asarray(back.arrays["codebooks"]), stored):
+                raise RuntimeError(f"{out} does not read back as the codebooks that were measured")
             report = Path(args.report_dir) / f"hcattention-{name}-{variant}"
             report.mkdir(parents=True, exist_ok=True)
             lines = write_hcattention_report(
                 report, cfg, args, g=g, c=c, command=command, artifact_path=out,
                 times={"load_s": t1 - t0, "collect_s": collect_s, "fit_s": fit_s},
                 train_err=train_err, held_err=held_err, held_all=held_all, f32_err=f32_err,
-                keys=first_held if args.heldout else train[:, :, :args.tokens], queries=held_q, codebooks=stored)
+                fig_keys=fig_keys, fig_queries=fig_q, codebooks=stored)
             print("\n".join(lines))
             print(f"artifact: {out} ({out.stat().st_size} bytes)\nreport: {report}\n")
     return 0
@@ -353,7 +359,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command: str, artifact_path: Path, times,
-                             train_err, held_err, held_all, f32_err, keys, queries, codebooks) -> list[str]:
+                             train_err, held_err, held_all, f32_err, fig_keys, fig_queries, codebooks) -> list[str]:
     """summary.md, stats.json, error.png and attention.png of one (g, c) artifact; returns the summary lines."""
     from kvjax.pq_codebooks import code_dtype
 
@@ -387,32 +393,45 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
              f"({code_b / (4 * D):.1%}) and {2 * D} B for bfloat16 ({code_b / (2 * D):.1%})",
              f"- mean relative key error ||k - Q(k)||^2 / ||k||^2: training {train_err['mean']:.4f}"
              + (f", held-out {held_all['mean']:.4f}" if held_all else ""),
+             f"- mean centred key error ||k - Q(k)||^2 / ||k - mean k||^2 (share of the keys' variance lost; the "
+             f"common offset of a head's keys, e.g. Qwen's k-bias, does not change attention): training "
+             f"{train_err['centred_mean']:.4f}" + (f", held-out {held_all['centred_mean']:.4f}" if held_all else ""),
              f"- {args.storage_dtype} storage: mean {on} error {ref['mean']:.6f} vs {f32_err:.6f} with the float32 "
              "codebooks",
              f"- centroids no {on} key is coded to: mean {np.mean(ref['unused_centroids']):.1%} "
              "(no dead-centre reassignment)"]
     if held_err and "attention_tv" in held_err:
-        lines += [f"- attention of the last {queries.shape[2]} queries of the first held-out sample (all query "
+        lines += [f"- attention of the last {HC_QUERY_WINDOW} queries of the first held-out sample (all query "
                   "heads): total-variation distance between the softmax over exact and over quantized keys, mean "
                   f"{np.mean(held_err['attention_tv']):.4f}; exact attention mass of the top-p (tau = {HC_TAU}) set "
                   f"chosen from quantized scores, mean {np.mean(held_err['top_p_mass']):.4f} (exact scores would "
                   f"give >= {HC_TAU})"]
-    lines += ["", "| layer | rel. error (train) | rel. error (held-out) | attention TV | top-p mass | unused centroids |",
-              "|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "Per layer (errors are means over KV heads; attention over all query heads):", "",
+              "| layer | rel. error (train) | rel. error (held-out) | centred error (held-out) | attention TV | "
+              "top-p mass | unused centroids |", "|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(err, key, l, fmt=".4f"):
         return format(err[key][l], fmt) if err and key in err else "-"
 
     for l in range(L):
         lines.append(f"| {l} | {train_err['relative_error'][l]:.4f} | {cell(held_all, 'relative_error', l)} | "
+                     f"{cell(held_all, 'centred_error', l)} | "
                      f"{cell(held_err, 'attention_tv', l)} | {cell(held_err, 'top_p_mass', l)} | "
                      f"{cell(ref, 'unused_centroids', l, '.1%')} |")
     mean = lambda err, key, fmt=".4f": format(np.mean(err[key]), fmt) if err and key in err else "-"  # noqa: E731
     lines.append(f"| mean | {mean(train_err, 'relative_error')} | {mean(held_all, 'relative_error')} | "
+                 f"{mean(held_all, 'centred_error')} | "
                  f"{mean(held_err, 'attention_tv')} | {mean(held_err, 'top_p_mass')} | "
                  f"{mean(ref, 'unused_centroids', '.1%')} |")
-    lines += ["", "Plots: `error.png` (relative key error per layer and head), `attention.png` (HCAttention Fig. 4: "
-              "attention probabilities of one held-out query, exact vs quantized keys, four layers)."]
+    lines += ["", "Differences from the paper (HCAttention Sec. 4.1, 4.3.3): it fits scikit-learn's MiniBatchKMeans on 3 "
+              "LongBench samples (at most 200 passes over the data, batch 10,000, early stopping) for Llama models "
+              "with D = 128, and its best key configuration is g = 32 groups (4 dims) with c = 8192 centroids "
+              "(uint16 codes); here the same algorithm runs in JAX with a fixed number of mini-batch steps on "
+              "stdlib docstrings, and c = 256 (uint8 codes) keeps the fit to minutes on a 2-core CPU. g = D/2 "
+              "and g = D/4 give the paper's 2 and 4 dims per group (its g = 64 and g = 32 on D = 128)."]
+    lines += ["", "Plots: `error.png` (key errors per layer and head; attention errors per layer), `attention.png` "
+              f"(HCAttention Fig. 4: attention probabilities of the query at position {HC_FIG_KEYS - 1} of the held-out "
+              f"sample over the {HC_FIG_KEYS} keys up to it, exact vs quantized keys, four layers)."]
     (report / "summary.md").write_text("\n".join(lines) + "\n")
     stats = {"model": cfg.name, "groups": g, "centroids": c, "sub_dim": d, "samples": args.samples,
              "heldout": args.heldout, "tokens": args.tokens, "iterations": args.iterations, "batch": args.batch,
@@ -423,13 +442,15 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
              "train": train_err, "heldout": held_all, "heldout_attention": held_err,
              "heldout_mean_error_float32_codebooks": f32_err}
     (report / "stats.json").write_text(json.dumps(stats, indent=1, default=float) + "\n")
-    plot_hcattention(report, cfg, g=g, c=c, train_err=train_err, held_all=held_all, held_err=held_err, keys=keys,
-                     queries=queries, codebooks=codebooks)
+    plot_hcattention(report, cfg, g=g, c=c, train_err=train_err, held_all=held_all, held_err=held_err,
+                     fig_keys=fig_keys, fig_queries=fig_queries, codebooks=codebooks)
     return lines
 
 
-def plot_hcattention(report: Path, cfg, *, g, c, train_err, held_all, held_err, keys, queries, codebooks) -> None:
-    """error.png (relative key error and attention error per layer) and attention.png (HCAttention Fig. 4)."""
+def plot_hcattention(report: Path, cfg, *, g, c, train_err, held_all, held_err, fig_keys, fig_queries,
+                     codebooks) -> None:
+    """error.png (key and attention errors per layer) and attention.png (HCAttention Fig. 4: ``fig_queries``
+    ``[L, H_q, 1, D]``, the query at the last of the keys ``fig_keys [L, H_kv, n, D]``, over those keys)."""
     import jax.numpy as jnp
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -444,13 +465,15 @@ def plot_hcattention(report: Path, cfg, *, g, c, train_err, held_all, held_err, 
     ax.plot(layers, train_err["relative_error"], "o-", label="training keys (mean over heads)")
     if held_all:
         ax.plot(layers, held_all["relative_error"], "s-", label="held-out keys (mean over heads)")
+        ax.plot(layers, held_all["centred_error"], "^-", label="held-out, centred: / ||k - mean k||²")
         per_head = np.asarray(held_all["relative_error_per_head"])
         for h in range(H):
             ax.plot(layers, per_head[:, h], ":", lw=1, color="gray", label="held-out, per KV head" if h == 0 else None)
     ax.set_xlabel("layer")
     ax.set_ylabel("||k - Q(k)||² / ||k||²")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"relative key quantization error (g={g}, c={c})", fontsize=10)
+    ax.set_ylim(0, 1.35 * max(np.max(held_all["relative_error_per_head"]) if held_all else 0,
+                               max(held_all["centred_error"]) if held_all else 0, max(train_err["relative_error"])))
+    ax.set_title(f"key quantization error (g={g}, c={c})", fontsize=10)
     ax.legend(fontsize=8)
     ax = fig.add_subplot(1, 2, 2)
     if held_err and "attention_tv" in held_err:
@@ -458,38 +481,38 @@ def plot_hcattention(report: Path, cfg, *, g, c, train_err, held_all, held_err, 
         ax.plot(layers, 1 - np.asarray(held_err["top_p_mass"]), "s-", color="tab:purple",
                 label=f"1 - exact mass of quantized top-p (tau={HC_TAU})")
         ax.axhline(1 - HC_TAU, color="gray", ls="--", lw=1, label=f"1 - tau = {1 - HC_TAU:.1f}")
-        ax.set_ylim(bottom=0)
+        top = max(max(held_err["attention_tv"]), 1 - min(held_err["top_p_mass"]), 1 - HC_TAU)
+        ax.set_ylim(0, 1.4 * top)  # room for the legend
         ax.legend(fontsize=8)
     ax.set_xlabel("layer")
     ax.set_title(f"attention error, held-out queries (g={g}, c={c})", fontsize=10)
     fig.savefig(report / "error.png", dpi=110, bbox_inches="tight")
 
-    if queries is None:
+    if fig_queries is None:
         return
     pick = sorted({0, L // 3, (2 * L) // 3, L - 1})
-    first = 300
+    n, D = fig_keys.shape[2], fig_keys.shape[3]
     fig = Figure(figsize=(12, 2.6 * len(pick)))
     FigureCanvasAgg(fig)
-    n, D = keys.shape[2], keys.shape[3]
     for i, l in enumerate(pick):
-        kq = np.asarray(decode_keys(encode_keys(jnp.asarray(keys[l][None]), jnp.asarray(codebooks[l])),
+        kq = np.asarray(decode_keys(encode_keys(jnp.asarray(fig_keys[l][None]), jnp.asarray(codebooks[l])),
                                     jnp.asarray(codebooks[l])))[0]
-        q = queries[l, 0, -1].astype(np.float64)  # query head 0, the last token of the held-out sample
+        q = fig_queries[l, 0, -1].astype(np.float64)  # query head 0 (reads KV head 0) at position n - 1
         probs = []
-        for kk in (keys[l, 0], kq[0]):  # query head 0 reads KV head 0
+        for kk in (fig_keys[l, 0], kq[0]):
             z = kk.astype(np.float64) @ q * D**-0.5
             p = np.exp(z - z.max())
             probs.append(p / p.sum())
         ax = fig.add_subplot(len(pick), 1, i + 1)
-        ax.plot(np.arange(first), probs[0][:first], color="tab:blue", lw=1.4, label="exact keys")
-        ax.plot(np.arange(first), probs[1][:first], color="tab:red", lw=1.0, ls="--", label="quantized keys")
+        ax.plot(np.arange(n), probs[0], color="tab:blue", lw=1.4, label="exact keys")
+        ax.plot(np.arange(n), probs[1], color="tab:red", lw=1.0, ls="--", label="quantized keys")
         ax.set_yscale("log")
         tv = 0.5 * np.abs(probs[0] - probs[1]).sum()
-        ax.set_title(f"layer {l}: query head 0 at position {n - 1}, first {first} of {n} keys "
-                     f"(total variation over all keys {tv:.3f})", fontsize=9)
+        ax.set_title(f"layer {l}: query head 0 at position {n - 1} of a held-out sample over keys 0..{n - 1} "
+                     f"(total variation {tv:.3f})", fontsize=9)
         ax.set_ylabel("attention prob.")
         if i == 0:
-            ax.legend(fontsize=8, loc="upper right")
+            ax.legend(fontsize=8, loc="lower left")
     fig.axes[-1].set_xlabel("key position")
     fig.suptitle(f"{cfg.name}: attention probabilities, exact vs PQ keys (g={g}, c={c})", fontsize=11)
     fig.tight_layout()

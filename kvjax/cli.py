@@ -150,7 +150,7 @@ def _run_bench(argv) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    """Offline head calibration for HeteroCache / SyncKV (see ``evals/calibration_report.py``)."""
+    """Offline calibration: HeteroCache / SyncKV head roles, HCAttention codebooks (see ``evals/calibration_report.py``)."""
     from evals.calibration_report import main as calibrate_main
 
     return calibrate_main(args.calibrate_args)
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("eval_args", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_eval)
 
-    c = sub.add_parser("calibrate", help="offline head calibration: `kvjax calibrate heterocache|synckv --model M`; "
+    c = sub.add_parser("calibrate", help="offline calibration: `kvjax calibrate heterocache|synckv|hcattention --model M`; "
                        "writes the artifact and plots; `kvjax calibrate --help` for options")
     c.add_argument("calibrate_args", nargs=argparse.REMAINDER)
     c.set_defaults(func=cmd_calibrate)

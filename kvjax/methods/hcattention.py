@@ -64,10 +64,10 @@ from kvjax.artifacts import Artifact, no_artifact, require_artifact, shipped_art
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
+from kvjax.pq_codebooks import KIND, codebook_variant, encode_keys
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
 from pallas_kernels.pq_attention import pq_scores
 
-KIND = "hcattention"
 VALUE_PATHS = ("host", "device")
 
 
@@ -213,7 +213,7 @@ class HCAttention:
             no_artifact(artifact, f"{self.name} with exact keys (groups=0)")
             return None
         if artifact is None:
-            artifact = shipped_artifact(KIND, spec.model_id, f"g{g}-c{self.centroids}")
+            artifact = shipped_artifact(KIND, spec.model_id, codebook_variant(g, self.centroids))
         art = require_artifact(artifact, KIND, spec.model_id)
         want = (spec.num_layers, spec.num_kv_heads, g, self.centroids, spec.head_dim // g)
         got = tuple(art.arrays["codebooks"].shape)
@@ -243,7 +243,6 @@ class HCAttention:
         P, B, H, D = spec.prompt_slots, spec.batch, spec.num_kv_heads, spec.head_dim
         keys, values = state.k[:, :, :P], state.v[:, :, :P]
         if self.key_groups(spec):
-            from kvjax.pq_codebooks import encode_keys
             codes, exact = encode_keys(keys, ctx.artifact.arrays["codebooks"][ctx.layer]), None
         else:
             codes, exact = None, keys
