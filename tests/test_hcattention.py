@@ -42,23 +42,27 @@ def codebook_artifact(cfg, groups, centroids=8, seed=0, model_id=None):
 def _select(mass, tau, forced=0.0, total=None):
     mass = jnp.asarray([mass], jnp.float32)
     total = mass.sum(-1) + forced if total is None else jnp.asarray([total], jnp.float32)
-    idx, sel = top_p_select(mass, total, jnp.asarray([forced], jnp.float32), tau, mass.shape[-1])
-    return sorted(np.asarray(idx[0])[np.asarray(sel[0])].tolist())
+    sel = top_p_select(mass, total, jnp.asarray([forced], jnp.float32), tau)
+    return np.flatnonzero(np.asarray(sel[0])).tolist()
 
 
 def test_top_p_hand_cases():
     assert _select([0.5, 0.25, 0.125, 0.125], 0.75) == [0, 1]  # 0.5 + 0.25 reaches 0.75: k* = 2
-    assert _select([0.5, 0.25, 0.125, 0.125], 0.76) == [0, 1, 2]
-    assert _select([0.5, 0.25, 0.125, 0.125], 0.3) == [0]
-    # ties: sorted 0.5 (1), 0.25 (0), 0.125 (2), 0.125 (3); the tie is broken by the lower position
-    assert _select([0.25, 0.5, 0.125, 0.125], 0.8) == [0, 1, 2]
+    assert _select([0.5, 0.25, 0.15, 0.1], 0.76) == [0, 1, 2]
+    assert _select([0.5, 0.25, 0.15, 0.1], 0.3) == [0]
+    # ties: sorted 0.5 (1), 0.25 (0), 0.125 (2), 0.125 (3); k* = 3 falls inside the tie, so both tied are kept
+    assert _select([0.25, 0.5, 0.125, 0.125], 0.8) == [0, 1, 2, 3]
+    assert _select([0.25, 0.5, 0.125, 0.125], 0.75) == [0, 1]  # reached before the tie
+    # tiny masses (the bisection is exact on the float bit patterns, whatever the magnitude)
+    assert _select([4e-20, 1e-20, 3e-20, 2e-20], 0.65) == [0, 2]
+    assert _select([4e-20, 1e-20, 3e-20, 2e-20], 0.75) == [0, 2, 3]
     # tau = 1 keeps every token with non-zero mass, and only those
     assert _select([0.5, 0.0, 0.5, 0.0], 1.0) == [0, 2]
     assert _select([1e-30, 0.7, 0.3 - 1e-30], 1.0) == [0, 1, 2]
     # unnormalised masses: 2 of 4 reaches 0.5
     assert _select([2.0, 1.0, 1.0], 0.5) == [0]
-    # always-kept tokens count first: 0.5 forced + 0.25 reaches 0.75
-    assert _select([0.25, 0.25], 0.75, forced=0.5) == [0]
+    # always-kept tokens count first: 0.55 forced + 0.25 reaches 0.75
+    assert _select([0.25, 0.2], 0.75, forced=0.55) == [0]
     assert _select([0.25, 0.25], 0.5, forced=0.5) == []
 
 
@@ -96,11 +100,9 @@ def _decoded(codes, codebooks):
     return out.astype(np.float64)
 
 
-@pytest.mark.parametrize("value_path", ["host", "device"])
-@pytest.mark.parametrize("quantized", [False, True], ids=["exact_keys", "pq_keys"])
-@pytest.mark.parametrize("tau,renormalize", [(0.6, True), (0.9, False), (1.0, True)])
-def test_layer_output_matches_numpy(value_path, quantized, tau, renormalize):
-    rng = np.random.default_rng(0)
+def _layer_case(quantized: bool, seed: int = 0):
+    """A hand-built compressed layer (2 rows, one left-padded; 2 newer tokens held), 3 new tokens to attend."""
+    rng = np.random.default_rng(seed)
     B, H, G, S, D, T, room = 2, 2, 3, 24, 8, 3, 6
     pad = np.array([0, 5])
     keys = rng.normal(size=(B, H, S, D)).astype(np.float32) * 2
@@ -108,7 +110,7 @@ def test_layer_output_matches_numpy(value_path, quantized, tau, renormalize):
     q = rng.normal(size=(B, T, H * G, D)).astype(np.float32)
     k_new = rng.normal(size=(B, T, H, D)).astype(np.float32)
     v_new = rng.normal(size=(B, T, H, D)).astype(np.float32)
-    n_prev = 2  # two newer tokens already held
+    n_prev = 2
     rk = np.zeros((B, H, room, D), np.float32)
     rv = np.zeros((B, H, room, D), np.float32)
     rk[:, :, :n_prev] = rng.normal(size=(B, H, n_prev, D))
@@ -125,16 +127,39 @@ def test_layer_output_matches_numpy(value_path, quantized, tau, renormalize):
         rows=jnp.zeros(()), calls=jnp.zeros((), jnp.int32), moved=jnp.zeros(()), truncated=jnp.zeros((), jnp.int32))
     ctx = AttendContext(start=jnp.asarray(S + n_prev, jnp.int32), pad=jnp.asarray(pad, jnp.int32),
                         positions=jnp.zeros((B, T), jnp.int32), artifact=art, layer=0)
+    rk[:, :, n_prev:n_prev + T] = k_new.transpose(0, 2, 1, 3)
+    rv[:, :, n_prev:n_prev + T] = v_new.transpose(0, 2, 1, 3)
+
+    def reference(tau, renormalize=True):
+        return _reference(q.astype(np.float64), ref_keys, values.astype(np.float64), rk, rv, pad, n_prev, tau, renormalize)
+
+    return state, (jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new)), ctx, rk, reference
+
+
+@pytest.mark.parametrize("value_path", ["host", "device"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["exact_keys", "pq_keys"])
+@pytest.mark.parametrize("tau,renormalize", [(0.6, True), (0.9, False), (1.0, True)])
+def test_layer_output_matches_numpy(value_path, quantized, tau, renormalize):
+    state, qkv, ctx, rk_all, reference = _layer_case(quantized)
     method = HCAttention(groups=4 if quantized else 0, centroids=16, tau=tau, value_path=value_path, renormalize=renormalize)
-    out, new = jax.jit(method.decode_attend)(state, jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), ctx)
-    rk_all, rv_all = rk.copy(), rv.copy()
-    rk_all[:, :, n_prev:n_prev + T] = k_new.transpose(0, 2, 1, 3)
-    rv_all[:, :, n_prev:n_prev + T] = v_new.transpose(0, 2, 1, 3)
-    ref = _reference(q.astype(np.float64), ref_keys, values.astype(np.float64), rk_all, rv_all, pad, n_prev, tau, renormalize)
-    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
+    out, new = jax.jit(method.decode_attend)(state, *qkv, ctx)
+    np.testing.assert_allclose(np.asarray(out), reference(tau, renormalize), atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(np.asarray(new.recent_k), rk_all)
     if tau < 1:
         assert 0 < float(new.selected) / float(new.queries) < 1  # the comparison is not against the full attention
+
+
+@pytest.mark.parametrize("value_path", ["host", "device"])
+def test_row_cap(value_path):
+    """A cap on the value rows per KV head: exact while the union of the group's selections fits, counted
+    (and different from Eq. 4) when it does not."""
+    state, qkv, ctx, _, reference = _layer_case(False)
+    out, new = jax.jit(HCAttention(groups=0, tau=0.3, max_selected=0.5, value_path=value_path).decode_attend)(state, *qkv, ctx)
+    assert int(new.truncated) == 0 and float(new.rows) <= 2 * 2 * 12
+    np.testing.assert_allclose(np.asarray(out), reference(0.3), atol=2e-5, rtol=2e-5)
+    out, new = jax.jit(HCAttention(groups=0, tau=1.0, max_selected=0.25, value_path=value_path).decode_attend)(state, *qkv, ctx)
+    assert int(new.truncated) == 4  # every (row, KV head) needs all of its prompt rows
+    assert np.abs(np.asarray(out) - reference(1.0)).max() > 1e-3
 
 
 def test_pallas_interpret_scoring_equals_xla():

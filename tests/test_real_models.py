@@ -140,17 +140,34 @@ def test_shipped_calibration_artifacts_match_the_ready_models(smollm2, kind):
     assert qwen.exists() and load_artifact(qwen).model_id.startswith("qwen2.5-coder-0.5b:")
 
 
-def test_qwen_passkey_2k_with_heterocache_and_synckv_at_quarter_budget():
-    """The default model answers a 2K passkey with HeteroCache and SyncKV at 25% with the shipped calibrations
-    (one shared prefill), holding about a quarter of the prompt's KV on the device, the followers' KV on the host."""
-    from kvjax.methods import HeteroCache, SyncKV
+def test_qwen_passkey_2k_with_host_tier_methods_at_quarter_budget():
+    """The default model answers a 2K passkey with HeteroCache, SyncKV and HCAttention at 25% with the shipped
+    calibrations and codebooks (one shared prefill), holding at most about a quarter of the prompt's KV on the
+    device and the rest (followers' KV, HCAttention's values) on the host."""
+    from kvjax.methods import HCAttention, HeteroCache, SyncKV
 
     def check(method, cache, prompt_len, c):
         prompt_kv = 2 * c.num_layers * c.num_kv_heads * prompt_len * c.head_dim * 4
         s = cache.stats()
         assert s["host_bytes"] > 0 and s["device_bytes"] < 0.32 * prompt_kv  # 25% + room, page rounding, trackers
+        if method.name == "hcattention":  # float32: codes of g = D/2 bytes (6.25%) + 3 MiB of codebooks
+            assert s["key_representation"] == "pq g=32 c=256" and s["host_value_bytes"] >= prompt_kv // 2
 
-    _qwen_passkey_2k((HeteroCache(budget=0.25), SyncKV(budget=0.25)), check)
+    _qwen_passkey_2k((HeteroCache(budget=0.25), SyncKV(budget=0.25), HCAttention(budget=0.25)), check)
+
+
+def test_shipped_hcattention_codebooks_match_the_default_model():
+    """Codebooks for g = D/2 and D/4 (c = 256) ship for the default model, stamped with its identity."""
+    path = ready_model_or_skip("qwen2.5-coder-0.5b")
+    from kvjax.artifacts import model_identity, shipped_artifact
+    from models.weights import gguf_config, open_gguf
+
+    cfg = gguf_config(open_gguf(path), "qwen2.5-coder-0.5b")
+    mid = model_identity(cfg)
+    for g in (cfg.head_dim // 2, cfg.head_dim // 4):
+        art = shipped_artifact("hcattention", mid, f"g{g}-c256")
+        assert art.arrays["codebooks"].shape == (cfg.num_layers, cfg.num_kv_heads, g, 256, cfg.head_dim // g)
+        assert art.arrays["codebooks"].dtype == np.float32
 
 
 @pytest.mark.parametrize("kind", ["heterocache", "synckv"])

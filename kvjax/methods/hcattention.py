@@ -15,8 +15,8 @@ Lifecycle:
      accelerators, its XLA reference on CPU, one call per layer for every query head and new token);
      the tokens appended after the prompt keep exact keys and values on the device;
   2. one softmax over both (Eq. 2), then the smallest set of prompt tokens whose cumulative mass,
-     with the always-kept newer tokens counted first, reaches ``tau`` (Eq. 4; ties broken by the
-     lower position);
+     with the always-kept newer tokens counted first, reaches ``tau`` (Eq. 4; found by a sort-free
+     bisection on the threshold, :func:`top_p_select`; tokens tied at the threshold are all kept);
   3. the weighted sum of the selected values (Eq. 5), by one of two paths: ``value_path="host"``
      sends the row ids and weights to the host, computes the weighted sum where the values live
      (a ``compute_on`` host region, :func:`kvjax.host_tier.weighted_rows_on_host`) and brings back
@@ -72,26 +72,43 @@ VALUE_PATHS = ("host", "device")
 
 
 # ------------------------------------------------------------------------------------- selection
-def top_p_select(mass, total, forced, tau: float, cap: int):
-    """Eq. 4 per query: the smallest set of tokens, in descending mass, whose cumulative mass reaches ``tau``.
+def top_p_select(mass, total, forced, tau: float):
+    """Eq. 4 per query: the tokens of largest mass whose cumulative mass, after ``forced``, reaches ``tau * total``.
 
     Args:
       mass: non-negative unnormalised probabilities ``[..., S]`` of the candidate tokens.
       total: ``[...]`` the softmax normaliser (candidates plus ``forced``).
       forced: ``[...]`` mass of tokens that are always kept (counted before any candidate).
       tau: threshold in (0, 1]; ``tau >= 1`` keeps every candidate with non-zero mass.
-      cap: static number of candidates considered (``S`` for no cap).
 
     Returns:
-      ``(idx, selected)``, both ``[..., cap]``: candidate ids in descending mass (ties: lower id first)
-      and whether each is selected. A candidate is selected when the mass before it is below
-      ``tau * total`` and its own mass is positive.
+      bool ``[..., S]``: ``mass >= t`` for the largest value ``t`` whose set reaches the target, i.e. the
+      ``k*`` largest masses of Eq. 4. Tokens tied with the ``k*``-th are all kept (the set does not depend
+      on the order of positions). Nothing is selected when ``forced`` alone reaches the target.
+
+    Sort-free: ``t`` is found exactly by bisection over the bit patterns of the (non-negative) float32
+    masses, 32 masked sums over ``S``. A full sort per query head (``lax.top_k`` with ``k = S``) was
+    30x slower on this CPU (86 ms against 2.8 ms per layer for 56 query rows of 4K tokens).
     """
-    vals, idx = lax.top_k(mass, cap)
+    mass = mass.astype(jnp.float32)
     if tau >= 1.0:
-        return idx, vals > 0
-    before = jnp.cumsum(vals, axis=-1) - vals
-    return idx, (forced[..., None] + before < tau * total[..., None]) & (vals > 0)
+        return mass > 0
+    target = tau * total - forced
+    bits = lax.bitcast_convert_type(mass, jnp.int32)  # monotone in the value for non-negative floats
+
+    def reaches(threshold):
+        return jnp.where(bits >= threshold[..., None], mass, 0.0).sum(-1) >= target
+
+    def step(_, bounds):
+        lo, hi = bounds  # invariant: reaches(lo), not reaches(hi)
+        mid = lo + (hi - lo) // 2
+        ok = reaches(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo = jnp.zeros(target.shape, jnp.int32)
+    hi = bits.max(-1) + 1
+    lo, _ = lax.fori_loop(0, 32, step, (lo, hi))
+    return (bits >= lo[..., None]) & (mass > 0) & (target > 0)[..., None]
 
 
 def key_bytes_fraction(groups: int | None, centroids: int, head_dim: int, itemsize: int) -> float:
@@ -289,16 +306,21 @@ class HCAttention:
         total = p_p.sum(-1) + forced
 
         cap = self.row_cap(S)
-        idx, sel = top_p_select(p_p, total, forced, self.tau, cap)  # [B, H, G, T, cap]
-        chosen = jnp.put_along_axis(jnp.zeros(p_p.shape, bool), idx, sel, axis=-1, inplace=False)
-        union = chosen.any(axis=(2, 3))  # [B, H, S]
+        chosen = top_p_select(p_p, total, forced, self.tau)  # [B, H, G, T, S]
+        union = chosen.any(axis=(2, 3))  # [B, H, S]: rows any query of the KV head needs
         in_union = union.sum(-1)
-        key = jnp.where(union, (p_p / total[..., None]).max(axis=(2, 3)), -1.0)
-        rows = lax.top_k(key, cap)[1].astype(jnp.int32)  # [B, H, cap]: union members first
-        count = jnp.minimum(in_union, cap).astype(jnp.int32)
-        live = jnp.arange(cap)[None, None, :] < count[..., None]
-        w = jnp.take_along_axis(jnp.where(chosen, p_p, 0.0), jnp.broadcast_to(rows[:, :, None, None], (B, H, G, T, cap)), axis=-1)
-        w = jnp.where(live[:, :, None, None], w, 0.0)
+        weights = jnp.where(chosen, p_p, 0.0)
+        if cap == S:  # no cap: every row id in order, unselected rows weigh 0
+            rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
+            count = jnp.full((B, H), S, jnp.int32)
+            w = weights
+        else:  # the cap's worth of union rows, by group-max probability
+            key = jnp.where(union, (p_p / total[..., None]).max(axis=(2, 3)), -1.0)
+            rows = lax.top_k(key, cap)[1].astype(jnp.int32)  # [B, H, cap]: union members first
+            count = jnp.minimum(in_union, cap).astype(jnp.int32)
+            live = jnp.arange(cap)[None, None, :] < count[..., None]
+            w = jnp.take_along_axis(weights, jnp.broadcast_to(rows[:, :, None, None], (B, H, G, T, cap)), axis=-1)
+            w = jnp.where(live[:, :, None, None], w, 0.0)
 
         ids_bytes = 4 * B * H * cap
         if self.value_path == "host":  # ids + weights out, one f32 sum per query head and token back
@@ -315,10 +337,10 @@ class HCAttention:
         out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
 
         prompt_len = jnp.maximum(S - ctx.pad, 1).astype(jnp.float32)  # [B]
-        frac = sel.sum(-1) / prompt_len[:, None, None, None]
+        frac = chosen.sum(-1) / prompt_len[:, None, None, None]
         state = state.replace(
             recent_k=rk, recent_v=rv, selected=state.selected + frac.sum(), queries=state.queries + frac.size,
-            rows=state.rows + count.sum().astype(jnp.float32), calls=state.calls + 1, moved=state.moved + moved,
+            rows=state.rows + jnp.minimum(in_union, cap).sum().astype(jnp.float32), calls=state.calls + 1, moved=state.moved + moved,
             truncated=state.truncated + (in_union > cap).sum().astype(jnp.int32))
         return out, state
 
