@@ -1,6 +1,8 @@
-"""The evaluation report's plain-language shortfall list, on hand-made summaries."""
+"""The evaluation report's plain-language shortfall list and the side-by-side table, on hand-made summaries."""
 
 from __future__ import annotations
+
+import pytest
 
 from evals.report import shortfalls
 
@@ -47,3 +49,30 @@ def test_compare_runs_hand_made(tmp_path):
     assert "2 shared records (3 in the new run, 2 in the old one)" in md
     assert "| snapkv | 0.1 | 2 | 50.0 | 0.0 |" in md
     assert "## Changed answers (1)" in md and "'123'" in md and "'12'" in md
+
+
+def test_side_by_side_orders_by_device_bytes_and_refuses_other_prompts(tmp_path):
+    import json
+
+    from evals.side_by_side import main
+
+    def run(name, rows, seed=0):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = {"model": "m", "dtype": "float32", "seed": seed, "tasks": ["t"], "lengths": [8], "samples": 2, "protocol": "query-aware"}
+        full = {"method": "full", "budget": "full", "accuracy": {"t@8": 100.0}, "mean_accuracy": 100.0,
+                "device_bytes": {"8": 1000.0}, "host_bytes": {"8": 0.0}, "device_bytes_vs_full": 1.0}
+        body = [{"method": m, "budget": b, "accuracy": {"t@8": a}, "mean_accuracy": a, "device_bytes": {"8": dev},
+                 "host_bytes": {"8": 0.0}, "device_bytes_vs_full": dev / 1000} for m, b, a, dev in rows]
+        (d / "summary.json").write_text(json.dumps({"config": cfg, "rows": [full] + body}))
+        return str(d)
+
+    a = run("a", [("snapkv", "0.1", 50.0, 100.0)])
+    b = run("b", [("hcattention", "0.05", 75.0, 60.0)])
+    out = tmp_path / "side.md"
+    assert main([a, b, "--out", str(out)]) == 0
+    lines = [line for line in out.read_text().splitlines() if line.startswith("| ") and "method" not in line]
+    assert [line.split(" | ")[0][2:] for line in lines] == ["hcattention", "snapkv", "full", "full"]
+    assert "Warning" not in out.read_text()
+    with pytest.raises(SystemExit, match="seed"):
+        main([a, run("c", [], seed=1)])
