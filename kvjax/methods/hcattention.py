@@ -11,8 +11,9 @@ Lifecycle:
 * **decode_attend** (any number of new tokens: a question or one decoded token) per layer and query:
 
   1. approximate logits of the prompt tokens ``z~_j = sum_i T[i, P[j, i]]`` from the lookup table
-     ``T = q . C`` (Eq. 3; :func:`pallas_kernels.pq_attention.pq_scores`: the Pallas kernel on
-     accelerators, its XLA reference on CPU, one call per layer for every query head and new token);
+     ``T = q . C`` (Eq. 3; :func:`pallas_kernels.pq_attention.pq_scores`, the Pallas kernel, on
+     accelerators, one call per layer for every query head and new token; on the XLA path, the same
+     sum as ``q . decode(P)``, faster on CPU than the table gather);
      the tokens appended after the prompt keep exact keys and values on the device;
   2. one softmax over both (Eq. 2), then the smallest set of prompt tokens whose cumulative mass,
      with the always-kept newer tokens counted first, reaches ``tau`` (Eq. 4; found by a sort-free
@@ -64,7 +65,7 @@ from kvjax.artifacts import Artifact, no_artifact, require_artifact, shipped_art
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
-from kvjax.pq_codebooks import KIND, codebook_variant, encode_keys
+from kvjax.pq_codebooks import KIND, codebook_variant, decode_keys, encode_keys
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
 from pallas_kernels.pq_attention import pq_scores
 
@@ -280,8 +281,14 @@ class HCAttention:
             return jnp.einsum("bhgtd,bhsd->bhgts", qg, state.keys.astype(jnp.float32),
                               precision=lax.Precision.HIGHEST) * D**-0.5
         codebooks = ctx.artifact.arrays["codebooks"][ctx.layer]
-        z = pq_scores(qg.reshape(B, H * G * T, D), codebooks, state.codes,
-                      implementation=resolve_implementation(self.implementation))
+        implementation = resolve_implementation(self.implementation)
+        if implementation == "xla":
+            # Same sum (Eq. 3) in another order: decode the codes to their centroids, one dense product.
+            # On XLA:CPU this is 11x faster than the reference's per-group table gather (6 against 69 ms per
+            # layer for 4 rows x 14 heads x 4K tokens, g = 32); the decoded keys are a transient of one layer.
+            keys = decode_keys(state.codes, codebooks)
+            return jnp.einsum("bhgtd,bhsd->bhgts", qg, keys, precision=lax.Precision.HIGHEST) * D**-0.5
+        z = pq_scores(qg.reshape(B, H * G * T, D), codebooks, state.codes, implementation=implementation)
         return z.reshape(B, H, G, T, -1)
 
     def decode_attend(self, state: HCAttentionKV, q, k, v, ctx):
