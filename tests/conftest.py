@@ -21,6 +21,17 @@ def ready_model_or_skip(name: str):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory):
+    """A tiny random Llama-3 (rope scaling) saved by HF ``transformers`` and loaded by kvjax (float32, no tokenizer)."""
+    from models import load_model
+    from tests.tiny import save_tiny
+
+    path = tmp_path_factory.mktemp("tiny_llama3")
+    save_tiny("llama3_rope", str(path), seed=3)
+    return load_model(str(path), "float32", tokenizer=False)
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The SmolLM2-135M ready model, loaded by kvjax in float32."""
     ready_model_or_skip("smollm2-135m")

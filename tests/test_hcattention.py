@@ -17,17 +17,13 @@ from kvjax.host_tier import to_host
 from kvjax.methods import FullCache, HCAttention, get_method
 from kvjax.methods.hcattention import HCAttentionKV, top_p_select
 from kvjax.pq_codebooks import encode_keys
-from models import load_model
-from tests.tiny import save_tiny
 
 L = 40
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama3_hca")
-    save_tiny("llama3_rope", str(path), seed=3)
-    return load_model(str(path), "float32", tokenizer=False)
+def tiny(tiny_llama3):
+    return tiny_llama3
 
 
 def codebook_artifact(cfg, groups, centroids=8, seed=0, model_id=None):

@@ -14,17 +14,13 @@ from kvjax.generate import compress, decode_step, prefill
 from kvjax.methods import H2O, HBW, FullCache, PyramidKV, Quest, SnapKV, StreamingLLM
 from kvjax.methods.quest import QuestKV, select_pages
 from kvjax.paged import PagedKV, build_paged
-from models import load_model
-from tests.tiny import save_tiny
 
 L = 48
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama3")
-    save_tiny("llama3_rope", str(path), seed=3)
-    return load_model(str(path), "float32", tokenizer=False)
+def tiny(tiny_llama3):
+    return tiny_llama3
 
 
 def step_logits(model, method, tokens, steps=6):
