@@ -269,3 +269,24 @@ def test_bad_inputs(kv, host):
         ht.write_recalled(pools, pools, table, rk[..., :4], rk[..., :4], HEADS, 0, count)
     with pytest.raises(ValueError, match="block table"):
         ht.write_recalled(pools, pools, table[:1], rk, rk, HEADS, 0, count)
+
+
+def test_gather_rows_and_weighted_rows_on_host_against_numpy():
+    """HCAttention's two value paths over a host array: selected rows to the device (rows past count zero), and
+    the weighted sum computed on the host (only ids and weights go out, [n, Q, D] comes back)."""
+    from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
+
+    rng = np.random.default_rng(3)
+    n, S, D, R, Q = 3, 17, 4, 5, 2
+    x = rng.normal(size=(n, S, D)).astype(np.float32)
+    idx = rng.integers(0, S, size=(n, R)).astype(np.int32)
+    count = np.array([5, 2, 0], np.int32)
+    w = rng.random(size=(n, Q, R)).astype(np.float32)
+    host = to_host(jnp.asarray(x))
+    assert host.sharding.memory_kind == "pinned_host"
+    rows = jax.jit(gather_rows)(host, jnp.asarray(idx), jnp.asarray(count))
+    want = np.stack([np.where(np.arange(R)[:, None] < count[i], x[i][idx[i]], 0) for i in range(n)])
+    np.testing.assert_array_equal(np.asarray(rows), want)
+    out = jax.jit(weighted_rows_on_host)(host, jnp.asarray(idx), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(out), np.einsum("nqr,nrd->nqd", w, np.stack([x[i][idx[i]] for i in range(n)])),
+                               rtol=1e-5, atol=1e-6)
