@@ -2,11 +2,14 @@
 
 ``python -m evals.side_by_side RUN_DIR [RUN_DIR ...] [--out FILE.md] [--title TEXT]``
 
-Each run directory holds a ``summary.json`` written by ``kvjax eval``. The runs must share model,
-seed, tasks, lengths and samples (checked), so their prompts are the same; the full cache of every
-run is listed and must agree. Rows: every (method, budget) of every run with its accuracy per task,
-the mean, the device and host bytes per prompt and the device bytes over the full cache's, sorted by
-device bytes: methods at equal device memory sit next to each other.
+Each run directory holds the ``config.json`` and ``samples.jsonl`` of ``kvjax eval``. The runs must
+share model, dtype, seed, tasks, lengths and samples (checked), so their prompts are the same. Only
+the samples present in **every** run are counted (an unfinished, resumable run restricts the others
+to the samples it has), and the table says how many. The full cache is listed once (from the first
+run); a warning says when the runs' full caches disagree on those samples. Rows: every (method,
+budget) of every run with its accuracy per task, the mean, the device and host bytes per prompt and
+the device bytes over the full cache's, sorted by device bytes: methods at equal device memory sit
+next to each other.
 """
 
 from __future__ import annotations
@@ -18,19 +21,29 @@ from pathlib import Path
 SAME = ("model", "dtype", "seed", "tasks", "lengths", "samples")
 
 
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def load_runs(dirs) -> list[dict]:
-    """The ``summary.json`` of each run directory, checked to describe the same prompts."""
+    """Each run's config and summary over the samples common to all runs (``evals.report.summarize``)."""
+    from evals.report import summarize
+
     runs = []
     for d in dirs:
-        path = Path(d) / "summary.json"
-        if not path.exists():
-            raise SystemExit(f"{path} does not exist (is the run finished?)")
-        runs.append(json.loads(path.read_text()) | {"dir": str(d)})
+        cfg_path, rec_path = Path(d) / "config.json", Path(d) / "samples.jsonl"
+        if not cfg_path.exists() or not rec_path.exists():
+            raise SystemExit(f"{d} has no config.json / samples.jsonl (not a kvjax eval run directory)")
+        runs.append({"dir": str(d), "config": json.loads(cfg_path.read_text()), "records": _records(rec_path)})
     ref = runs[0]["config"]
     for r in runs[1:]:
         diff = [k for k in SAME if r["config"].get(k) != ref.get(k)]
         if diff:
             raise SystemExit(f"{r['dir']} differs from {runs[0]['dir']} in {', '.join(diff)}: not the same prompts")
+    common = set.intersection(*({(x["task"], x["length"], x["index"]) for x in r["records"]} for r in runs))
+    for r in runs:
+        kept = [x for x in r["records"] if (x["task"], x["length"], x["index"]) in common]
+        r.update(summarize(kept, [], r["config"]), common=len(common))
     return runs
 
 
@@ -39,8 +52,10 @@ def table(runs) -> list[str]:
     cfg = runs[0]["config"]
     cells = [f"{t}@{n}" for t in cfg["tasks"] for n in cfg["lengths"]]
     rows = []
-    for run in runs:
+    for i, run in enumerate(runs):
         for row in run["rows"]:
+            if row["method"] == "full" and i:
+                continue
             dev = sum(row["device_bytes"].values()) / max(len(row["device_bytes"]), 1)
             host = sum(row["host_bytes"].values()) / max(len(row["host_bytes"]), 1)
             rows.append((dev, run, row, host))
@@ -48,7 +63,7 @@ def table(runs) -> list[str]:
     lines = ["| method | budget | run | " + " | ".join(cells) + " | mean | device MiB | ÷ full | host MiB |",
              "|---|---|---|" + "---:|" * (len(cells) + 4)]
     for dev, run, row, host in rows:
-        acc = [f"{row['accuracy'].get(c, float('nan')):.1f}" for c in cells]
+        acc = [f"{row['accuracy'][c]:.1f}" if c in row["accuracy"] else "–" for c in cells]
         lines.append(f"| {row['method']} | {row['budget']} | {Path(run['dir']).name} | " + " | ".join(acc)
                      + f" | **{row['mean_accuracy']:.1f}** | {dev / 2**20:.1f} | {row['device_bytes_vs_full']:.3f} | {host / 2**20:.1f} |")
     return lines
@@ -65,7 +80,8 @@ def main(argv=None) -> int:
     fulls = {json.dumps(r["accuracy"], sort_keys=True) for run in runs for r in run["rows"] if r["method"] == "full"}
     cfg = runs[0]["config"]
     lines = [f"# {args.title}", "", "Made with `python -m evals.side_by_side " + " ".join(args.runs) + "`.", "",
-             f"Model `{cfg['model']}` ({cfg['dtype']}), seed {cfg['seed']}, {cfg['samples']} samples per task and length, "
+             f"Model `{cfg['model']}` ({cfg['dtype']}), seed {cfg['seed']}; the {runs[0]['common']} (task, length, sample) "
+             f"prompts present in every run (of {cfg['samples']} per task and length configured), "
              f"protocol(s): {', '.join(sorted({run['config'].get('protocol', 'query-aware') for run in runs}))}. Device / host MiB per prompt "
              "(a batch's shared arrays, e.g. codebooks, divided among its rows); ÷ full = device bytes over the full "
              "cache's. Sorted by device bytes.", ""]

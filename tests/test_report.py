@@ -51,28 +51,32 @@ def test_compare_runs_hand_made(tmp_path):
     assert "## Changed answers (1)" in md and "'123'" in md and "'12'" in md
 
 
-def test_side_by_side_orders_by_device_bytes_and_refuses_other_prompts(tmp_path):
+def test_side_by_side_orders_by_device_bytes_counts_common_samples_and_refuses_other_prompts(tmp_path):
     import json
 
     from evals.side_by_side import main
 
-    def run(name, rows, seed=0):
+    def run(name, rows, seed=0, indices=(0, 1)):
         d = tmp_path / name
         d.mkdir()
-        cfg = {"model": "m", "dtype": "float32", "seed": seed, "tasks": ["t"], "lengths": [8], "samples": 2, "protocol": "query-aware"}
-        full = {"method": "full", "budget": "full", "accuracy": {"t@8": 100.0}, "mean_accuracy": 100.0,
-                "device_bytes": {"8": 1000.0}, "host_bytes": {"8": 0.0}, "device_bytes_vs_full": 1.0}
-        body = [{"method": m, "budget": b, "accuracy": {"t@8": a}, "mean_accuracy": a, "device_bytes": {"8": dev},
-                 "host_bytes": {"8": 0.0}, "device_bytes_vs_full": dev / 1000} for m, b, a, dev in rows]
-        (d / "summary.json").write_text(json.dumps({"config": cfg, "rows": [full] + body}))
+        cfg = {"model": "m", "dtype": "float32", "seed": seed, "tasks": ["t"], "lengths": [8], "samples": 2,
+               "protocol": "query-aware", "methods": [m for m, *_ in rows]}
+        recs = [{"task": "t", "length": 8, "index": i, "depth": 0.5, "method": m, "budget": b, "score": score[i],
+                 "device_bytes": dev, "host_bytes": 0}
+                for i in indices for m, b, score, dev in [("full", "full", (1.0, 1.0), 1000)] + rows]
+        (d / "config.json").write_text(json.dumps(cfg))
+        (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         return str(d)
 
-    a = run("a", [("snapkv", "0.1", 50.0, 100.0)])
-    b = run("b", [("hcattention", "0.05", 75.0, 60.0)])
+    a = run("a", [("snapkv", "0.1", (1.0, 0.0), 100)])
+    b = run("b", [("hcattention", "0.05", (1.0, 1.0), 60)], indices=(0,))  # unfinished: sample 0 only
     out = tmp_path / "side.md"
     assert main([a, b, "--out", str(out)]) == 0
-    lines = [line for line in out.read_text().splitlines() if line.startswith("| ") and "method" not in line]
-    assert [line.split(" | ")[0][2:] for line in lines] == ["hcattention", "snapkv", "full", "full"]
-    assert "Warning" not in out.read_text()
+    text = out.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "method" not in line]
+    assert [line.split(" | ")[0][2:] for line in lines] == ["hcattention", "snapkv", "full"]
+    assert "the 1 (task, length, sample) prompts present in every run" in text
+    assert "| snapkv | 0.1 | a | 100.0 |" in text  # sample 1 (where SnapKV fails) is not counted
+    assert "Warning" not in text
     with pytest.raises(SystemExit, match="seed"):
         main([a, run("c", [], seed=1)])
