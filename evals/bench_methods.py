@@ -238,16 +238,14 @@ def weights_read_bytes(model) -> dict:
 
 
 def kv_read_bytes_per_step(name: str, stats_before: dict, stats_after: dict | None, config, prompt_len: int,
-                           new_tokens: int, itemsize: int, batch: int = 1) -> float | None:
+                           new_tokens: int, itemsize: int, batch: int = 1) -> float:
     """K/V bytes one decode step reads at the mean decode context (see the module docstring)."""
     if name == REFERENCE:
         return batch * config.kv_bytes_per_token(itemsize) * (prompt_len + new_tokens / 2)
-    if stats_before.get("saves", "").startswith("bandwidth"):  # Quest: selected pages + page bounds
-        before = stats_before["kv_bytes_read_per_step"]
-        after = stats_after.get("kv_bytes_read_per_step", before) if stats_after else before
-        return (before + after) / 2
     kept = stats_before.get("kept_tokens_per_head")
-    if kept is None:  # the method's own account (``method.bytes_read_per_step``), mean of before and after decoding
+    # Quest (selected pages + page bounds) and methods without a kept-token count (HeteroCache, SyncKV,
+    # HCAttention): the method's own account (``method.bytes_read_per_step``), mean of before and after decoding
+    if kept is None or stats_before.get("saves", "").startswith("bandwidth"):
         before = stats_before["kv_bytes_read_per_step"]
         after = stats_after.get("kv_bytes_read_per_step", before) if stats_after else before
         return (before + after) / 2

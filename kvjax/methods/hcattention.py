@@ -65,7 +65,7 @@ from kvjax.artifacts import Artifact, no_artifact, require_artifact, shipped_art
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
-from kvjax.pq_codebooks import KIND, codebook_variant, decode_keys, encode_keys
+from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
 from pallas_kernels.pq_attention import pq_scores
 
@@ -117,7 +117,7 @@ def key_bytes_fraction(groups: int | None, centroids: int, head_dim: int, itemsi
     """Device bytes of a prompt token's key representation over its full K + V bytes (values offloaded)."""
     if not groups:
         return 0.5
-    return groups * (1 if centroids <= 256 else 2) / (2 * head_dim * itemsize)
+    return groups * jnp.dtype(code_dtype(centroids)).itemsize / (2 * head_dim * itemsize)
 
 
 # ---------------------------------------------------------------------------------------- state
