@@ -1,4 +1,4 @@
-"""The ``kvjax`` command line: generate, models, demo, eval, bench, calibrate."""
+"""The ``kvjax`` command line: generate, models, demo, eval, bench, calibrate, train-locret."""
 
 from __future__ import annotations
 
@@ -163,6 +163,13 @@ def cmd_eval(args) -> int:
     return eval_main(args.eval_args)
 
 
+def cmd_train_locret(args) -> int:
+    """Train Locret's retaining heads (see ``train/cli.py``)."""
+    from train.cli import main as train_main
+
+    return train_main(args.train_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvjax`` command."""
     parser = argparse.ArgumentParser(prog="kvjax", description="Llama/Qwen in JAX with compressed KV caches")
@@ -208,16 +215,25 @@ def build_parser() -> argparse.ArgumentParser:
                        "writes the artifact and plots; `kvjax calibrate --help` for options")
     c.add_argument("calibrate_args", nargs=argparse.REMAINDER)
     c.set_defaults(func=cmd_calibrate)
+
+    t = sub.add_parser("train-locret", help="train Locret's retaining heads (QA data, labels from the frozen model, Optax, "
+                       "Orbax checkpoints); `kvjax train-locret --help` for options")
+    t.add_argument("train_args", nargs=argparse.REMAINDER)
+    t.set_defaults(func=cmd_train_locret)
     return parser
 
 
 def main(argv=None) -> int:
     """Entry point of the ``kvjax`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["bench"], ["eval"], ["calibrate"]):  # options starting with -- go to the command's own parser
+    if argv[:1] in (["bench"], ["eval"], ["calibrate"], ["train-locret"]):  # options go to the command's own parser
         try:
             if argv[0] == "bench":
                 return _run_bench(argv[1:])
+            if argv[0] == "train-locret":
+                from train.cli import main as train_main
+
+                return train_main(argv[1:])
             if argv[0] == "calibrate":
                 from evals.calibration_report import main as calibrate_main
 

@@ -82,7 +82,15 @@ def evict_to(state: WorkingKV, priority) -> WorkingKV:
     Entries past the survivors are emptied (slot -1, score 0).
     """
     held = state.slots >= 0
-    keep = held & (rank_desc(priority, held) < state.capacity)
+    return compact(state, held & (rank_desc(priority, held) < state.capacity))
+
+
+def compact(state: WorkingKV, keep) -> WorkingKV:
+    """Keep the entries where ``keep[B, Hkv, C]`` (at most ``capacity`` per head), compacted in slot order.
+
+    Entries past the survivors are emptied (slot -1, score 0).
+    """
+    keep = keep & (state.slots >= 0)
     order_key = jnp.where(keep, state.slots, jnp.iinfo(jnp.int32).max)
     order = jnp.argsort(order_key, axis=-1, stable=True)  # survivors first, by slot
     kept = jnp.take_along_axis(keep, order, axis=-1)

@@ -9,6 +9,7 @@ from kvjax.methods.full import FullCache
 from kvjax.methods.h2o import H2O
 from kvjax.methods.hbw import HBW
 from kvjax.methods.hcattention import HCAttention
+from kvjax.methods.locret import Locret
 from kvjax.methods.heterocache import HeteroCache
 from kvjax.methods.pyramidkv import PyramidKV
 from kvjax.methods.quest import Quest
@@ -27,6 +28,7 @@ METHODS: dict[str, type] = {
     "heterocache": HeteroCache,
     "synckv": SyncKV,
     "hcattention": HCAttention,
+    "locret": Locret,
 }
 
 
@@ -72,5 +74,5 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), kwargs
 
 
-__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV", "HCAttention",
+__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV", "HCAttention", "Locret",
            "METHODS", "get_method", "parse_method_spec"]

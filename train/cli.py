@@ -1,0 +1,119 @@
+"""``kvjax train-locret``: build the QA training set, label it with the frozen model, train the retaining heads.
+
+    kvjax train-locret --model qwen2.5-coder-0.5b --samples 72 --heldout 8 --tokens 1024 \\
+        --hidden 128 --steps 1000 --out docs/results/locret-train-qwen2.5-coder-0.5b --install
+
+Three resumable stages, each with a progress bar: QA samples (:mod:`train.data`), features and
+labels from one forward of the frozen model per sample (:mod:`train.dataset`, stored under
+``--data-dir``, by default in the kvjax cache directory), then Optax training with Orbax checkpoints
+(:mod:`train.locret`). ``--out`` receives ``checkpoints/``, ``metrics.json``, ``loss.png``,
+``heads.npz`` and ``report.md``; ``--install`` copies ``heads.npz`` to where ``--method locret``
+loads the model's heads by default (``kvjax/data/locret/<model>.npz``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvjax train-locret`` argument parser."""
+    from models import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="kvjax train-locret", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model name, HF directory or .gguf file (default {DEFAULT_MODEL})")
+    d = p.add_argument_group("data")
+    d.add_argument("--samples", type=int, default=72, help="QA samples (training + held-out)")
+    d.add_argument("--heldout", type=int, default=8, help="samples kept out of training for evaluation")
+    d.add_argument("--tokens", type=int, default=1024, help="prompt length of each sample, in the model's tokens")
+    d.add_argument("--answer-max", type=int, default=128, help="answer tokens that label the prompt (longer answers are cut)")
+    d.add_argument("--data-seed", type=int, default=0, help="seed of the QA generator")
+    d.add_argument("--data-dir", default=None, help="where the features and labels are stored (default: kvjax cache dir)")
+    t = p.add_argument_group("training")
+    t.add_argument("--hidden", type=int, default=128, help="d_R, the heads' hidden size (paper: 1024)")
+    t.add_argument("--steps", type=int, default=1000, help="optimiser steps, batch 1 (paper: 3000)")
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--alpha", type=float, default=0.0025, help="weight of the adjacent-smoothness L2 loss")
+    t.add_argument("--seed", type=int, default=0, help="seed of the heads' init and the data order")
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--checkpoint-every", type=int, default=100)
+    t.add_argument("--no-resume", action="store_true", help="start over instead of resuming from --out's checkpoints")
+    p.add_argument("--out", required=True, help="run directory (checkpoints, metrics, loss plot, heads.npz, report.md)")
+    p.add_argument("--install", action="store_true", help="copy the trained heads to kvjax/data/locret/<model>.npz")
+    return p
+
+
+def main(argv=None) -> int:
+    """Entry point of ``kvjax train-locret``."""
+    args = build_parser().parse_args(argv)
+    from kvjax.artifacts import model_identity
+    from kvjax.retaining_heads import shipped_heads_path
+    from models import load_model
+    from models.registry import cache_dir
+    from train.data import describe, qa_samples
+    from train.dataset import build_dataset
+    from train.locret import TrainConfig, train
+
+    if args.heldout >= args.samples:
+        raise ValueError(f"--heldout ({args.heldout}) must be smaller than --samples ({args.samples})")
+    cfg = TrainConfig(hidden=args.hidden, steps=args.steps, lr=args.lr, alpha=args.alpha, heldout=args.heldout,
+                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed)
+    t0 = time.time()
+    model = load_model(args.model, "float32")
+    model_id = model_identity(model.config)
+    name = model_id.split(":")[0]
+    data_dir = Path(args.data_dir or Path(cache_dir()) / "locret-data" /
+                    f"{name}-{args.samples}x{args.tokens}-a{args.answer_max}-seed{args.data_seed}")
+    samples = qa_samples(model.tokenizer, count=args.samples, tokens=args.tokens, seed=args.data_seed, progress=True)
+    settings = {"generator": "train.data.qa_samples", "count": args.samples, "tokens": args.tokens, "seed": args.data_seed}
+    t_data = time.time()
+    build_dataset(model, samples, data_dir, tokens=args.tokens, answer_max=args.answer_max, settings=settings, progress=True)
+    t_labels = time.time()
+    metrics = train(data_dir, args.out, cfg, resume=not args.no_resume, progress=True)
+    t_train = time.time()
+    out = Path(args.out)
+    timing = {"qa_samples_s": round(t_data - t0, 1), "labels_s": round(t_labels - t_data, 1),
+              "training_s": round(t_train - t_labels, 1)}
+    metrics["data"] = describe(samples)
+    metrics["wall_seconds"] = timing
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    write_report(out, metrics, argv, model_id)
+    print(f"trained heads: {out / 'heads.npz'}; report: {out / 'report.md'}")
+    if args.install:
+        dest = shipped_heads_path(model_id)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / "heads.npz", dest)
+        print(f"installed as the default heads of {name}: {dest}")
+    return 0
+
+
+def write_report(out: Path, metrics: dict, argv, model_id: str) -> None:
+    """``report.md``: the command, data size, steps, wall times, held-out top-10% overlap, the loss plot."""
+    import sys
+
+    cmd = "kvjax train-locret " + " ".join(argv if argv is not None else sys.argv[1:])
+    ev = metrics["eval"]
+    first, last = (ev[0], ev[-1]) if ev else ({}, {})
+    data = metrics.get("data", {})
+    lines = [
+        f"# Locret retaining heads: {model_id.split(':')[0]}", "",
+        f"Command: `{cmd}`", "",
+        f"- model: `{model_id}`",
+        f"- data: {metrics['dataset']['samples']} QA samples of {metrics['dataset']['tokens']} prompt tokens "
+        f"({metrics['train_samples']} train, {metrics['heldout_samples']} held out); kinds {data.get('per_kind', {})}",
+        f"- heads: d_R = {metrics['config']['hidden']}; {metrics['steps']} steps at batch 1",
+        f"- wall time (this machine): {metrics.get('wall_seconds', {})}",
+        f"- held-out top-10% overlap: {first.get('top10_overlap', float('nan')):.3f} at step {first.get('step')} -> "
+        f"{last.get('top10_overlap', float('nan')):.3f} at step {last.get('step')}",
+        f"- held-out loss: {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f}",
+        f"- per-layer overlap at the end: {last.get('top10_overlap_per_layer')}", "",
+        "![loss](loss.png)", "",
+    ]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+__all__ = ["build_parser", "main", "write_report"]
