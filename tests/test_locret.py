@@ -1,0 +1,193 @@
+"""Locret inference: eviction during chunked prefill with retaining-head scores, bounded memory, errors.
+
+References: the full cache's tokens (nothing evicted), and a numpy simulation of Algorithm 1 on
+layer 0, whose scores come from HF ``transformers``' own layer-0 projections (independent of kvjax).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from kvjax.api import generate_tokens
+from kvjax.artifacts import Artifact, model_identity
+from kvjax.cache import new_cache
+from kvjax.generate import TRACE_COUNTS, compress, decode_loop, prefill_prompt
+from kvjax.methods import FullCache, Locret, get_method
+from kvjax.retaining_heads import random_heads_artifact
+from models import load_model
+from tests.tiny import save_tiny
+
+HIDDEN = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2_locret")
+    hf = save_tiny("qwen2", str(path), seed=9)
+    return load_model(str(path), "float32", tokenizer=False), hf
+
+
+def heads_for(model, seed=0):
+    c = model.config
+    return random_heads_artifact(model_identity(c), c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, HIDDEN, seed)
+
+
+def test_budget_covering_the_prompt_equals_the_full_cache(tiny):
+    model, _ = tiny
+    rng = np.random.default_rng(0)
+    rows = [list(rng.integers(0, 97, size=45)), list(rng.integers(0, 97, size=23))]
+    full, *_ = generate_tokens(model, rows, method=FullCache(block=16), max_new_tokens=6)
+    for chunk_size in (None, 8, 16):
+        got, _, cache, _ = generate_tokens(model, rows, method=Locret(budget=45, chunk=8, local=4, stabilizers=2),
+                                           max_new_tokens=6, chunk_size=chunk_size, artifact=heads_for(model))
+        np.testing.assert_array_equal(got, full)
+        # every real token kept (the short row's budget above its length), then 5 decoded tokens appended
+        assert np.asarray(cache.layers[0].lengths).tolist() == [[45 + 5] * 2, [23 + 5] * 2]
+
+
+def prefilled(model, method, tokens, chunk_size, artifact):
+    cache = new_cache(method, model.config, 1, tokens.shape[1], 4, model.dtype, artifact=artifact)
+    _, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk_size)
+    return cache
+
+
+def layer0_scores(hf, w1, w2, tokens):
+    """Retaining-head scores [T, Hkv] of layer 0 from HF's own embedding, norm and q/k/v projections (numpy head)."""
+    with torch.no_grad():
+        layer = hf.model.layers[0]
+        x = layer.input_layernorm(hf.model.embed_tokens(torch.as_tensor(tokens)))
+        feats = torch.cat([layer.self_attn.q_proj(x), layer.self_attn.k_proj(x), layer.self_attn.v_proj(x)], -1)[0].numpy()
+    h = feats @ np.asarray(w1, np.float64)
+    return (h / (1 + np.exp(-h))) @ np.asarray(w2, np.float64)
+
+
+def simulate(scores, L, chunk, b, n_s, local):
+    """Algorithm 1 on one head: held slots after the prompt (ties: the earlier slot)."""
+    held: list[int] = []
+    local_start = L - local
+    for start in range(0, L, chunk):
+        end = min(start + chunk, L)
+        held += list(range(start, end))
+        nonlocal_held = [s for s in held if s < local_start]
+        forced = [s for s in nonlocal_held if s >= end - n_s] if end < local_start else []
+        rest = sorted((s for s in nonlocal_held if s not in forced), key=lambda s: (-scores[s], s))
+        held = sorted(forced + rest[: b - len(forced)] + [s for s in held if s >= local_start])
+    return held
+
+
+@pytest.mark.parametrize("L,chunk,budget,n_s,local", [(48, 8, 16, 3, 5), (61, 16, 20, 4, 7), (40, 8, 12, 0, 0)])
+def test_layer0_survivors_match_a_numpy_simulation(tiny, L, chunk, budget, n_s, local):
+    """Layer 0's scores depend only on each token itself: Algorithm 1 simulated on HF's projections."""
+    model, hf = tiny
+    tokens = np.random.default_rng(L).integers(0, 97, size=(1, L)).astype(np.int32)
+    art = heads_for(model, seed=L)
+    method = Locret(budget=budget, chunk=chunk, local=local, stabilizers=n_s)
+    cache = prefilled(model, method, tokens, None, art)
+    scores = layer0_scores(hf, art.arrays["w1"][0], art.arrays["w2"][0], tokens)
+    b = budget - local
+    for h in range(model.config.num_kv_heads):
+        want = simulate(scores[:, h], L, chunk, b, n_s, local)
+        slots = np.asarray(cache.layers[0].buffer.slots)[0, h]
+        got = slots[slots >= 0].tolist()
+        assert got == want
+        assert set(range(L - local, L)) <= set(got)  # the local window is never evicted
+        assert len(got) == budget
+
+
+def test_stabilizers_are_kept_after_every_chunk_but_the_last(tiny):
+    """With scores that rank the newest tokens last, only the stabilizers can keep them."""
+    model, _ = tiny
+    c = model.config
+    art = heads_for(model)
+    # w2 = 0 and a negative bias-like ramp are impossible with a bias-free head; instead check through
+    # the simulation's forced set on a chunk boundary: after the first chunk of 8 with n_s = 3 the
+    # slots 5, 6, 7 must be held whatever their scores.
+    L = 24
+    tokens = np.random.default_rng(3).integers(0, 97, size=(1, L)).astype(np.int32)
+    method = Locret(budget=8, chunk=8, local=2, stabilizers=3)
+    cache = new_cache(method, c, 1, L, 2, model.dtype, artifact=art)
+    _, cache = prefill_prompt(model.graphdef, model.params, tokens[:, :8], cache, chunk_size=8)
+    for layer in cache.layers:
+        slots = np.asarray(layer.buffer.slots)[0]
+        for h in range(c.num_kv_heads):
+            assert {5, 6, 7} <= set(slots[h][slots[h] >= 0].tolist())
+            assert (slots[h] >= 0).sum() == 6  # b = 8 - 2 local
+
+
+def test_schedule_is_independent_of_the_prefill_call_size(tiny):
+    model, _ = tiny
+    tokens = np.random.default_rng(7).integers(0, 97, size=(1, 64)).astype(np.int32)
+    art = heads_for(model, seed=1)
+    method = Locret(budget=20, chunk=8, local=6, stabilizers=3)
+    ref = prefilled(model, method, tokens, 8, art)
+    for chunk_size in (None, 16, 32):
+        got = prefilled(model, method, tokens, chunk_size, art)
+        for a, b in zip(ref.layers, got.layers):
+            np.testing.assert_array_equal(np.asarray(a.buffer.slots), np.asarray(b.buffer.slots))
+            np.testing.assert_allclose(np.asarray(a.buffer.k), np.asarray(b.buffer.k), atol=1e-5)
+
+
+def test_memory_is_bounded_by_budget_plus_chunk(tiny):
+    model, _ = tiny
+    art = heads_for(model)
+    method = Locret(budget=24, chunk=16, local=4, stabilizers=2)
+    caches = [new_cache(method, model.config, 1, L, 4, model.dtype, artifact=art) for L in (64, 400)]
+    for cache in caches:
+        for layer in cache.layers:
+            assert layer.buffer.k.shape[2] == 24 + 16  # b + n_loc + B entries per (row, KV head)
+    assert caches[0].device_bytes() == caches[1].device_bytes()
+    full = [new_cache(FullCache(block=16), model.config, 1, L, 4, model.dtype).device_bytes() for L in (64, 400)]
+    assert full[1] > full[0]
+
+
+def test_decode_loop_compiles_once_and_fractional_budgets(tiny):
+    model, _ = tiny
+    art = heads_for(model)
+    method = Locret(budget=0.5, chunk=16, local=4)
+    before = TRACE_COUNTS["decode_loop"]
+    for seed in range(2):
+        tokens = np.random.default_rng(seed).integers(0, 97, size=(1, 48)).astype(np.int32)
+        cache = prefilled(model, method, tokens, 16, art)
+        cache = compress(cache)
+        assert np.asarray(cache.layers[0].lengths).tolist() == [[24, 24]]
+        decode_loop(model.graphdef, model.params, jnp.asarray(tokens[:, -1]), cache, jax.random.PRNGKey(0), max_new_tokens=4)
+    assert TRACE_COUNTS["decode_loop"] - before == 1
+
+
+def test_cli_spec_and_stats(tiny):
+    model, _ = tiny
+    method = get_method("locret:budget=16:chunk=8:local=4:stabilizers=0.5")
+    assert method == Locret(budget=16, chunk=8, local=4, stabilizers=0.5)
+    _, _, cache, _ = generate_tokens(model, [[1, 2, 3] * 10], method=method, max_new_tokens=2, artifact=heads_for(model))
+    st = cache.stats()
+    assert (st["b"], st["stabilizers"], st["local"], st["prefill_buffer_tokens_per_head"]) == (12, 6, 4, 24)
+    assert st["kept_tokens_per_head"] == [[16, 16]] * model.config.num_layers
+
+
+def test_bad_input_is_a_clear_error(tiny):
+    model, _ = tiny
+    c = model.config
+    art = heads_for(model)
+    with pytest.raises(ValueError, match="chunk"):
+        Locret(chunk=0)
+    with pytest.raises(ValueError, match="stabilizers"):
+        Locret(stabilizers=1.5)
+    with pytest.raises(ValueError, match="n_s=12 must be smaller than b=12"):
+        new_cache(Locret(budget=16, local=4, stabilizers=12), c, 1, 40, 2, model.dtype, artifact=art)
+    with pytest.raises(ValueError, match="longer than the local window"):
+        new_cache(Locret(budget=8, local=50), c, 1, 40, 2, model.dtype, artifact=art)
+    with pytest.raises(ValueError, match="no room beyond the local window"):
+        new_cache(Locret(budget=8, local=8), c, 1, 40, 2, model.dtype, artifact=art)
+    other = Artifact(arrays=art.arrays, kind="locret", model_id="another-model:0123", meta=art.meta)
+    with pytest.raises(ValueError, match="made for model 'another-model:0123'"):
+        new_cache(Locret(budget=16, local=4), c, 1, 40, 2, model.dtype, artifact=other)
+    bad = Artifact(arrays={"w1": art.arrays["w1"][:1], "w2": art.arrays["w2"][:1]}, kind="locret",
+                   model_id=art.model_id, meta=art.meta)
+    with pytest.raises(ValueError, match="retaining heads are for"):
+        new_cache(Locret(budget=16, local=4), c, 1, 40, 2, model.dtype, artifact=bad)
+    with pytest.raises(ValueError, match="no shipped Locret retaining heads"):
+        new_cache(Locret(budget=16, local=4), c, 1, 40, 2, model.dtype)
