@@ -217,14 +217,8 @@ def chunk_attention_sums(q, k, start, pad, block: int, q_block: int = 512):
     return acc.reshape(B, Hq, S)
 
 
-def attention_by_slots(q, q_slots, k, v, k_slots, pad, *, scale: float):
-    """GQA attention where each stored key carries its own slot: masks come from stored positions.
-
-    ``q[B, T, Hq, D]`` at slots ``q_slots[T]``; ``k, v[B, Hkv, S, D]`` with ``k_slots[B, Hkv, S]``
-    (int32, -1 = empty). A key is visible to a query when ``pad[b] <= k_slot <= q_slot``. Used by
-    caches whose buffers are compacted (evicting during chunked prefill), where a buffer index is
-    no longer a slot. Dense: O(T * S) scores.
-    """
+def attention_probs_by_slots(q, q_slots, k, k_slots, pad, *, scale: float):
+    """Softmax probabilities ``[B, Hkv, G, T, S]`` (f32) of :func:`attention_by_slots` (0 where not visible)."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -233,6 +227,22 @@ def attention_by_slots(q, q_slots, k, v, k_slots, pad, *, scale: float):
     s = jnp.einsum("bthgd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(visible[:, :, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(visible[:, :, None], p, 0.0)
+    return jnp.where(visible[:, :, None], p, 0.0)
+
+
+def weighted_values(p, v, out_dtype):
+    """``p[B, Hkv, G, T, S] @ v[B, Hkv, S, D]`` as ``[B, T, Hq, D]`` in ``out_dtype``."""
+    B, Hkv, G, T, _ = p.shape
     o = jnp.einsum("bhgts,bhsd->bthgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(B, T, Hq, D).astype(q.dtype)
+    return o.reshape(B, T, Hkv * G, v.shape[-1]).astype(out_dtype)
+
+
+def attention_by_slots(q, q_slots, k, v, k_slots, pad, *, scale: float):
+    """GQA attention where each stored key carries its own slot: masks come from stored positions.
+
+    ``q[B, T, Hq, D]`` at slots ``q_slots[T]``; ``k, v[B, Hkv, S, D]`` with ``k_slots[B, Hkv, S]``
+    (int32, -1 = empty). A key is visible to a query when ``pad[b] <= k_slot <= q_slot``. Used by
+    caches whose buffers are compacted (evicting during chunked prefill), where a buffer index is
+    no longer a slot. Dense: O(T * S) scores.
+    """
+    return weighted_values(attention_probs_by_slots(q, q_slots, k, k_slots, pad, scale=scale), v, q.dtype)

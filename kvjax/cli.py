@@ -144,6 +144,10 @@ def _run_bench(argv) -> int:
         from evals.bench_matvec import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["locret-memory"]:
+        from evals.locret_memory import main as bench_main
+
+        return bench_main(argv[1:])
     from evals.bench_methods import main as bench_main
 
     return bench_main(argv[1:] if argv[:1] == ["methods"] else argv)
@@ -202,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: `kvjax bench [methods] ...` latency/memory per method vs context length "
                        "(default), `kvjax bench foundation ...` kvjax vs transformers, `kvjax bench matvec ...` f32 vs bf16 "
-                       "weight products; --help after the name for options")
+                       "weight products, `kvjax bench locret-memory ...` Locret's bounded prefill memory; --help after "
+                       "the name for options")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
 

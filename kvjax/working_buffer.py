@@ -51,11 +51,12 @@ def init_working(spec: CacheSpec, capacity: int, chunk: int) -> tuple[WorkingKV,
     )
 
 
-def buffer_chunk(state: WorkingKV, q, k, v, ctx: AttendContext, chunk_scores):
+def buffer_chunk(state: WorkingKV, q, k, v, ctx: AttendContext, chunk_scores, *, attend: bool = True):
     """Store a chunk (``k, v[B, T, Hkv, D]``, T <= chunk) with its scores ``chunk_scores[B, T, Hkv]`` and attend.
 
     The chunk goes to entries ``capacity .. capacity + T``; its padding slots (``< pad``) are not
-    stored. Returns (output [B, T, Hq, D], state); call :func:`evict_to` next.
+    stored. Returns (output [B, T, Hq, D], or None when ``attend`` is False, state); call
+    :func:`evict_to` (or :func:`compact`) next.
     """
     B, T, Hkv, _ = k.shape
     if T > state.chunk:
@@ -72,6 +73,8 @@ def buffer_chunk(state: WorkingKV, q, k, v, ctx: AttendContext, chunk_scores):
         slots=put(state.slots, jnp.broadcast_to(stored[:, None, :], (B, Hkv, T))),
         scores=put(state.scores, chunk_scores.transpose(0, 2, 1)),
     )
+    if not attend:
+        return None, new
     out = attention_by_slots(q, q_slots, new.k, new.v, new.slots, ctx.pad, scale=q.shape[-1] ** -0.5)
     return out, new
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.methods.base import Method, PromptCompression
+from kvjax.methods.chunked_eviction import ChunkedEviction
 from kvjax.methods.full import FullCache
 from kvjax.methods.h2o import H2O
 from kvjax.methods.hbw import HBW
@@ -29,6 +30,7 @@ METHODS: dict[str, type] = {
     "synckv": SyncKV,
     "hcattention": HCAttention,
     "locret": Locret,
+    "chunked_eviction": ChunkedEviction,
 }
 
 
@@ -74,5 +76,5 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), kwargs
 
 
-__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV", "HCAttention", "Locret",
+__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV", "HCAttention", "Locret", "ChunkedEviction",
            "METHODS", "get_method", "parse_method_spec"]
