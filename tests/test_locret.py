@@ -191,3 +191,19 @@ def test_bad_input_is_a_clear_error(tiny):
         new_cache(Locret(budget=16, local=4), c, 1, 40, 2, model.dtype, artifact=bad)
     with pytest.raises(ValueError, match="no shipped Locret retaining heads"):
         new_cache(Locret(budget=16, local=4), c, 1, 40, 2, model.dtype)
+
+
+def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
+    """XLA's memory analysis of the compiled chunk step (the ``kvjax bench locret-memory`` measurement)."""
+    from evals.locret_memory import measure, table
+
+    model, _ = tiny
+    art = heads_for(model)
+    rows = [measure(model, m, L, 16, artifact=a) for L in (64, 256)
+            for m, a in ((FullCache(block=16), None), (Locret(budget=24, chunk=16, local=4), art))]
+    full, loc = rows[0::2], rows[1::2]
+    assert full[1]["cache_device_bytes_during_prefill"] > full[0]["cache_device_bytes_during_prefill"]
+    assert loc[0]["cache_device_bytes_during_prefill"] == loc[1]["cache_device_bytes_during_prefill"]
+    if loc[0]["prefill_step"]:  # memory_analysis() is available on this backend
+        assert loc[0]["prefill_step"]["temp_size_in_bytes"] == loc[1]["prefill_step"]["temp_size_in_bytes"]
+    assert "| 256 |" in table(rows, "cmd", "cpu")
