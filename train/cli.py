@@ -104,13 +104,15 @@ def write_report(out: Path, metrics: dict, argv, model_id: str) -> None:
         f"Command: `{cmd}`", "",
         f"- model: `{model_id}`",
         f"- data: {metrics['dataset']['samples']} QA samples of {metrics['dataset']['tokens']} prompt tokens "
-        f"({metrics['train_samples']} train, {metrics['heldout_samples']} held out); kinds {data.get('per_kind', {})}",
+        f"({metrics['train_samples']} train, {metrics['heldout_samples']} held out); kinds {data.get('kinds', {})}",
         f"- heads: d_R = {metrics['config']['hidden']}; {metrics['steps']} steps at batch 1",
         f"- wall time (this machine): {metrics.get('wall_seconds', {})}",
         f"- held-out top-10% overlap: {first.get('top10_overlap', float('nan')):.3f} at step {first.get('step')} -> "
-        f"{last.get('top10_overlap', float('nan')):.3f} at step {last.get('step')}",
+        f"{last.get('top10_overlap', float('nan')):.3f} at step {last.get('step')} (chance: 0.10)",
         f"- held-out loss: {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f}",
-        f"- per-layer overlap at the end: {last.get('top10_overlap_per_layer')}", "",
+        f"- per-layer overlap at the end: {last.get('top10_overlap_per_layer')}",
+        "- the loss is summed over layers: layers with large attention logits (labels are pre-softmax "
+        "logits) dominate it; the overlap is scale-free", "",
         "![loss](loss.png)", "",
     ]
     (out / "report.md").write_text("\n".join(lines))
