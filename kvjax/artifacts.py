@@ -65,12 +65,19 @@ def require_artifact(artifact, kind: str, model_id: str) -> Artifact:
     return artifact
 
 
-def _frozen(x):
-    """Lists (from JSON) as tuples, recursively, so ``meta`` stays hashable."""
-    if isinstance(x, list):
-        return tuple(_frozen(v) for v in x)
+def frozen_meta(x, digits: int | None = None):
+    """A ``meta`` value made hashable: lists, tuples and arrays as tuples, dicts as ``(key, value)`` pairs,
+    numpy scalars as Python numbers (floats rounded to ``digits`` when given), recursively."""
+    import numpy as np
+
     if isinstance(x, dict):
-        return tuple((k, _frozen(v)) for k, v in x.items())
+        return tuple((k, frozen_meta(v, digits)) for k, v in x.items())
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return tuple(frozen_meta(v, digits) for v in x)
+    if isinstance(x, (float, np.floating)):
+        return float(x) if digits is None else round(float(x), digits)
+    if isinstance(x, np.integer):
+        return int(x)
     return x
 
 
@@ -142,7 +149,7 @@ def load_artifact(path) -> Artifact:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
         arrays = {name: jnp.asarray(a["data"], a["dtype"]) for name, a in doc["arrays"].items()}
-    meta = tuple((k, _frozen(v)) for k, v in doc["meta"].items())
+    meta = tuple((k, frozen_meta(v)) for k, v in doc["meta"].items())
     return Artifact(arrays=arrays, kind=doc["kind"], model_id=doc["model_id"], meta=meta)
 
 
@@ -182,5 +189,5 @@ def no_artifact(artifact, name: str) -> None:
         raise ValueError(f"method {name!r} takes no artifact, got one of kind {getattr(artifact, 'kind', type(artifact).__name__)!r}")
 
 
-__all__ = ["Artifact", "model_identity", "require_artifact", "no_artifact", "save_artifact", "load_artifact",
+__all__ = ["Artifact", "frozen_meta", "model_identity", "require_artifact", "no_artifact", "save_artifact", "load_artifact",
            "shipped_artifact_path", "shipped_artifact"]

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvjax.artifacts import Artifact, shipped_artifact_path
+from kvjax.artifacts import Artifact, frozen_meta, shipped_artifact_path
 
 KIND = "hcattention"
 HIGHEST = lax.Precision.HIGHEST
@@ -399,13 +399,7 @@ def hcattention_artifact(codebooks, model_id: str, *, samples: int, tokens: int,
     code_dtype(c)
 
     def frozen(v):
-        if isinstance(v, (list, tuple, np.ndarray)):
-            return tuple(frozen(x) for x in v)
-        if isinstance(v, (float, np.floating)):
-            return round(float(v), 5)
-        if isinstance(v, np.integer):
-            return int(v)
-        return v
+        return frozen_meta(v, digits=5)
 
     meta = (("groups", g), ("centroids", c), ("head_dim", g * d), ("samples", int(samples)), ("tokens", int(tokens)),
             ("iterations", int(iterations)), ("batch", int(batch)), ("seed", int(seed)),

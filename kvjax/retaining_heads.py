@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvjax.artifacts import Artifact, shipped_artifact_path
+from kvjax.artifacts import Artifact, frozen_meta, shipped_artifact_path
 
 KIND = "locret"
 
@@ -73,7 +73,7 @@ def heads_artifact(heads: dict, model_id: str, *, storage_dtype: str = "float16"
     """The ``"locret"`` artifact of trained (or random) heads; ``facts`` (training settings, metrics) go to ``meta``."""
     arrays = {name: jnp.asarray(heads[name], jnp.float32) for name in ("w1", "w2")}
     meta = (("hidden", int(arrays["w1"].shape[2])), ("storage_dtype", storage_dtype),
-            *sorted((k, _frozen(v)) for k, v in facts.items()))
+            *sorted((k, frozen_meta(v, digits=6)) for k, v in facts.items()))
     return Artifact(arrays=arrays, kind=KIND, model_id=model_id, meta=meta)
 
 
@@ -87,18 +87,6 @@ def random_heads_artifact(model_id: str, num_layers: int, num_heads: int, num_kv
 def shipped_heads_path(model_id: str):
     """Where the heads shipped for ``model_id`` live: ``kvjax/data/locret/<model>.npz``."""
     return shipped_artifact_path(KIND, model_id, suffix=".npz")
-
-
-def _frozen(v):
-    if isinstance(v, dict):
-        return tuple((k, _frozen(x)) for k, x in v.items())
-    if isinstance(v, (list, tuple, np.ndarray)):
-        return tuple(_frozen(x) for x in v)
-    if isinstance(v, (float, np.floating)):
-        return round(float(v), 6)
-    if isinstance(v, np.integer):
-        return int(v)
-    return v
 
 
 __all__ = ["KIND", "feature_size", "head_features", "apply_head", "init_heads", "check_heads", "heads_artifact",

@@ -66,21 +66,28 @@ def test_qwen_logits_match_transformers():
     assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
-def _qwen_passkey_2k(methods, check_cache):
-    """The default model on a 2K passkey: one shared prefill, then per method compress, ``check_cache(method,
-    cache, prompt_len, config)``, decode 8 tokens and assert the pass key is in the answer."""
-    ready_model_or_skip("qwen2.5-coder-0.5b")
+def _qwen_passkey_prompt():
+    """(the default model, a 2K passkey sample at depth 0.3, its chat-templated prompt ids)."""
     from evals.passkey import make_passkey
-    from kvjax.api import left_pad
-    from kvjax.cache import CacheSpec
-    from kvjax.generate import compress, decode_loop, prefill_prompt
-    from kvjax.shared_prefill import cache_for, init_shared_cache
 
     model = load_model("qwen2.5-coder-0.5b", "float32")
     tok = model.tokenizer
     sample = make_passkey(tok, 2048, depth=0.3, seed=1)
     text = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False, add_generation_prompt=True)
-    ids = tok(text)["input_ids"]
+    return model, sample, tok(text)["input_ids"]
+
+
+def _qwen_passkey_2k(methods, check_cache):
+    """The default model on a 2K passkey: one shared prefill, then per method compress, ``check_cache(method,
+    cache, prompt_len, config)``, decode 8 tokens and assert the pass key is in the answer."""
+    ready_model_or_skip("qwen2.5-coder-0.5b")
+    from kvjax.api import left_pad
+    from kvjax.cache import CacheSpec
+    from kvjax.generate import compress, decode_loop, prefill_prompt
+    from kvjax.shared_prefill import cache_for, init_shared_cache
+
+    model, sample, ids = _qwen_passkey_prompt()
+    tok = model.tokenizer
     tokens, pad = left_pad([ids], tok.pad_token_id, multiple=512)
     spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], 8, model.dtype, longest_row=len(ids))
     staged = init_shared_cache(methods, spec).replace(pad=jnp.asarray(pad))
@@ -198,3 +205,37 @@ def test_calibrate_command_end_to_end(smollm2, tmp_path, kind):
                                      artifact=load_artifact(tmp_path / "art" / "smollm2-135m-g6.json"))
     assert cache.stats()["host_bytes"] > 0
     assert main(["calibrate", kind, "--model", "smollm2-135m", "--group-layers", "0"]) == 2  # clear error
+
+
+def test_qwen_passkey_2k_with_locret_at_quarter_budget():
+    """The default model answers a 2K passkey with Locret (shipped heads) at 25%, prefilled in chunks of 512 with
+    eviction after each: every head ends with the budget's tokens, and the prefill never held more than b + n_loc + B."""
+    ready_model_or_skip("qwen2.5-coder-0.5b")
+    from kvjax.api import generate_tokens
+    from kvjax.methods import Locret
+
+    model, sample, ids = _qwen_passkey_prompt()
+    tok = model.tokenizer
+    method = Locret(budget=0.25, chunk=512)
+    out, count, cache, _ = generate_tokens(model, [ids], method=method, max_new_tokens=8, chunk_size=512,
+                                           eos_ids=(tok.eos_token_id,))
+    answer = tok.decode(np.asarray(out[0, : int(count[0])]), skip_special_tokens=True)
+    assert sample.answer in answer, f"locret answered {answer!r}, expected {sample.answer}"
+    s = cache.stats()
+    assert s["kept_tokens_per_head"][0] == [int(0.25 * len(ids))] * 2
+    assert s["prefill_buffer_tokens_per_head"] == int(0.25 * len(ids)) + 512
+    assert s["heads"] == "trained" and s["head_hidden"] == 128
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
+def test_shipped_locret_heads_match_the_ready_models(name):
+    """Trained retaining heads ship for both ready models, stamped with their identity and sized for them."""
+    path = ready_model_or_skip(name)
+    from kvjax.artifacts import model_identity, shipped_artifact
+    from kvjax.retaining_heads import check_heads
+    from models.weights import gguf_config, open_gguf
+
+    cfg = gguf_config(open_gguf(path), name)
+    art = shipped_artifact("locret", model_identity(cfg))
+    assert check_heads(art.arrays, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == 128
+    assert art.meta_dict()["trained"] is True
