@@ -5,7 +5,8 @@ For one model and dtype, and each prompt length ``L`` (batch 1, exactly ``L`` ra
 process, for the full cache and each requested method (``kvjax.methods.METHODS``):
 
 * **prefill**: the full cache prefills into its own ``FullCache().init_cache`` (chunked jitted
-  ``prefill``). The static methods share prefills (:mod:`kvjax.shared_prefill`): one staging cache
+  ``prefill``), and so does every method that runs its own prefill (``recording()`` is None: Locret
+  and ``chunked_eviction`` evict while prefilling). The static methods share prefills (:mod:`kvjax.shared_prefill`): one staging cache
   per distinct *staging kind* ``(observation window, accumulate)`` is prefilled and timed once
   (SnapKV / PyramidKV / HBW-KV record a 32-query window, H2O accumulates attention, StreamingLLM and
   Quest record nothing), and every method of that kind derives its cache from it
@@ -268,7 +269,7 @@ def staging_kinds(methods: dict) -> list[dict]:
     """The distinct stagings of the static methods: ``{"window", "accumulate", "shared_by": [names]}``, in order."""
     kinds: dict[tuple, list[str]] = {}
     for name, m in methods.items():
-        if name != REFERENCE:
+        if name != REFERENCE and m.recording() is not None:  # the others run their own prefill
             kinds.setdefault(staging_kind(m), []).append(name)
     return [{"window": w, "accumulate": acc, "shared_by": names} for (w, acc), names in kinds.items()]
 
@@ -456,28 +457,33 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
             **result,
         }
 
-    # the full cache: its own prefill
-    try:
-        full = methods[REFERENCE]
-        _log(f"[bench] L={L} full cache: compiling and prefilling {L} tokens in chunks of {chunk}")
-        pf = _Prefiller(model, lambda: jax.block_until_ready(new_cache(full, config, 1, L, N, model.dtype)), chunks)
-        first, cache, seconds, memory = pf.measure()
-        staging = {"kind": "own (full cache)", "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
-        del pf
-        holder = [cache]
+    def own_prefill(name):
+        """A method with its own prefill (the full cache; methods evicting while prefilling): measured alone."""
+        try:
+            method = methods[name]
+            _log(f"[bench] L={L} {name}: compiling and prefilling {L} tokens in chunks of {chunk} (own prefill)")
+            pf = _Prefiller(model, lambda: jax.block_until_ready(new_cache(method, config, 1, L, N, model.dtype)), chunks)
+            first, cache, seconds, memory = pf.measure()
+            staging = {"kind": "own prefill", "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
+            del pf
+            holder = [cache]
 
-        def derive_full(final):
-            if final:
-                c, holder[0] = holder[0], None
-                return c
-            return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, holder[0]))
+            def derive(final):
+                if final:
+                    c, holder[0] = holder[0], None
+                    return c
+                return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, holder[0]))
 
-        result = measure_method(model, REFERENCE, derive_full, first, key, args, L)
-        del cache, holder
-        done(REFERENCE, finish(REFERENCE, staging, result))
-    except Exception as e:  # noqa: BLE001 - recorded in the row, the run goes on
-        done(REFERENCE, error=_error(e))
-    gc.collect()
+            result = measure_method(model, name, derive, first, key, args, L)
+            del cache, holder
+            done(name, finish(name, staging, result))
+        except Exception as e:  # noqa: BLE001 - recorded in the row, the run goes on
+            done(name, error=_error(e))
+        gc.collect()
+
+    for name in methods:
+        if name == REFERENCE or methods[name].recording() is None:
+            own_prefill(name)
 
     # static methods: one measured staging prefill per kind
     for kind in staging_kinds(methods):
@@ -624,7 +630,10 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['key_representation']} | {a['tau']} | {a['value_path']} | "
                          f"{a['selection_ratio']:.3f} | {a['value_rows_per_head_per_call']:.1f} | "
                          f"{a['bytes_moved_per_call'] / 1024:.1f} |")
+    own = sorted({r["method"] for r in report["rows"] if r.get("staging") == "own prefill" and r["method"] != REFERENCE})
     lines += ["", "## Prefill sharing", "", "- full: its own `FullCache().init_cache` prefill."]
+    if own:
+        lines.append(f"- its own prefill (evicting while prefilling): {', '.join(own)}")
     for kind in report["staging_kinds"]:
         lines.append(f"- one staging prefill (observation window {kind['window']}, accumulated attention "
                      f"{'yes' if kind['accumulate'] else 'no'}) per length, shared by {', '.join(kind['shared_by'])}")

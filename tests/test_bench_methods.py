@@ -16,7 +16,7 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tmp_path):
     ready_model_or_skip("smollm2-135m")
     out = tmp_path / "x.md"
     code = bench_methods.main([
-        "--model", "smollm2-135m", "--lengths", "256", "--methods", "snapkv,quest", "--new-tokens", "4",
+        "--model", "smollm2-135m", "--lengths", "256", "--methods", "snapkv,quest,locret:local=16:chunk=128", "--new-tokens", "4",
         "--budget", "0.25", "--chunk-size", "256", "--bandwidth-mib", "64", "--bandwidth-repeats", "2",
         "--out", str(out),
     ])
@@ -29,11 +29,11 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tmp_path):
     assert "`kvjax bench --model smollm2-135m" in md
     assert report["machine"]["cpu"] and report["versions"]["jax"]
     assert report["bandwidth"]["machine"] > 0
-    assert report["args"]["methods"] == ["full", "snapkv", "quest"]
+    assert report["args"]["methods"] == ["full", "snapkv", "quest", "locret:local=16:chunk=128"]
 
     rows = report["rows"]
     assert [(r["prompt_tokens"], r["method"]) for r in rows] == [
-        (L, m) for L in (256,) for m in ("full", "snapkv", "quest")]
+        (L, m) for L in (256,) for m in ("full", "snapkv", "quest", "locret:local=16:chunk=128")]
     assert not [r for r in rows if "error" in r]
     by = {(r["prompt_tokens"], r["method"]): r for r in rows}
     header = next(line for line in md.splitlines() if line.startswith("| L | method |"))
@@ -41,7 +41,7 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tmp_path):
                    "device KV MiB", "÷ full bytes", "host KV MiB", "peak RSS GiB", "compile s"):
         assert column in header
     table = [line for line in md.splitlines() if line.startswith("| 256 |")]
-    assert len(table) == 3 and all(len(line.split("|")) == len(header.split("|")) for line in table)
+    assert len(table) == 4 and all(len(line.split("|")) == len(header.split("|")) for line in table)
 
     kv_per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads of 64, float32
     for L in (256,):
@@ -64,6 +64,11 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tmp_path):
         assert quest["device_bytes"] > snap["device_bytes"]
         assert snap["kv_read_bytes_per_step"] < quest["kv_read_bytes_per_step"] < full["kv_read_bytes_per_step"]
         assert quest["staging"]["shared_by"] == ["quest"] and snap["staging"]["window"] == 32
+        # Locret prefills on its own, evicting while it goes: the budget's tokens per head, no host tier
+        loc = by[L, "locret:local=16:chunk=128"]
+        assert loc["staging"] == "own prefill" and loc["host_bytes"] == 0 and loc["decode_ms_per_token"] > 0
+        assert loc["cache_stats"]["kept_tokens_per_head"] == [[L // 4] * 3] * 30
+    assert "- its own prefill (evicting while prefilling): locret:local=16:chunk=128" in md
 
 
 @pytest.mark.parametrize("argv, match", [
