@@ -237,6 +237,56 @@ def weighted_values(p, v, out_dtype):
     return o.reshape(B, T, Hkv * G, v.shape[-1]).astype(out_dtype)
 
 
+def blocked_attention_by_slots(q, q_slots, k, v, k_slots, pad, *, scale: float, block: int = 256, q_block: int = 512):
+    """:func:`attention_by_slots` with an online softmax over key blocks: holds O(G * q_block * block) scores
+    per KV head instead of O(T * S) (the buffers of eviction during prefill hold thousands of entries).
+
+    Same masks and result (to float rounding); the buffer is padded with empty entries to a
+    multiple of ``block``.
+    """
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    block = min(block, S)
+    extra = -S % block
+    if extra:
+        k = jnp.pad(k, ((0, 0), (0, 0), (0, extra), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, extra), (0, 0)))
+        k_slots = jnp.pad(k_slots, ((0, 0), (0, 0), (0, extra)), constant_values=-1)
+    n_blocks = (S + extra) // block
+    qp, qb, row_offsets = query_block_rows(q, q_block, Hkv)
+    nq, rows = qp.shape[0], qp.shape[3]
+    q_slots_padded = jnp.pad(q_slots, (0, nq * qb - T), mode="edge")
+
+    def query_block(j, out):
+        qj = qp[j]
+        rows_slots = lax.dynamic_slice_in_dim(q_slots_padded, j * qb, qb)[row_offsets]  # [rows]
+
+        def key_block(i, carry):
+            m, l, acc = carry
+            kb = lax.dynamic_slice_in_dim(k, i * block, block, axis=2)
+            vb = lax.dynamic_slice_in_dim(v, i * block, block, axis=2)
+            sb = lax.dynamic_slice_in_dim(k_slots, i * block, block, axis=2)  # [B, Hkv, block]
+            s = lax.dot_general(qj, kb, (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32) * scale
+            vis = (sb[:, :, None, :] <= rows_slots[None, None, :, None]) & (sb[:, :, None, :] >= pad[:, None, None, None])
+            s = jnp.where(vis, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
+            corr = jnp.exp(m - m_new)
+            pv = lax.dot_general(p.astype(vb.dtype), vb, (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
+            return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+
+        m0 = jnp.full((B, Hkv, rows), MASK_VALUE, jnp.float32)
+        l0 = jnp.zeros((B, Hkv, rows), jnp.float32)
+        a0 = jnp.zeros((B, Hkv, rows, D), jnp.float32)
+        _, l, acc = lax.fori_loop(0, n_blocks, key_block, (m0, l0, a0))
+        return out.at[j].set((acc / jnp.maximum(l, 1e-30)[..., None]).astype(q.dtype))  # a row seeing nothing: 0
+
+    out = lax.fori_loop(0, nq, query_block, jnp.zeros((nq, B, Hkv, rows, D), q.dtype))
+    o = out.reshape(nq, B, Hkv, G, qb, D).transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * qb, Hq, D)
+    return o[:, :T]
+
+
 def attention_by_slots(q, q_slots, k, v, k_slots, pad, *, scale: float):
     """GQA attention where each stored key carries its own slot: masks come from stored positions.
 

@@ -4,7 +4,8 @@ Locret's Algorithm 1 with the scorer left open. Per layer, a bounded working buf
 (:mod:`kvjax.working_buffer`) holds at most ``b + n_loc + B`` tokens per (row, KV head):
 
 1. the prompt is prefilled in pieces of ``chunk`` (B) tokens: each piece is stored, attends over
-   the buffer and itself (causal by stored slots), and the scorer gives every held token its
+   the buffer and itself (causal by stored slots; an online softmax over key blocks, or the dense
+   probabilities when the scorer needs them), and the scorer gives every held token its
    priority (Locret: the score its retaining head gave it when first seen; SnapKV: the piece's
    last queries' attention; H2O: accumulated attention; StreamingLLM: recency);
 2. after each piece each (row, KV head) keeps every token of the local window (the last ``n_loc``
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from kvjax.attention import attention_by_slots, attention_probs_by_slots, weighted_values
+from kvjax.attention import attention_probs_by_slots, blocked_attention_by_slots, weighted_values
 from kvjax.budgets import tokens_per_head
 from kvjax.cache import AttendContext, Cache, CacheSpec
 from kvjax.paged import PagedKV, build_paged, paged_device_bytes, paged_read_bytes
@@ -154,12 +155,37 @@ def evict_piece(state: BoundedPrefill, q, k, v, token_scores, start, ctx: Attend
 
     def local_queries_see_the_evicted_cache():
         q_slots = start + jnp.arange(P, dtype=jnp.int32)
-        out_local = attention_by_slots(q, q_slots, evicted.k, evicted.v, evicted.slots, ctx.pad, scale=scale)
+        out_local = blocked_attention_by_slots(q, q_slots, evicted.k, evicted.v, evicted.slots, ctx.pad, scale=scale)
         return jnp.where((q_slots >= local_start)[None, :, None, None], out_local, out_all)
 
     straddles = (start < local_start) & (end > local_start)
     out = lax.cond(straddles, local_queries_see_the_evicted_cache, lambda: out_all)
     return out, state.replace(buffer=evicted)
+
+
+def evict_decoding(state: BoundedPrefill, q, k, v, ctx: AttendContext, token_scores):
+    """Later tokens (``T <= chunk``: a question or one decoded token) with eviction: the budget stays fixed.
+
+    The tokens are stored (with ``token_scores[B, T, Hkv]``) and attend over the buffer; then each
+    (row, KV head) keeps the last ``local`` slots (a window that slides with decoding), its sinks
+    and its ``b_r`` best-scored other tokens. Returns (output, state).
+    """
+    out, buf = buffer_chunk(state.buffer, q, k, v, ctx, token_scores)
+    end = ctx.start + q.shape[1]
+    held = buf.slots >= 0
+    local = buf.slots >= end - state.local
+    sink = held & (buf.slots - ctx.pad[:, None, None] < state.sinks)
+    evictable = held & ~local & ~sink
+    caps = row_capacities((state.b + state.local,), state.budget, state.spec, ctx.pad)
+    b_rows = jnp.maximum(caps - state.local - jnp.minimum(state.sinks, caps), 0)
+    none = jnp.zeros_like(held)
+    keep = held & (local | sink | keep_top(buf.scores, none, evictable, b_rows))
+    return out, state.replace(buffer=compact(buf, keep))
+
+
+def buffer_read_bytes(cache: Cache) -> int:
+    """K/V bytes a decode step reads from bounded buffers: every entry (held or empty) of every layer."""
+    return sum(2 * int(st.buffer.k.size) * st.buffer.k.dtype.itemsize for st in cache.layers)
 
 
 def to_pages(state: BoundedPrefill, room: int, page_size: int) -> PagedKV:
@@ -182,4 +208,4 @@ def paged_cache_read_bytes(cache: Cache) -> int:
     return sum(paged_read_bytes(st) for st in cache.layers) if cache.stage == "compressed" else 0
 
 
-__all__ = ["to_pages", "paged_facts", "paged_cache_read_bytes", "BoundedPrefill", "bounded_sizes", "check_schedule", "init_bounded", "prefill_in_pieces", "evict_piece"]
+__all__ = ["evict_decoding", "buffer_read_bytes", "to_pages", "paged_facts", "paged_cache_read_bytes", "BoundedPrefill", "bounded_sizes", "check_schedule", "init_bounded", "prefill_in_pieces", "evict_piece"]

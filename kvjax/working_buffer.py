@@ -9,7 +9,8 @@ its slot: attention masks come from the stored slots (:func:`kvjax.attention.att
 
 Life of a chunk (:func:`buffer_chunk`): its tokens are written after the first ``capacity``
 entries (where eviction left the survivors), the chunk attends over buffer + itself (causal by
-stored slots, padding never stored), then :func:`evict_to` keeps the ``capacity`` highest-priority
+stored slots, padding never stored; an online softmax over key blocks,
+:func:`kvjax.attention.blocked_attention_by_slots`), then :func:`evict_to` keeps the ``capacity`` highest-priority
 entries, compacted in slot order. After the prompt, :func:`kept_indices` gives the survivors for a
 paged layout (:func:`kvjax.paged.build_paged`).
 """
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.attention import attention_by_slots
+from kvjax.attention import blocked_attention_by_slots
 from kvjax.cache import AttendContext, CacheSpec
 from kvjax.selection import rank_desc
 
@@ -75,7 +76,7 @@ def buffer_chunk(state: WorkingKV, q, k, v, ctx: AttendContext, chunk_scores, *,
     )
     if not attend:
         return None, new
-    out = attention_by_slots(q, q_slots, new.k, new.v, new.slots, ctx.pad, scale=q.shape[-1] ** -0.5)
+    out = blocked_attention_by_slots(q, q_slots, new.k, new.v, new.slots, ctx.pad, scale=q.shape[-1] ** -0.5)
     return out, new
 
 

@@ -125,3 +125,46 @@ def test_chunk_attention_sums_match_reference(T, q_start, S, block, q_block, pad
     got = np.asarray(chunk_attention_sums(jnp.asarray(q), jnp.asarray(k), q_start, jnp.asarray(pad, jnp.int32),
                                           block, q_block=q_block))
     np.testing.assert_allclose(got, reference_column_sums(q, k, q_start, pad), rtol=1e-5, atol=1e-5)
+
+
+def reference_by_slots(q, q_slots, k, v, k_slots, pad, scale):
+    """float64 numpy attention where each stored key carries its slot (-1 = empty)."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    out = np.zeros((B, T, Hq, D))
+    for b in range(B):
+        for t in range(T):
+            for h in range(Hq):
+                kv = h // G
+                vis = (k_slots[b, kv] <= q_slots[t]) & (k_slots[b, kv] >= pad[b])
+                if not vis.any():
+                    continue
+                s = k[b, kv][vis].astype(np.float64) @ q[b, t, h].astype(np.float64) * scale
+                p = np.exp(s - s.max())
+                out[b, t, h] = (p / p.sum()) @ v[b, kv][vis].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("S,block,q_block", [(40, 16, 8), (37, 256, 512), (64, 16, 5)])
+def test_attention_by_slots_dense_and_blocked_match_reference(S, block, q_block):
+    from kvjax.attention import attention_by_slots, blocked_attention_by_slots
+
+    rng = np.random.default_rng(S)
+    B, T, Hq, Hkv, D = 2, 9, 4, 2, 8
+    q = rng.standard_normal((B, T, Hq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
+    # compacted buffers: held entries at increasing (gapped) slots, then empty entries (-1), per row and head
+    k_slots = np.full((B, Hkv, S), -1, np.int32)
+    for b in range(B):
+        for h in range(Hkv):
+            n = rng.integers(S // 2, S)
+            k_slots[b, h, :n] = np.sort(rng.choice(60, size=n, replace=False))
+    pad = np.array([0, 30], np.int32)  # row 1: slots before 30 are padding; its first queries see nothing
+    q_slots = np.arange(51, 60, dtype=np.int32) - np.array([0, 0, 0, 0, 0, 0, 0, 0, 25])[::-1]
+    want = reference_by_slots(q, q_slots, k, v, k_slots, pad, D**-0.5)
+    args = (jnp.asarray(q), jnp.asarray(q_slots), jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_slots), jnp.asarray(pad))
+    np.testing.assert_allclose(np.asarray(attention_by_slots(*args, scale=D**-0.5)), want, atol=1e-5)
+    got = blocked_attention_by_slots(*args, scale=D**-0.5, block=block, q_block=q_block)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)

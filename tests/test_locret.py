@@ -207,3 +207,31 @@ def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
     if loc[0]["prefill_step"]:  # memory_analysis() is available on this backend
         assert loc[0]["prefill_step"]["temp_size_in_bytes"] == loc[1]["prefill_step"]["temp_size_in_bytes"]
     assert "| 256 |" in table(rows, "cmd", "cpu")
+
+
+def test_eviction_during_decoding_keeps_the_budget(tiny):
+    model, _ = tiny
+    art = heads_for(model)
+    rng = np.random.default_rng(11)
+    rows = [list(rng.integers(0, 97, size=30)), list(rng.integers(0, 97, size=21))]
+    # budget = the longest prompt: a decoded token attends over everything before the eviction that follows it,
+    # so the first two generated tokens equal the full cache's
+    full, *_ = generate_tokens(model, rows, method=FullCache(block=16), max_new_tokens=2)
+    big = Locret(budget=30, chunk=16, local=4, stabilizers=2, evict_during_decode=True)
+    got, *_ = generate_tokens(model, rows, method=big, max_new_tokens=2, artifact=art)
+    np.testing.assert_array_equal(got, full)
+
+    method = Locret(budget=12, chunk=16, local=4, stabilizers=2, evict_during_decode=True)
+    before = TRACE_COUNTS["decode_loop"]
+    _, _, cache, _ = generate_tokens(model, rows, method=method, max_new_tokens=8, artifact=art)
+    assert TRACE_COUNTS["decode_loop"] - before == 1
+    last = int(cache.length) - 1
+    for layer in cache.layers:
+        slots = np.asarray(layer.buffer.slots)
+        assert slots.shape[-1] == 12 + 16  # the buffer never grows
+        held = slots >= 0
+        assert (held.sum(-1) == 12).all()  # the budget's tokens per (row, head) after 7 decode steps
+        for b in range(2):
+            for h in range(model.config.num_kv_heads):
+                assert set(range(last - 3, last + 1)) <= set(slots[b, h][held[b, h]].tolist())  # the sliding window
+    assert cache.stats()["evicts_during_decode"] is True

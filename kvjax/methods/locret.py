@@ -11,6 +11,9 @@ bounded baselines of :mod:`kvjax.methods.chunked_eviction`):
    ("stabilizers") forced among them except after the last chunk; survivors stay in position order;
 3. the last ``n_loc`` prompt tokens are prefilled without eviction (they attend to the compressed
    cache); decoding appends to the ``b + n_loc`` survivors and does not evict (the paper's setting).
+   ``evict_during_decode=True`` keeps the budget fixed while decoding instead: every later token is
+   scored by the head, and each head keeps the last ``n_loc`` slots (a sliding window) plus its
+   ``b`` best-scored other tokens (attention over the bounded buffer, XLA path).
 
 Deviations and choices (documented, measured where they change results):
 
@@ -38,8 +41,8 @@ from typing import Any
 
 from kvjax.artifacts import require_artifact, shipped_artifact
 from kvjax.attention import resolve_implementation
-from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, check_schedule, init_bounded, paged_cache_read_bytes,
-                                   paged_facts, prefill_in_pieces, to_pages)
+from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
+                                   init_bounded, paged_cache_read_bytes, paged_facts, prefill_in_pieces, to_pages)
 from kvjax.budgets import check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
 from kvjax.paged import PagedKV, append_and_attend
@@ -62,6 +65,7 @@ class Locret:
       heads: "trained" (the artifact given, else the heads shipped for the model) or "random"
         (untrained heads of the shipped heads' size, seeded: the paper's Table 6 control).
       seed: seed of the random heads.
+      evict_during_decode: keep ``budget`` tokens per head while decoding too (module docstring, step 3).
       page_size: tokens per page of the compressed pools.
       implementation: decode attention implementation, auto | xla | pallas | pallas_interpret.
     """
@@ -72,6 +76,7 @@ class Locret:
     local: int = 100
     heads: str = "trained"
     seed: int = 0
+    evict_during_decode: bool = False
     page_size: int = 16
     implementation: str = "auto"
     name = "locret"
@@ -119,19 +124,29 @@ class Locret:
         layers = init_bounded(spec, self.name, self.budget, self.chunk, self.local, self.stabilizers)
         return Cache.create(layers, self, spec, artifact=art)
 
+    @staticmethod
+    def token_scores(v, ctx: AttendContext):
+        """Each new token's score ``[B, T, Hkv]`` from the layer's retaining head (its own pre-RoPE q, k and v)."""
+        heads = ctx.artifact.arrays
+        return apply_head(heads["w1"][ctx.layer], heads["w2"][ctx.layer], head_features(ctx.q_pre_rope, ctx.k_pre_rope, v))
+
     def prefill_chunk(self, state: BoundedPrefill, q, k, v, ctx: AttendContext):
         """Score the call's tokens once with the layer's retaining head, then the bounded schedule (:mod:`kvjax.bounded_prefill`)."""
-        heads = ctx.artifact.arrays
-        scores = apply_head(heads["w1"][ctx.layer], heads["w2"][ctx.layer],
-                            head_features(ctx.q_pre_rope, ctx.k_pre_rope, v))  # [B, T, Hkv]
-        return prefill_in_pieces(state, q, k, v, ctx, scores)
+        return prefill_in_pieces(state, q, k, v, ctx, self.token_scores(v, ctx))
 
-    def finish_prefill(self, state: BoundedPrefill, ctx: FinishContext) -> PagedKV:
-        """The survivors into page pools with room for later tokens."""
+    def finish_prefill(self, state: BoundedPrefill, ctx: FinishContext):
+        """The survivors into page pools with room for later tokens (the buffer itself when decoding evicts)."""
+        if self.evict_during_decode:
+            return state
         return to_pages(state, ctx.spec.room, self.page_size)
 
-    def decode_attend(self, state: PagedKV, q, k, v, ctx: AttendContext):
-        """Append without eviction (the paper's decoding) and attend (paged kernel on accelerators)."""
+    def decode_attend(self, state, q, k, v, ctx: AttendContext):
+        """Append without eviction (the paper's decoding; paged kernel on accelerators), or evict to the budget."""
+        if self.evict_during_decode:
+            if q.shape[1] > self.chunk:
+                raise ValueError(f"locret with evict_during_decode: {q.shape[1]} tokens after the prompt in one call "
+                                 f"exceed the buffer's chunk of {self.chunk}")
+            return evict_decoding(state, q, k, v, ctx, self.token_scores(v, ctx))
         return append_and_attend(state, q, k, v, self.implementation)
 
     def stats(self, cache: Cache) -> dict:
@@ -139,9 +154,15 @@ class Locret:
         b, n_s = self.sizes(cache.spec)
         facts = {"b": b, "stabilizers": n_s, "local": self.local, "chunk": self.chunk, "heads": self.heads,
                  "head_hidden": int(cache.artifact.arrays["w1"].shape[2]),
-                 "prefill_buffer_tokens_per_head": b + self.local + self.chunk}
+                 "prefill_buffer_tokens_per_head": b + self.local + self.chunk,
+                 "evicts_during_decode": self.evict_during_decode}
+        if self.evict_during_decode:
+            held = [int(x) for x in (cache.layers[0].buffer.slots >= 0).sum(axis=-1).max(axis=0)]
+            return {**facts, "held_tokens_per_head_layer0": held}
         return {**facts, **paged_facts(cache)}
 
     def bytes_read_per_step(self, cache: Cache) -> int:
-        """Every held token of every head (0 before compression)."""
+        """Every held token of every head (0 before compression); the whole buffer when decoding evicts."""
+        if self.evict_during_decode:
+            return buffer_read_bytes(cache) if cache.stage == "compressed" else 0
         return paged_cache_read_bytes(cache)
