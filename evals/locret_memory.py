@@ -42,7 +42,10 @@ def measure(model, method, length: int, chunk: int, artifact=None, run: bool = F
     with warnings.catch_warnings():  # buffers the compressed layout does not reuse: expected (as kvjax.generate.compress)
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         fin = compress_jit.lower(cache).compile()
+    from kvjax.cache import bytes_by_memory_kind
+
     row = {"method": method.name, "length": length, "cache_device_bytes_during_prefill": cache_bytes,
+           "artifact_device_bytes": bytes_by_memory_kind(cache.artifact)[0],
            "prefill_step": _analysis(step), "compress_step": _analysis(fin)}
     if run:
         from kvjax.generate import compress, prefill_prompt
@@ -107,6 +110,9 @@ def table(rows, cmd: str, device: str) -> str:
              "Locret: compress temp | Locret/full (cache + chunk temp) |"
              + (" peak measured full / Locret |" if any("peak_device_bytes_measured" in r for r in rows) else ""),
              "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if any("peak_device_bytes_measured" in r for r in rows) else "")]
+    heads = max((r.get("artifact_device_bytes", 0) for r in rows if r["method"] == "locret"), default=0)
+    if heads:
+        lines.insert(5, f"Locret's cache includes its retaining heads ({mib(heads)} MiB, the same at every length). ")
     by = {}
     for r in rows:
         by.setdefault(r["length"], {})[r["method"]] = r
