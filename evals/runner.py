@@ -10,7 +10,10 @@ row's own prompt length (never to the left padding up to a multiple of the prefi
 
 Outputs in ``<out_root>/<run_name>/``:
 * ``samples.jsonl``: one record per (sample, method, budget), appended and flushed per batch, so an
-  interrupted run resumes where it stopped (records already present are skipped);
+  interrupted run resumes where it stopped (records already present are skipped). A record's
+  ``device_bytes`` is its share of the batch's cache plus the whole artifact (codebooks, trained
+  heads: held once whatever the batch; also ``artifact_device_bytes``). Records written before
+  this rule divided the artifact by the batch's rows;
 * ``fidelity.jsonl``: one record per (method, budget, length) of the fidelity check (:mod:`evals.fidelity`);
 * ``config.json`` (the run's settings), ``summary.json``, ``README.md`` (tables) and PNG plots, rebuilt
   from the JSONL files at the end of every run (:mod:`evals.report`).
@@ -174,7 +177,7 @@ def _prepare_out_dir(cfg: EvalConfig) -> None:
 def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     """Run every missing (sample, method, budget) record; returns how many records were written."""
     from evals.tasks import make_samples, score
-    from kvjax.cache import CacheSpec
+    from kvjax.cache import CacheSpec, bytes_by_memory_kind
     from kvjax.generate import compress, decode_loop, prefill, prefill_prompt
     from kvjax.methods.base import round_up
     from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
@@ -206,9 +209,9 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
             q_len = len(batch[0].prompt_ids) - batch[0].question_start if agnostic else 0
             L = round_up(length - q_len, cfg.chunk_size)
             rows = [list(s.prompt_ids[:len(s.prompt_ids) - q_len]) for s in batch]
+            # no filler rows for a short batch: its longest row is static in the cache spec, so each batch
+            # compiles anew anyway, and a filler row would cost a whole prefill
             question = np.asarray([list(s.prompt_ids[len(s.prompt_ids) - q_len:]) for s in batch], np.int32)
-            question = np.concatenate([question, np.repeat(question[:1], cfg.batch_size - len(batch), axis=0)])
-            rows += [rows[0]] * (cfg.batch_size - len(rows))  # fixed batch shape: no recompilation
             tokens = np.full((len(rows), L), pad_id, np.int32)
             for b, r in enumerate(rows):
                 tokens[b, L - len(r):] = r
@@ -239,6 +242,8 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                     logits, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=cfg.chunk_size)
                     cache, method_first = compress(cache), jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 stats = cache.stats()
+                # the artifact (codebooks, trained heads) is held once whatever the batch: counted whole per row
+                artifact_bytes = bytes_by_memory_kind(cache.artifact)[0]
                 if agnostic:  # the question comes after compression, appended uncompressed
                     logits, cache = prefill(model.graphdef, model.params, jnp.asarray(question), cache)
                     method_first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -259,7 +264,8 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                         "method": name, "budget": blabel, "protocol": cfg.protocol,
                         "prompt_tokens": len(s.prompt_ids), "padded_length": L, "question_tokens": q_len,
                         "answers": list(s.answers), "output": text, "score": score(text, s.answers),
-                        "device_bytes": stats["device_bytes"] // len(rows), "host_bytes": stats["host_bytes"] // len(rows),
+                        "device_bytes": (stats["device_bytes"] - artifact_bytes) // len(rows) + artifact_bytes,
+                        "artifact_device_bytes": artifact_bytes, "host_bytes": stats["host_bytes"] // len(rows),
                         "prefill_s": prefill_s / len(rows), "compress_decode_s": elapsed / len(rows),
                         **({"recall_trigger_rate": recalls["recall_trigger_rate"],
                             "bytes_recalled": recalls["bytes_recalled"] // len(rows)} if recalls else {}),

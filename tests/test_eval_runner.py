@@ -61,6 +61,7 @@ def test_kvjax_eval_writes_every_output_and_resumes(tiny_chat_model, tmp_path):
     full_bytes = {r["index"]: r["device_bytes"] for r in records if r["method"] == "full"}
     snap = [r for r in records if r["method"] == "snapkv"]
     assert all(r["device_bytes"] < full_bytes[r["index"]] for r in snap)
+    assert all(r["artifact_device_bytes"] == 0 for r in records)  # no method here carries an artifact
     fid = {(r["method"], r["budget"]): r for r in _lines(run / "fidelity.jsonl")}
     assert len(fid) == 5 and fid[("full", "full")]["kl"] == 0.0 and fid[("full", "full")]["top1"] == 1.0
     summary = json.loads((run / "summary.json").read_text())
