@@ -110,5 +110,5 @@ def test_missing_model_package(monkeypatch):
 
 
 def test_unknown_method():
-    with pytest.raises(ValueError, match="unknown method 'nope'; available: full"):
+    with pytest.raises(ValueError, match="unknown method 'nope'; available: chunked_eviction, full"):
         kvjax.get_method("nope")

@@ -91,7 +91,7 @@ def test_generate_api_accepts_method_names_and_instances(tiny):
     (lambda: HBW(budget=16, window=4, block_size=32).head_capacities(spec(40)), "block size 32 is larger than the capacity of 16"),
     (lambda: StreamingLLM(budget=3, sinks=4).head_capacities(spec(40)), "sinks 4 is larger than the budget of 3"),
     (lambda: SnapKV(gqa="median"), "unknown GQA aggregation 'median'"),
-    (lambda: kvjax.get_method("snapkvv"), "unknown method 'snapkvv'; available: full, h2o, hbw"),
+    (lambda: kvjax.get_method("snapkvv"), "unknown method 'snapkvv'; available: chunked_eviction, full, h2o, hbw"),
 ])
 def test_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):
