@@ -22,6 +22,7 @@ heads as a ``"locret"`` artifact (``heads.npz``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -135,16 +136,20 @@ def sample_order(n_train: int, seed: int, step: int) -> int:
     return int(np.random.default_rng([seed, epoch]).permutation(n_train)[i])
 
 
+@functools.partial(jax.jit, static_argnames=("alpha",))
+def _loss_and_prediction(heads, features, labels, mask, alpha: float):
+    """One held-out sample's loss and scores ``[L, N, H_kv]``, in one compiled call (the heads run once)."""
+    return loss_fn(heads, features, labels, mask, alpha)[0], predict(heads, features)
+
+
 def evaluate(heads, features, labels, mask, indices, alpha: float) -> dict:
     """Held-out loss and top-10% overlap (mean, and per layer) over the samples ``indices``."""
     losses, overlaps = [], []
-    pred_fn = jax.jit(predict)
     for i in indices:
-        f = jnp.asarray(features[i], jnp.float32)
-        loss, _ = loss_fn(heads, f, jnp.asarray(labels[i]), jnp.asarray(mask[i]), alpha)
+        loss, pred = _loss_and_prediction(heads, jnp.asarray(features[i], jnp.float32), jnp.asarray(labels[i]),
+                                          jnp.asarray(mask[i]), alpha)
         losses.append(float(loss))
-        pred = np.asarray(pred_fn(heads, f)).swapaxes(1, 2)
-        overlaps.append(top_overlap(pred, np.asarray(labels[i]), np.asarray(mask[i])))
+        overlaps.append(top_overlap(np.asarray(pred).swapaxes(1, 2), np.asarray(labels[i]), np.asarray(mask[i])))
     per_layer = np.mean(overlaps, axis=(0, 2)) if overlaps else np.zeros(0)
     return {"loss": float(np.mean(losses)) if losses else float("nan"),
             "top10_overlap": float(per_layer.mean()) if overlaps else float("nan"),
