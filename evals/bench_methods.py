@@ -79,6 +79,8 @@ from evals.bench_foundation import (
 )
 from kvjax.budgets import parse_budget
 from kvjax.cache import new_cache
+from kvjax.distributed import add_mesh_args, setup_devices
+from kvjax.sharding import place_cache
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)  # 16384 by --lengths: the defaults fit in ~20 min on 2 cores
@@ -170,6 +172,7 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="Markdown output; JSON and PNG next to it, same stem (default docs/results/bench_methods_<model>.md)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    add_mesh_args(p)
     return p
 
 
@@ -462,7 +465,8 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
         try:
             method = methods[name]
             _log(f"[bench] L={L} {name}: compiling and prefilling {L} tokens in chunks of {chunk} (own prefill)")
-            pf = _Prefiller(model, lambda: jax.block_until_ready(new_cache(method, config, 1, L, N, model.dtype)), chunks)
+            pf = _Prefiller(model, lambda: jax.block_until_ready(new_cache(method, config, 1, L, N, model.dtype,
+                                                                           mesh=model.mesh)), chunks)
             first, cache, seconds, memory = pf.measure()
             staging = {"kind": "own prefill", "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
             del pf
@@ -491,8 +495,8 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
         group = [methods[n] for n in names]
         try:
             _log(f"[bench] L={L} staging (window {window}, accumulate {accumulate}) for {', '.join(names)}")
-            spec = CacheSpec.for_model(config, 1, L, N, model.dtype)
-            pf = _Prefiller(model, lambda: jax.block_until_ready(init_shared_cache(group, spec)), chunks)
+            spec = CacheSpec.for_model(config, 1, L, N, model.dtype, mesh=model.mesh)
+            pf = _Prefiller(model, lambda: jax.block_until_ready(place_cache(init_shared_cache(group, spec))), chunks)
             first, staged, seconds, memory = pf.measure()
             staging = {"kind": kind, "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
             del pf
@@ -725,6 +729,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         argv = argv[1:]
     args = build_parser(prog).parse_args(argv)
     check_args(args)
+    mesh = setup_devices(args)
     methods = make_methods(args.methods, args.budget)
     out = args.out or default_out(args.model)
 
@@ -749,7 +754,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
 
         _log(f"[bench] loading {args.model} ({args.dtype})")
         t = time.perf_counter()
-        model = load_model(args.model, args.dtype, tokenizer=False)
+        model = load_model(args.model, args.dtype, tokenizer=False, mesh=mesh)
         jax.block_until_ready(model.params)
         load_s = time.perf_counter() - t
         check_methods_fit(methods, model.config, args.lengths, args.new_tokens)

@@ -32,6 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.distributed import add_mesh_args, setup_devices
+from kvjax.sharding import place_cache, place_rows
+
 DEFAULT_METHODS = ("snapkv", "streaming_llm", "h2o", "pyramidkv", "hbw", "quest")
 MAX_NEW_TOKENS = {
     "passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48,
@@ -62,6 +65,7 @@ class EvalConfig:
     fidelity_tokens: int = 256
     protocol: str = "query-aware"
     command: str = ""
+    mesh: str | None = None  # "data=2,model=4": model and caches split over a device mesh (kvjax.sharding)
 
     def __post_init__(self):
         from evals.tasks import TASKS
@@ -220,12 +224,13 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
             if bar is not None:
                 bar.set_postfix_str(f"{task} {length} prefill")
             spec = CacheSpec.for_model(model.config, len(rows), L, q_len + max_new, model.dtype,
-                                       longest_row=max(len(r) for r in rows))
+                                       longest_row=max(len(r) for r in rows), mesh=model.mesh)
+            tokens = place_rows(jnp.asarray(tokens), model.mesh)
             shared = [g for g in missing if can_share_prefill(g[2])]
             t0 = time.perf_counter()
             staged = first = None
             if shared:  # one prefill for the full cache and every method that can share it
-                staged = init_shared_cache([g[2] for g in shared], spec).replace(pad=jnp.asarray(pad))
+                staged = place_cache(init_shared_cache([g[2] for g in shared], spec).replace(pad=jnp.asarray(pad)))
                 logits, staged = prefill_prompt(model.graphdef, model.params, tokens, staged, chunk_size=cfg.chunk_size)
                 first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 first.block_until_ready()
@@ -238,14 +243,14 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 if staged is not None and can_share_prefill(method):
                     cache, method_first = compress(cache_for(staged, method)), first
                 else:  # a method with its own prefill (it evicts while prefilling, or keeps other state)
-                    cache = method.init_cache(spec).replace(pad=jnp.asarray(pad))
+                    cache = place_cache(method.init_cache(spec).replace(pad=jnp.asarray(pad)))
                     logits, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=cfg.chunk_size)
                     cache, method_first = compress(cache), jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 stats = cache.stats()
                 # the artifact (codebooks, trained heads) is held once whatever the batch: counted whole per row
                 artifact_bytes = bytes_by_memory_kind(cache.artifact)[0]
                 if agnostic:  # the question comes after compression, appended uncompressed
-                    logits, cache = prefill(model.graphdef, model.params, jnp.asarray(question), cache)
+                    logits, cache = prefill(model.graphdef, model.params, place_rows(jnp.asarray(question), model.mesh), cache)
                     method_first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 gen, count, final = decode_loop(model.graphdef, model.params, method_first, cache, jax.random.PRNGKey(0),
                                                 max_new_tokens=max_new, eos_ids=eos)
@@ -320,7 +325,7 @@ def run_eval(cfg: EvalConfig, model=None, *, progress: bool = True) -> dict:
     if model is None:
         import kvjax
 
-        model = kvjax.load(cfg.model, cfg.dtype, progress=progress)
+        model = kvjax.load(cfg.model, cfg.dtype, progress=progress, mesh=cfg.mesh)
     t0 = time.perf_counter()
     n = run_tasks(cfg, model, progress=progress) if cfg.tasks else 0
     f = run_fidelity_checks(cfg, model, progress=progress)
@@ -365,6 +370,7 @@ def build_parser():
     p.add_argument("--fidelity-prefix", type=int, default=4096)
     p.add_argument("--fidelity-tokens", type=int, default=256)
     p.add_argument("--no-progress", action="store_true")
+    add_mesh_args(p)
     return p
 
 
@@ -372,13 +378,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvjax eval``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    mesh = setup_devices(args)
     cfg = EvalConfig(
         model=args.model, dtype=args.dtype, methods=tuple(args.methods), budgets=tuple(args.budgets),
         tasks=tuple(t for t in args.tasks if t), lengths=tuple(args.lengths), samples=args.samples, seed=args.seed,
         batch_size=args.batch_size, chunk_size=args.chunk_size,
         run_name=args.run_name or f"eval-{os.path.basename(args.model)}", out_root=args.out_root,
         fidelity_texts=args.fidelity_texts, fidelity_prefix=args.fidelity_prefix, fidelity_tokens=args.fidelity_tokens,
-        protocol=args.protocol, command="kvjax eval " + " ".join(argv),
+        protocol=args.protocol, command="kvjax eval " + " ".join(argv), mesh=mesh,
     )
     run_eval(cfg, progress=not args.no_progress)
     print(os.path.join(cfg.out_dir, "README.md"))

@@ -13,6 +13,7 @@ import numpy as np
 from kvjax.cache import CacheSpec
 from kvjax.generate import Sampling, compress, decode_loop, decode_step, prefill, prefill_prompt, sample
 from kvjax.methods import FullCache, get_method
+from kvjax.sharding import place_cache, place_rows
 
 
 @dataclasses.dataclass
@@ -37,8 +38,13 @@ class GenerationResult:
         return self.texts[0]
 
 
-def load(name_or_path: str | None = None, dtype="float32", *, progress: bool = False):
-    """Load a ready model (default ``qwen2.5-coder-0.5b``), an HF directory or a GGUF file."""
+def load(name_or_path: str | None = None, dtype="float32", *, progress: bool = False, mesh=None):
+    """Load a ready model (default ``qwen2.5-coder-0.5b``), an HF directory or a GGUF file.
+
+    ``mesh``: split the model (and every cache made for it) over a device mesh: a
+    :class:`jax.sharding.Mesh` with axes ``(data, model)``, a dict, or ``"data=2,model=4"``
+    (:mod:`kvjax.sharding`). Batch rows go to ``data``, attention heads to ``model``.
+    """
     from models import DEFAULT_MODEL, load_model
 
     name = name_or_path or DEFAULT_MODEL
@@ -46,10 +52,10 @@ def load(name_or_path: str | None = None, dtype="float32", *, progress: bool = F
         from tqdm import tqdm
 
         with tqdm(total=1, desc=f"loading {name}", unit="model", leave=False) as bar:
-            model = load_model(name, dtype)
+            model = load_model(name, dtype, mesh=mesh)
             bar.update()
         return model
-    return load_model(name, dtype)
+    return load_model(name, dtype, mesh=mesh)
 
 
 def _resolve_method(method):
@@ -112,9 +118,10 @@ def generate_tokens(
             f"model's context of {config.max_position_embeddings} tokens"
         )
     B, L = tokens.shape
-    spec = CacheSpec.for_model(config, B, L, q_len + max_new_tokens, model.dtype, longest_row=longest)
+    spec = CacheSpec.for_model(config, B, L, q_len + max_new_tokens, model.dtype, longest_row=longest, mesh=model.mesh)
     cache = method.init_cache(spec, artifact)
-    cache = cache.replace(pad=jnp.asarray(pad))
+    cache = place_cache(cache.replace(pad=jnp.asarray(pad)))
+    tokens = place_rows(jnp.asarray(tokens), model.mesh)
     timings = {}
 
     t0 = time.perf_counter()
@@ -127,7 +134,7 @@ def generate_tokens(
     timings["compress_s"] = time.perf_counter() - t0
     if question is not None:
         t0 = time.perf_counter()
-        logits, cache = prefill(model.graphdef, model.params, jnp.asarray(question), cache)
+        logits, cache = prefill(model.graphdef, model.params, place_rows(jnp.asarray(question), model.mesh), cache)
         jax.block_until_ready(logits)
         timings["question_s"] = time.perf_counter() - t0
     key = jax.random.PRNGKey(seed)
@@ -277,8 +284,8 @@ def ask(
                          f"exceeds the model's context of {model.config.max_position_embeddings} tokens")
     tokens, pad = left_pad([context_ids], 0, multiple=chunk_size or 1)
     spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], longest_q + max_new_tokens, model.dtype,
-                               longest_row=len(context_ids))
-    cache = method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad))
+                               longest_row=len(context_ids), mesh=model.mesh)
+    cache = place_cache(method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad)))
     t0 = time.perf_counter()
     _, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk_size, progress=progress)
     jax.block_until_ready(cache)

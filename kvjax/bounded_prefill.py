@@ -32,7 +32,7 @@ from jax import lax
 from kvjax.attention import attention_probs_by_slots, blocked_attention_by_slots, weighted_values
 from kvjax.budgets import tokens_per_head
 from kvjax.cache import AttendContext, Cache, CacheSpec
-from kvjax.paged import PagedKV, build_paged, paged_device_bytes, paged_read_bytes
+from kvjax.paged import PagedKV, build_paged, paged_device_bytes, paged_partition, paged_read_bytes
 from kvjax.selection import keep_top, row_capacities
 from kvjax.working_buffer import WorkingKV, buffer_chunk, compact, init_working, kept_indices
 
@@ -181,6 +181,17 @@ def evict_decoding(state: BoundedPrefill, q, k, v, ctx: AttendContext, token_sco
     none = jnp.zeros_like(held)
     keep = held & (local | sink | keep_top(buf.scores, none, evictable, b_rows))
     return out, state.replace(buffer=compact(buf, keep))
+
+
+def bounded_partition(state, spec: CacheSpec, method_name: str):
+    """Partition specs of a bounded-prefill layer (either stage): the working buffer's arrays by (row, KV head),
+    the compressed pages as any paged layer (:func:`kvjax.paged.paged_partition`)."""
+    from kvjax.sharding import ROWS_HEADS
+
+    if isinstance(state, BoundedPrefill):
+        buffer = state.buffer.replace(k=ROWS_HEADS, v=ROWS_HEADS, slots=ROWS_HEADS, scores=ROWS_HEADS)
+        return state.replace(buffer=buffer)
+    return paged_partition(state, spec, method_name)
 
 
 def buffer_read_bytes(cache: Cache) -> int:

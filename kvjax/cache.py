@@ -42,6 +42,8 @@ class CacheSpec:
       room: slots per head after the prompt (question tokens + generated tokens).
       dtype: name of the K/V dtype ("float32" | "bfloat16").
       model_id: identity of the model (:func:`kvjax.artifacts.model_identity`), checked against artifacts.
+      mesh: the ``(data, model)`` :class:`jax.sharding.Mesh` the cache is split over (:mod:`kvjax.sharding`),
+        or None for one device.
     """
 
     num_layers: int
@@ -54,15 +56,21 @@ class CacheSpec:
     room: int
     dtype: str = "float32"
     model_id: str = ""
+    mesh: Any = None
 
     def __post_init__(self):
         if self.batch <= 0 or self.prompt_slots <= 0 or self.room < 0:
             raise ValueError(f"need batch > 0, prompt_slots > 0, room >= 0; got {self.batch}, {self.prompt_slots}, {self.room}")
         if not 0 < self.longest_row <= self.prompt_slots:
             raise ValueError(f"longest_row must be in [1, prompt_slots={self.prompt_slots}], got {self.longest_row}")
+        if self.mesh is not None:
+            from kvjax.sharding import check_mesh
+
+            check_mesh(self.mesh, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, batch=self.batch)
 
     @classmethod
-    def for_model(cls, config, batch: int, prompt_slots: int, room: int, dtype, *, longest_row: int | None = None) -> "CacheSpec":
+    def for_model(cls, config, batch: int, prompt_slots: int, room: int, dtype, *, longest_row: int | None = None,
+                  mesh=None) -> "CacheSpec":
         """Spec for a model ``config`` (``models.ModelConfig``); ``longest_row`` defaults to ``prompt_slots``."""
         from kvjax.artifacts import model_identity
 
@@ -70,7 +78,7 @@ class CacheSpec:
             num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim, batch=batch, prompt_slots=prompt_slots,
             longest_row=prompt_slots if longest_row is None else longest_row, room=room,
-            dtype=jnp.dtype(dtype).name, model_id=model_identity(config),
+            dtype=jnp.dtype(dtype).name, model_id=model_identity(config), mesh=mesh,
         )
 
     @property
@@ -170,12 +178,14 @@ class Cache:
         return bytes_by_memory_kind(self)[1]
 
     def stats(self) -> dict:
-        """Device and host bytes actually held (artifact included), slots used, the method's own facts."""
+        """Device and host bytes actually held (artifact included), the most any one device holds (a mesh
+        splits the cache), slots used, the method's own facts."""
         device, host = bytes_by_memory_kind(self)
         return {
             "method": self.method.name,
             "stage": self.stage,
             "device_bytes": device,
+            "device_bytes_per_device": device_bytes_per_device(self),
             "host_bytes": host,
             "length": int(self.length),
             "capacity": self.capacity,
@@ -214,8 +224,22 @@ def bytes_by_memory_kind(tree) -> tuple[int, int]:
     return device, host
 
 
+def device_bytes_per_device(tree) -> int:
+    """The most device-memory bytes of ``tree``'s arrays that any one (addressable) device holds: its shards."""
+    held: dict = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not hasattr(leaf, "addressable_shards") or "host" in memory_kind(leaf):
+            continue
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + array_bytes(shard.data)
+    return max(held.values(), default=0)
+
+
 def new_cache(method, config, batch: int, prompt_slots: int, room: int, dtype, *, longest_row: int | None = None,
-              artifact: Any = None) -> Cache:
-    """``method.init_cache`` for a model ``config``: the spec built with :meth:`CacheSpec.for_model`."""
-    spec = CacheSpec.for_model(config, batch, prompt_slots, room, dtype, longest_row=longest_row)
-    return method.init_cache(spec, artifact)
+              artifact: Any = None, mesh=None) -> Cache:
+    """``method.init_cache`` for a model ``config`` (the spec built with :meth:`CacheSpec.for_model`),
+    placed on ``mesh`` when given (:func:`kvjax.sharding.place_cache`)."""
+    from kvjax.sharding import place_cache
+
+    spec = CacheSpec.for_model(config, batch, prompt_slots, room, dtype, longest_row=longest_row, mesh=mesh)
+    return place_cache(method.init_cache(spec, artifact))

@@ -37,6 +37,7 @@ from kvjax.artifacts import no_artifact
 from kvjax.attention import MASK_VALUE, causal_cache_attention
 from kvjax.cache import Cache, CacheSpec
 from kvjax.selection import gqa_aggregate, pool1d
+from kvjax.sharding import not_shardable
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, write_slots
 
 CALIBRATION_MODULES = (
@@ -145,6 +146,10 @@ class AttentionRecorder:
                                      block=self.block, implementation="xla")
         top = attended_set(q[:, 0], k_all, ctx.start, ctx.pad, topk=self.topk, kernel=self.kernel, gqa=self.gqa)
         return out, RecordedKV(k_all, v_all, top)
+
+    def state_partition(self, state, spec: CacheSpec):
+        """Calibration runs on one device."""
+        raise not_shardable(self.name, "calibration records every head's attended sets on one device")
 
     def stats(self, cache) -> dict:
         """Nothing to report."""

@@ -7,6 +7,7 @@ import sys
 import time
 
 from kvjax.budgets import parse_budget
+from kvjax.distributed import add_mesh_args, setup_devices
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +70,7 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.prompt_file is None):
         raise SystemExit("kvjax generate: give exactly one of --prompt or --prompt-file")
     prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
-    model = kvjax.load(args.model, args.dtype, progress=True)
+    model = kvjax.load(args.model, args.dtype, progress=True, mesh=setup_devices(args))
     result = kvjax.generate(
         model, prompt, method=_method(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size,
@@ -110,7 +111,7 @@ def cmd_demo(args) -> int:
     from evals.passkey import make_passkey
 
     t0 = time.perf_counter()
-    model = kvjax.load(args.model, args.dtype, progress=True)
+    model = kvjax.load(args.model, args.dtype, progress=True, mesh=setup_devices(args))
     load_s = time.perf_counter() - t0
     sample = make_passkey(model.tokenizer, args.length, depth=args.depth, seed=args.seed)
     print(f"model {args.model} ({args.dtype}) loaded in {load_s:.1f} s")
@@ -146,6 +147,10 @@ def _run_bench(argv) -> int:
         return bench_main(argv[1:])
     if argv[:1] == ["locret-memory"]:
         from evals.locret_memory import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv[:1] == ["mesh"]:
+        from evals.bench_mesh import main as bench_main
 
         return bench_main(argv[1:])
     from evals.bench_methods import main as bench_main
@@ -190,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
+    add_mesh_args(g)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="list the ready models")
@@ -202,11 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1]")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--chunk-size", type=int, default=1024)
+    add_mesh_args(d)
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks: `kvjax bench [methods] ...` latency/memory per method vs context length "
                        "(default), `kvjax bench foundation ...` kvjax vs transformers, `kvjax bench matvec ...` f32 vs bf16 "
-                       "weight products, `kvjax bench locret-memory ...` Locret's bounded prefill memory; --help after "
+                       "weight products, `kvjax bench locret-memory ...` Locret's bounded prefill memory, `kvjax bench mesh ...` "
+                       "methods on device meshes; --help after "
                        "the name for options")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)

@@ -4,7 +4,8 @@ The model's forward comes from the loaded model itself (``nnx.merge(graphdef, pa
 module imports no model code. Each public function checks the cache's room on the host and calls
 its jitted body (``*_jit``, also usable for ahead-of-time lowering).
 
-Batches are left-padded: row ``b`` has ``pad[b]`` padding slots first, its real token at slot ``s``
+On a device mesh (``cache.spec.mesh``, :mod:`kvjax.sharding`) every jitted call constrains the cache it
+returns to the mesh layout; the parameters carry their own shardings. Batches are left-padded: row ``b`` has ``pad[b]`` padding slots first, its real token at slot ``s``
 has position ``s - pad[b]``; padding slots are never attended. Everything here is a pure function of
 ``(graphdef, params, ..., cache)``; the cache is donated so decode updates it in place.
 """
@@ -22,6 +23,7 @@ from flax import nnx
 from jax import lax
 
 from kvjax.cache import Cache, FinishContext
+from kvjax.sharding import constrain_cache
 
 # Incremented each time a function below is traced (= compiled for new shapes / static args).
 TRACE_COUNTS: Counter = Counter()
@@ -73,7 +75,7 @@ def prefill_jit(graphdef, params, tokens: jax.Array, cache: Cache):
     TRACE_COUNTS["prefill"] += 1
     positions = jnp.maximum(cache.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] - cache.pad[:, None], 0)
     logits, cache = _forward(graphdef, params, tokens, positions, cache, last_only=True)
-    return logits[:, -1], cache
+    return logits[:, -1], constrain_cache(cache)
 
 
 def check_room(cache: Cache, new_tokens: int) -> None:
@@ -143,7 +145,7 @@ def compress_jit(cache: Cache) -> Cache:
                                                     spec=cache.spec))
         for i, st in enumerate(cache.layers)
     )
-    return cache.replace(layers=layers, stage="compressed")
+    return constrain_cache(cache.replace(layers=layers, stage="compressed"))
 
 
 def compress(cache: Cache) -> Cache:
@@ -175,7 +177,7 @@ def decode_step_jit(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.
     """Jitted body of :func:`decode_step`."""
     TRACE_COUNTS["decode_step"] += 1
     logits, cache = forward_step(graphdef, params, tokens, cache)
-    return sample(logits, key, sampling), logits, cache
+    return sample(logits, key, sampling), logits, constrain_cache(cache)
 
 
 def decode_step(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Array, *, sampling: Sampling = Sampling()):
@@ -220,6 +222,7 @@ def decode_loop_jit(
         i, tok, done, out, count, cache, key = state
         key, sub = jax.random.split(key)
         logits, cache = forward_step(graphdef, params, tok, cache)
+        cache = constrain_cache(cache)  # the carry keeps the mesh layout
         nxt = sample(logits, sub, sampling)
         nxt = jnp.where(done, tok, nxt)  # finished rows repeat their EOS
         out = lax.dynamic_update_slice_in_dim(out, nxt[:, None], i + 1, axis=1)

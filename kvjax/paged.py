@@ -152,6 +152,14 @@ def append_and_attend(state: PagedKV, q, k, v, implementation: str = "auto"):
     return out.astype(q.dtype), state
 
 
+def paged_partition(state: PagedKV, spec, method_name: str) -> PagedKV:
+    """Partition specs of a paged layer on ``spec.mesh``: tables by (row, head), pools by page (:mod:`kvjax.sharding`)."""
+    from kvjax.sharding import ROWS_HEADS, page_pool_partition
+
+    pool = page_pool_partition(state.capacities, spec.mesh, method_name)
+    return state.replace(k_pages=pool, v_pages=pool, block_table=ROWS_HEADS, lengths=ROWS_HEADS)
+
+
 def paged_device_bytes(state: PagedKV) -> int:
     """Bytes of the layer's page pools (K and V) from the arrays' sizes."""
     return sum(int(x.size) * x.dtype.itemsize for x in (state.k_pages, state.v_pages))

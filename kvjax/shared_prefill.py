@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from kvjax.artifacts import no_artifact
 from kvjax.cache import Cache, CacheSpec, own_arrays
-from kvjax.staging import Recording, init_staging, restrict, stage_chunk
+from kvjax.staging import Recording, init_staging, restrict, stage_chunk, staged_partition
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,10 @@ class SharedStaging:
     def decode_attend(self, state, q, k, v, ctx):
         """Not a method of its own."""
         raise ValueError("a shared staging cache cannot decode; use kvjax.shared_prefill.cache_for(staged, method)")
+
+    def state_partition(self, state, spec: CacheSpec):
+        """The staging's specs."""
+        return staged_partition(state)
 
     def stats(self, cache: Cache) -> dict:
         """Nothing beyond the common statistics."""

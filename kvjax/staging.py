@@ -83,6 +83,19 @@ def init_staging(spec: CacheSpec, recording: Recording) -> tuple[StagedKV, ...]:
     )
 
 
+def staged_partition(state: StagedKV) -> StagedKV:
+    """Partition specs of a staging layer: K/V and accumulated scores by (row, head), window queries by row and head."""
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.sharding import DATA, MODEL, ROWS_HEADS
+
+    return state.replace(
+        k=ROWS_HEADS, v=ROWS_HEADS,
+        q_window=None if state.q_window is None else P(DATA, None, MODEL),
+        acc=None if state.acc is None else ROWS_HEADS,
+    )
+
+
 def write_slots(buf, x, start):
     """Write ``x[B, T, H, D]`` into ``buf[B, H, S, D]`` at slots ``start..``."""
     return lax.dynamic_update_slice_in_dim(buf, x.transpose(0, 2, 1, 3).astype(buf.dtype), start, axis=2)

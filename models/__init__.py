@@ -16,7 +16,8 @@ DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, 
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A model ready for the functional API: config, ``nnx`` graphdef + params, tokenizer, source path."""
+    """A model ready for the functional API: config, ``nnx`` graphdef + params, tokenizer, source path,
+    and the device mesh its parameters are split over (None: one device; see :mod:`models.sharding`)."""
 
     config: ModelConfig
     graphdef: Any
@@ -24,6 +25,7 @@ class LoadedModel:
     tokenizer: Any
     path: str
     dtype: Any
+    mesh: Any = None
 
 
 def resolve_dtype(dtype) -> Any:
@@ -49,8 +51,12 @@ def resolve_model_path(name_or_path: str) -> str:
     )
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer: bool = True) -> LoadedModel:
-    """Load weights (and tokenizer) of a ready model, an HF directory or a GGUF file."""
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer: bool = True, mesh=None) -> LoadedModel:
+    """Load weights (and tokenizer) of a ready model, an HF directory or a GGUF file.
+
+    ``mesh``: a ``(data, model)`` :class:`jax.sharding.Mesh` or ``"data=2,model=4"``: the weights are
+    split over it, tensor parallel on ``model`` (:func:`models.sharding.shard_model`).
+    """
     from models.tokenizer import load_tokenizer
     from models.weights import load_gguf, load_hf_directory
 
@@ -63,7 +69,12 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer:
     if name_or_path in READY_MODELS:
         config = dataclasses.replace(config, name=name_or_path)
     tok = load_tokenizer(path) if tokenizer else None
-    return LoadedModel(config=config, graphdef=graphdef, params=params, tokenizer=tok, path=path, dtype=dtype)
+    model = LoadedModel(config=config, graphdef=graphdef, params=params, tokenizer=tok, path=path, dtype=dtype)
+    if mesh is not None:
+        from models.sharding import shard_model
+
+        model = shard_model(model, mesh)
+    return model
 
 
 __all__ = ["ModelConfig", "LoadedModel", "load_model", "READY_MODELS", "DEFAULT_MODEL", "is_installed", "resolve_dtype"]

@@ -100,12 +100,16 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """GQA self-attention whose cache handling is delegated to the cache's method.
 
-    q, k and v come from one fused projection ``qkv_proj`` (columns q | k | v).
+    q, k and v come from one fused projection ``qkv_proj``. Its output rows are ``tensor_parallel``
+    blocks, each ``q | k | v`` of a contiguous share of the heads (one block, q | k | v, by default;
+    :mod:`models.sharding` reorders the rows for a mesh), so a device holding one block computes
+    its own heads' q, k and v with no communication.
     """
 
-    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs, tensor_parallel: int = 1):
         c = config
         self.layer = layer
+        self.tensor_parallel = tensor_parallel
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qkv_proj = Linear(
             c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs
@@ -119,11 +123,12 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, cache: Cache, ctx: AttendContext):
         B, T, _ = x.shape
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        q = qkv[..., : H * D].reshape(B, T, H, D)
-        k = qkv[..., H * D : (H + Hkv) * D].reshape(B, T, Hkv, D)
-        v = qkv[..., (H + Hkv) * D :].reshape(B, T, Hkv, D)
+        H, Hkv, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.tensor_parallel
+        qkv = self.qkv_proj(x).reshape(B, T, G, (H + 2 * Hkv) // G * D)  # G blocks of q | k | v
+        hq, hk = H // G * D, Hkv // G * D
+        q = qkv[..., :hq].reshape(B, T, H, D)
+        k = qkv[..., hq : hq + hk].reshape(B, T, Hkv, D)
+        v = qkv[..., hq + hk :].reshape(B, T, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         ctx = ctx.replace(q_pre_rope=q, k_pre_rope=k)
@@ -133,28 +138,35 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward ``down(silu(gate(x)) * up(x))``, gate and up fused as ``gate_up_proj``."""
+    """SwiGLU feed-forward ``down(silu(gate(x)) * up(x))``, gate and up fused as ``gate_up_proj``.
 
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+    ``gate_up_proj``'s rows are ``tensor_parallel`` blocks of ``gate | up`` for a contiguous share of
+    the hidden units (as ``Attention``'s q | k | v blocks).
+    """
+
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, tensor_parallel: int = 1):
         c = config
         self.intermediate_size = c.intermediate_size
+        self.tensor_parallel = tensor_parallel
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size :]
+        G, inner = self.tensor_parallel, self.intermediate_size // self.tensor_parallel
+        gate_up = self.gate_up_proj(x).reshape(*x.shape[:-1], G, 2 * inner)  # G blocks of gate | up
+        gate = gate_up[..., :inner].reshape(*x.shape[:-1], self.intermediate_size)
+        up = gate_up[..., inner:].reshape(*x.shape[:-1], self.intermediate_size)
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm transformer block."""
 
-    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs, tensor_parallel: int = 1):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, layer, dtype, rngs)
+        self.self_attn = Attention(config, layer, dtype, rngs, tensor_parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, rngs)
+        self.mlp = MLP(config, dtype, rngs, tensor_parallel)
 
     def __call__(self, x, cos, sin, cache, ctx):
         h, state = self.self_attn(self.input_layernorm(x), cos, sin, cache, ctx)
@@ -173,12 +185,16 @@ class Embedding(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Llama / Qwen2 / Qwen3 causal language model."""
+    """Llama / Qwen2 / Qwen3 causal language model.
 
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    ``tensor_parallel``: blocks of the fused projections' rows (:class:`Attention`, :class:`MLP`); 1
+    is HF's order, a mesh's ``model`` size is the layout :func:`models.sharding.shard_model` makes.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, tensor_parallel: int = 1):
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs) for i in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, i, dtype, rngs, tensor_parallel) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
             None if config.tie_word_embeddings
@@ -206,9 +222,9 @@ class CausalLM(nnx.Module):
         return logits, new_cache
 
 
-def abstract_model(config: ModelConfig, dtype=jnp.float32) -> CausalLM:
+def abstract_model(config: ModelConfig, dtype=jnp.float32, tensor_parallel: int = 1) -> CausalLM:
     """The model with shape-only parameters (nothing allocated): the target of weight loading."""
-    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), tensor_parallel=tensor_parallel))
 
 
 def random_model(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> CausalLM:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop jax's compiled programs after each test module.
+
+    Every XLA:CPU executable keeps its code in memory mappings; a whole-suite run keeps thousands of
+    executables alive and crosses the kernel's ``vm.max_map_count`` (65,530), after which XLA crashes
+    while compiling (SIGSEGV / SIGABRT in ``backend_compile_and_load``). Tests never rely on a
+    previous module's compilations (trace counts are compared within a test).
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def ready_model_or_skip(name: str):

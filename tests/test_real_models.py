@@ -207,8 +207,6 @@ def test_calibrate_command_end_to_end(smollm2, tmp_path, kind):
     assert main(["calibrate", kind, "--model", "smollm2-135m", "--group-layers", "0"]) == 2  # clear error
 
 
-@pytest.mark.skip(reason="passes alone (pytest tests/test_real_models.py), but XLA:CPU crashes compiling it late in "
-                         "the full suite (abort/segfault, twice); under investigation")
 def test_qwen_passkey_2k_with_locret_at_quarter_budget():
     """The default model answers a 2K passkey with Locret (shipped heads) at 25%, prefilled in chunks of 512 with
     eviction after each: every head ends with the budget's tokens, and the prefill never held more than b + n_loc + B."""

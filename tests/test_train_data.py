@@ -85,6 +85,23 @@ def test_corpus_is_clean_and_not_from_pydoc_topics():
         assert s not in reference
 
 
+def test_corpus_ignores_functions_other_libraries_replaced(monkeypatch):
+    """torch replaces ``inspect.getfile`` when imported; the corpus must not depend on what the process imported."""
+    import inspect
+
+    before = training_corpus.__wrapped__()
+    original = inspect.getfile
+
+    def replaced(obj):  # a foreign function with no docstring, as a monkeypatch would install
+        return original(obj)
+
+    replaced.__module__ = "some.other.library"
+    monkeypatch.setattr(inspect, "getfile", replaced)
+    after = training_corpus.__wrapped__()
+    assert after == before
+    assert any("file" in s and "defined" in s for p in after for s in p)  # getfile's own docstring is in it
+
+
 def test_deterministic_and_seed_dependent(tok):
     a = qa_samples(tok, count=4, tokens=1024, seed=3)
     b = qa_samples(FakeTokenizer(), count=4, tokens=1024, seed=3)  # fresh tokenizer: same text, same ids order

@@ -35,6 +35,7 @@ practice, within a few dozen tokens of it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import importlib
@@ -73,22 +74,43 @@ _SIGNATURE = re.compile(r"^[\w.]+\(.*\)\s*(->.*)?$")  # "open(file, mode='r') ->
 _CODE_CHARS = set("_()[]{}=<>*`|\\/#@$%^~;")
 
 
-def _module_members(mod) -> list:
-    """``mod``'s docstring owners: the module, then its public classes and functions (sorted), each class
-    followed by its own public methods (sorted)."""
+def _source_functions(mod) -> dict:
+    """Top-level function definitions of ``mod``'s Python source by name ({} for a module without source)."""
+    try:
+        source = inspect.getsource(mod)
+    except (OSError, TypeError):
+        return {}
+    return {node.name: node for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _module_docstrings(mod) -> list[str]:
+    """``mod``'s docstrings (``inspect.getdoc``): the module's, then its public classes' and functions'
+    (sorted), each class followed by its own public methods' (sorted).
+
+    A public function the module's source defines but another library has since replaced (torch
+    replaces ``inspect.getfile`` when imported) contributes its docstring from the source, so the
+    corpus does not depend on what else the process imported.
+    """
     own = {mod.__name__, "_" + mod.__name__, "posix" if mod.__name__ == "os" else mod.__name__}
-    members = [mod]
+    docs = [inspect.getdoc(mod)]
+    defined = None
     for attr, obj in sorted(vars(mod).items()):
-        if attr.startswith("_") or getattr(obj, "__module__", None) not in own:
+        if attr.startswith("_"):
+            continue
+        if getattr(obj, "__module__", None) not in own:
+            if inspect.isfunction(obj) or inspect.isbuiltin(obj):  # replaced after import?
+                defined = _source_functions(mod) if defined is None else defined
+                if attr in defined:
+                    docs.append(ast.get_docstring(defined[attr], clean=True))
             continue
         if inspect.isclass(obj):
-            members.append(obj)
+            docs.append(inspect.getdoc(obj))
             for name, meth in sorted(vars(obj).items()):
                 if not name.startswith("_") and (inspect.isfunction(meth) or inspect.ismethoddescriptor(meth)):
-                    members.append(meth)
+                    docs.append(inspect.getdoc(meth))
         elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
-            members.append(obj)
-    return members
+            docs.append(inspect.getdoc(obj))
+    return docs
 
 
 def _is_sentence(s: str) -> bool:
@@ -137,8 +159,7 @@ def training_corpus() -> tuple[tuple[str, ...], ...]:
     paragraphs = []
     for name in CORPUS_MODULES:
         mod = importlib.import_module(name)
-        for obj in _module_members(mod):
-            doc = inspect.getdoc(obj)
+        for doc in _module_docstrings(mod):
             if not doc:
                 continue
             sentences = []  # one paragraph per docstring: its first sentence is the docstring's summary line

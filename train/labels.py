@@ -33,6 +33,7 @@ from kvjax.attention import attention_by_slots
 from kvjax.cache import Cache, CacheSpec
 from kvjax.generate import prefill_jit
 from kvjax.retaining_heads import head_features
+from kvjax.sharding import not_shardable
 
 
 @struct.dataclass
@@ -106,6 +107,10 @@ class LabelRecorder:
     def decode_attend(self, state, q, k, v, ctx):
         """Not supported: the recorder only prefills."""
         raise ValueError("the label recorder only runs one prefill")
+
+    def state_partition(self, state, spec: CacheSpec):
+        """Label recording runs on one device."""
+        raise not_shardable(self.name, "training labels are recorded on one device")
 
     def stats(self, cache: Cache) -> dict:
         """Nothing to report."""

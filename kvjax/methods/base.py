@@ -22,6 +22,10 @@ explicit per-layer lifecycle. Every function is required; nothing is discovered 
 ``decode_attend(state, q, k, v, ctx)``
     One layer, any later tokens (T >= 1: a question or one decoded token): append them
     uncompressed, run the per-step logic (page selection, eviction, recall...) and attend.
+``state_partition(state, spec)``
+    Partition specs of one layer's state (either stage) over the mesh ``spec.mesh``, by row on
+    ``data`` and by KV head on ``model`` (:mod:`kvjax.sharding`); a state that cannot be split that
+    way raises ValueError instead of being replicated.
 ``stats(cache)`` / ``bytes_read_per_step(cache)``
     The method's own facts for ``cache.stats()``; K/V (and side-data) bytes a decode step reads.
 
@@ -39,9 +43,9 @@ from kvjax.artifacts import no_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.budgets import check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
-from kvjax.paged import PagedKV, append_and_attend, build_paged, paged_device_bytes, paged_read_bytes
+from kvjax.paged import PagedKV, append_and_attend, build_paged, paged_device_bytes, paged_partition, paged_read_bytes
 from kvjax.selection import GQA_AGGREGATIONS, keep_to_indices, row_capacities
-from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 
 
 @runtime_checkable
@@ -72,6 +76,11 @@ class Method(Protocol):
 
     def decode_attend(self, state: Any, q, k, v, ctx: AttendContext) -> tuple[jax.Array, Any]:
         """Append later tokens to one compressed layer and attend."""
+        ...
+
+    def state_partition(self, state: Any, spec: CacheSpec) -> Any:
+        """Partition specs of one layer's state on ``spec.mesh`` (:mod:`kvjax.sharding`); raises ValueError
+        when the state cannot be split over the mesh."""
         ...
 
     def stats(self, cache: Cache) -> dict:
@@ -112,6 +121,10 @@ class PagedAppend:
     def decode_attend(self, state: PagedKV, q, k, v, ctx: AttendContext):
         """Append and attend."""
         return append_and_attend(state, q, k, v, self.implementation)
+
+    def partition(self, state: PagedKV, spec: CacheSpec, method_name: str) -> PagedKV:
+        """Partition specs of the compressed layer (:func:`kvjax.paged.paged_partition`)."""
+        return paged_partition(state, spec, method_name)
 
     def stats(self, states) -> dict:
         """Kept tokens per head (allocation) and the page pools' bytes."""
@@ -203,6 +216,12 @@ class PromptCompression:
     def decode_attend(self, state, q, k, v, ctx):
         """The layout's decode path."""
         return self.components()[3].decode_attend(state, q, k, v, ctx)
+
+    def state_partition(self, state, spec: CacheSpec):
+        """The staging's specs before compression, the layout's after."""
+        if isinstance(state, StagedKV):
+            return staged_partition(state)
+        return self.components()[3].partition(state, spec, self.name)
 
     def stats(self, cache: Cache) -> dict:
         """The layout's facts (empty before compression)."""

@@ -30,7 +30,7 @@ from jax import lax
 
 from kvjax.artifacts import no_artifact
 from kvjax.attention import resolve_implementation
-from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, check_schedule, init_bounded, paged_cache_read_bytes,
+from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_sizes, check_schedule, init_bounded, paged_cache_read_bytes,
                                    paged_facts, prefill_in_pieces, to_pages)
 from kvjax.budgets import check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
@@ -135,6 +135,10 @@ class ChunkedEviction:
     def decode_attend(self, state: PagedKV, q, k, v, ctx: AttendContext):
         """Append without eviction and attend."""
         return append_and_attend(state, q, k, v, self.implementation)
+
+    def state_partition(self, state, spec: CacheSpec):
+        """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
+        return bounded_partition(state, spec, self.name)
 
     def stats(self, cache: Cache) -> dict:
         """Sizes, the prefill buffer bound, kept tokens per head and the page pools' bytes."""

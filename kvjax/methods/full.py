@@ -10,7 +10,8 @@ from flax import struct
 from kvjax.artifacts import no_artifact
 from kvjax.attention import causal_cache_attention, resolve_implementation
 from kvjax.cache import Cache, CacheSpec
-from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, write_slots
+from kvjax.sharding import ROWS_HEADS
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition, write_slots
 
 
 @struct.dataclass
@@ -68,6 +69,12 @@ class FullCache:
         out = causal_cache_attention(q, k_new, v_new, q_start=ctx.start, pad=ctx.pad, scale=q.shape[-1] ** -0.5,
                                      block=self.block, implementation=self.implementation)
         return out, DenseKV(k=k_new, v=v_new)
+
+    def state_partition(self, state, spec: CacheSpec):
+        """K/V by (row, KV head) in both stages."""
+        if isinstance(state, StagedKV):
+            return staged_partition(state)
+        return DenseKV(k=ROWS_HEADS, v=ROWS_HEADS)
 
     def stats(self, cache: Cache) -> dict:
         """Nothing beyond the common statistics."""

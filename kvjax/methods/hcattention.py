@@ -66,6 +66,7 @@ from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
 from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
+from kvjax.sharding import is_split, not_shardable
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
 from pallas_kernels.pq_attention import pq_scores
 
@@ -249,6 +250,8 @@ class HCAttention:
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging; the codebooks travel with the cache as its artifact."""
+        if is_split(spec.mesh):
+            raise not_shardable(self.name, "the host-resident values and the PQ codes are not split by row and KV head yet")
         art = self.artifact_for(spec, artifact)
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
 
@@ -353,6 +356,10 @@ class HCAttention:
         return out, state
 
     # -- reporting
+    def state_partition(self, state, spec: CacheSpec):
+        """Not split over a mesh yet (:func:`init_cache` refuses a multi-device mesh)."""
+        raise not_shardable(self.name, "the host-resident values and the PQ codes are not split by row and KV head yet")
+
     def stats(self, cache: Cache) -> dict:
         """Key representation, bytes by kind, selection ratio per layer, value rows per call."""
         if cache.stage != "compressed":

@@ -64,6 +64,7 @@ from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, 
                                recall_stats, to_stored, top_mask, top_slots)
 from kvjax.methods.base import check_common
 from kvjax.selection import keep_to_indices, keep_top, row_capacities
+from kvjax.sharding import is_split, not_shardable
 from kvjax.staging import Recording, init_staging, stage_chunk
 
 ROLES = ("pivot", "satellite", "anchor", "volatile")
@@ -265,6 +266,8 @@ class HeteroCache:
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging recording the last query; the artifact (or the shipped one) travels with the cache."""
+        if is_split(spec.mesh):
+            raise not_shardable(self.name, "the satellites' host tier and the followers' recall are not split by row and KV head yet")
         art = self.artifact_for(spec, artifact)
         self.plans(spec, art)  # validates the budget against the full heads
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
@@ -339,6 +342,10 @@ class HeteroCache:
         if state.plan.leaders and self.retrieval:
             state = self.track(state, q, ctx.pad)
         return out, apply_recalls(state, ctx, enabled=self.retrieval)
+
+    def state_partition(self, state, spec: CacheSpec):
+        """Not split over a mesh yet (:func:`init_cache` refuses a multi-device mesh)."""
+        raise not_shardable(self.name, "the satellites' host tier and the followers' recall are not split by row and KV head yet")
 
     def stats(self, cache: Cache) -> dict:
         """Roles, kept tokens, recall events."""

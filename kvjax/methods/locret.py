@@ -41,7 +41,7 @@ from typing import Any
 
 from kvjax.artifacts import require_artifact, shipped_artifact
 from kvjax.attention import resolve_implementation
-from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
+from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
                                    init_bounded, paged_cache_read_bytes, paged_facts, prefill_in_pieces, to_pages)
 from kvjax.budgets import check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
@@ -148,6 +148,10 @@ class Locret:
                                  f"exceed the buffer's chunk of {self.chunk}")
             return evict_decoding(state, q, k, v, ctx, self.token_scores(v, ctx))
         return append_and_attend(state, q, k, v, self.implementation)
+
+    def state_partition(self, state, spec: CacheSpec):
+        """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
+        return bounded_partition(state, spec, self.name)
 
     def stats(self, cache: Cache) -> dict:
         """Sizes (b, n_s, n_loc, B), the prefill buffer bound, kept tokens per head and the page pools' bytes."""

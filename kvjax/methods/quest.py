@@ -23,9 +23,11 @@ from kvjax.artifacts import no_artifact
 from kvjax.budgets import check_budget, tokens_per_head
 from kvjax.cache import Cache, CacheSpec
 from kvjax.methods.base import check_common
-from kvjax.paged import PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes
+from kvjax.paged import (
+    PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes, paged_partition,
+)
 from kvjax.selection import gqa_aggregate
-from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 
 
 @struct.dataclass
@@ -160,6 +162,13 @@ class Quest:
             table, lengths = select_pages(q[:, 0], state, self.gqa)
             out = paged_attention(q[:, 0], state.paged, block_table=table, lengths=lengths, implementation=self.implementation)
         return out[:, None].astype(q.dtype), state
+
+    def state_partition(self, state, spec: CacheSpec):
+        """The staging's specs, then pages as any paged layer with each page's bounds beside it."""
+        if isinstance(state, StagedKV):
+            return staged_partition(state)
+        paged = paged_partition(state.paged, spec, self.name)
+        return state.replace(paged=paged, kmin=paged.k_pages, kmax=paged.k_pages)
 
     def stats(self, cache: Cache) -> dict:
         """Quest saves bandwidth, not memory: device bytes are the full cache's."""

@@ -56,6 +56,7 @@ from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, 
                                recall_stats, to_stored, top_slots)
 from kvjax.methods.base import check_common
 from kvjax.selection import row_capacities
+from kvjax.sharding import is_split, not_shardable
 from kvjax.staging import Recording, init_staging, stage_chunk
 
 KIND = "synckv"
@@ -246,6 +247,8 @@ class SyncKV:
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging recording the last query; the artifact travels with the cache."""
+        if is_split(spec.mesh):
+            raise not_shardable(self.name, "the NR-heads' host tier and the representatives' recall are not split by row and KV head yet")
         art = self.artifact_for(spec, artifact)
         self.plans(spec, art)
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
@@ -325,6 +328,10 @@ class SyncKV:
                 state = lax.cond(state.steps % self.stride == 0, lambda st: self.anticipate(st, qg, ctx.pad),
                                  lambda st: st, state)
         return out, apply_recalls(state, ctx, enabled=self.anticipation)
+
+    def state_partition(self, state, spec: CacheSpec):
+        """Not split over a mesh yet (:func:`init_cache` refuses a multi-device mesh)."""
+        raise not_shardable(self.name, "the NR-heads' host tier and the representatives' recall are not split by row and KV head yet")
 
     def stats(self, cache: Cache) -> dict:
         """R/NR heads, kept tokens, recall events."""

@@ -1,0 +1,196 @@
+"""``kvjax bench mesh``: decode speed and per-device bytes of each method on each device mesh.
+
+A random model with 8 KV heads (the ready models have 2 and 3, too few to split 8 ways) generates
+for a batch of left-padded prompts on every mesh and method; the second of two identical runs is
+timed (the first compiles). Per row: decode ms/token, prefill s, the cache's device bytes in all and
+on the fullest device, the weights' bytes per device, and ratios against the full cache on the same
+mesh and against the same method on one device, measured in the same run.
+
+On CPU the devices are simulated (``--cpu-devices``): the numbers show the structure (what each
+device holds), not the speed of a real mesh, since all "devices" share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+DEFAULT_MESHES = ("data=1,model=1", "data=2,model=4", "data=8,model=1", "data=1,model=8")
+DEFAULT_METHODS = ("full", "snapkv", "quest", "locret")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of ``kvjax bench mesh``."""
+    p = argparse.ArgumentParser(prog="kvjax bench mesh", description=__doc__.splitlines()[0])
+    p.add_argument("--meshes", default=";".join(DEFAULT_MESHES), help="';'-separated meshes (default: %(default)s)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma list among full, snapkv, quest, locret, "
+                   "h2o, streaming_llm (default: %(default)s)")
+    p.add_argument("--length", type=int, default=1024, help="prompt tokens of the longest row (default 1024)")
+    p.add_argument("--batch", type=int, default=8, help="rows (default 8)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run (default 32)")
+    p.add_argument("--budget", type=float, default=0.25, help="budget of the compressing methods (default 0.25)")
+    p.add_argument("--cpu-devices", type=int, default=8,
+                   help="simulated CPU devices when jax runs on CPU (default 8; set before jax starts)")
+    p.add_argument("--out", default=None, help="Markdown report (JSON beside it; default docs/results/bench_mesh_<platform>.md)")
+    return p
+
+
+def bench_model(seed: int = 0):
+    """A random 4-layer model with 16 query and 8 KV heads of 64 dims (weights scaled so attention is peaked)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models import LoadedModel
+    from models.config import ModelConfig
+    from models.llama import random_model
+
+    config = ModelConfig(architecture="llama", vocab_size=1024, hidden_size=512, intermediate_size=1024, num_layers=4,
+                         num_heads=16, num_kv_heads=8, head_dim=64, max_position_embeddings=8192, name="bench-mesh")
+    graphdef, params = nnx.split(random_model(config, seed=seed))
+    params = jax.tree_util.tree_map(lambda x: x * 10 if x.ndim == 2 else x, params)
+    return LoadedModel(config, graphdef, params, None, "random", jnp.float32)
+
+
+def make_method(name: str, budget: float, model):
+    """A method by name at ``budget``; Locret gets random retaining heads of the model's shape."""
+    from kvjax.artifacts import model_identity
+    from kvjax.methods import get_method
+    from kvjax.retaining_heads import random_heads_artifact
+
+    if name == "full":
+        return get_method("full"), None
+    if name == "locret":
+        c = model.config
+        heads = random_heads_artifact(model_identity(c), c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, 64, 0)
+        return get_method("locret", budget=budget, chunk=256, local=32), heads
+    return get_method(name, budget=budget), None
+
+
+def params_bytes_per_device(params) -> int:
+    """The most parameter bytes any one device holds."""
+    from kvjax.cache import device_bytes_per_device
+
+    return device_bytes_per_device(params)
+
+
+def run(args) -> dict:
+    """Measure every (mesh, method); returns the report."""
+    import jax
+    import numpy as np
+
+    if args.cpu_devices:
+        try:
+            jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+        except RuntimeError:  # the backend already started (e.g. in-process tests): use what there is
+            pass
+    from tqdm import tqdm
+
+    from kvjax.api import generate_tokens
+    from models.sharding import shard_model
+
+    base = bench_model()
+    rng = np.random.default_rng(0)
+    lengths = [args.length - (rng.integers(0, args.length // 8) if b % 2 else 0) for b in range(args.batch)]
+    rows = [list(rng.integers(1, base.config.vocab_size, size=int(n))) for n in lengths]
+    meshes = [m.strip() for m in args.meshes.split(";") if m.strip()]
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    results = []
+    with tqdm(total=len(meshes) * len(names), desc="bench mesh", unit="run", file=sys.stderr) as bar:
+        for mesh in meshes:
+            model = shard_model(base, mesh)
+            weights = params_bytes_per_device(model.params)
+            for name in names:
+                bar.set_postfix_str(f"{mesh} {name}")
+                method, artifact = make_method(name, args.budget, base)
+                row = {"mesh": mesh, "method": name, "weights_bytes_per_device": weights}
+                try:
+                    chunk = 256 if name == "locret" else None
+                    for _ in range(2):  # the first run compiles
+                        out, count, cache, timings = generate_tokens(model, rows, method=method, artifact=artifact,
+                                                                     max_new_tokens=args.new_tokens, chunk_size=chunk)
+                    stats = cache.stats()
+                    row.update(decode_ms_per_token=timings["decode_ms_per_token"], prefill_s=timings["prefill_s"],
+                               device_bytes=stats["device_bytes"],
+                               device_bytes_per_device=stats["device_bytes_per_device"],
+                               tokens=np.asarray(out).tolist())
+                except ValueError as e:
+                    row["error"] = str(e)
+                results.append(row)
+                bar.update()
+    add_ratios(results)
+    device = jax.devices()[0]
+    return {"command": args.command,
+            "date": datetime.date.today().isoformat(), "platform": device.platform,
+            "device": getattr(device, "device_kind", device.platform), "devices": len(jax.devices()),
+            "model": "random llama, 4 layers, 16 heads / 8 KV heads x 64, hidden 512",
+            "batch": args.batch, "length": args.length, "new_tokens": args.new_tokens, "budget": args.budget,
+            "rows": results}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Ratios against the full cache on the same mesh and the same method on the first mesh; token agreement."""
+    by = {(r["mesh"], r["method"]): r for r in rows if "error" not in r}
+    first_mesh = rows[0]["mesh"] if rows else None
+    for r in rows:
+        if "error" in r:
+            continue
+        full = by.get((r["mesh"], "full"))
+        single = by.get((first_mesh, r["method"]))
+        if full:
+            r["decode_vs_full"] = r["decode_ms_per_token"] / full["decode_ms_per_token"]
+            r["bytes_per_device_vs_full"] = r["device_bytes_per_device"] / full["device_bytes_per_device"]
+        if single:
+            r["decode_vs_one_device"] = r["decode_ms_per_token"] / single["decode_ms_per_token"]
+            r["bytes_per_device_vs_one_device"] = r["device_bytes_per_device"] / single["device_bytes_per_device"]
+            r["same_tokens_as_one_device"] = r["tokens"] == single["tokens"]
+
+
+def markdown(report: dict) -> str:
+    """The report as a Markdown table."""
+    mib = 1024 ** 2
+    lines = [f"# Methods on device meshes ({report['devices']} {report['platform']} devices)", "",
+             f"Command: `{report['command']}` ({report['date']}).", "",
+             f"Model: {report['model']}; batch {report['batch']} (left-padded, longest {report['length']} tokens), "
+             f"{report['new_tokens']} new tokens, budget {report['budget']}. Second of two identical runs timed.", ""]
+    if report["platform"] == "cpu":
+        lines += ["CPU devices are simulated on this machine's cores: the bytes show what each device holds; the "
+                  "times show the cost of the partitioned program on one machine, not the speed of a real mesh.", ""]
+    lines += ["| mesh | method | decode ms/token | vs full | vs one device | cache MiB (all) | cache MiB per device | "
+              "per device vs one device | weights MiB per device | same tokens as one device |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['mesh']} | {r['method']} | error: {r['error']} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['mesh']} | {r['method']} | {r['decode_ms_per_token']:.1f} | {r.get('decode_vs_full', float('nan')):.2f} | "
+            f"{r.get('decode_vs_one_device', float('nan')):.2f} | {r['device_bytes'] / mib:.1f} | "
+            f"{r['device_bytes_per_device'] / mib:.2f} | {r.get('bytes_per_device_vs_one_device', float('nan')):.3f} | "
+            f"{r['weights_bytes_per_device'] / mib:.1f} | {r.get('same_tokens_as_one_device', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """Entry point of ``kvjax bench mesh``; writes the Markdown and JSON reports."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.command = "kvjax bench mesh " + " ".join(argv)
+    report = run(args)
+    out = args.out or os.path.join("docs", "results", f"bench_mesh_{report['platform']}.md")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    for r in report["rows"]:
+        r.pop("tokens", None)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(markdown(report))
+    with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(out)
+    return 0 if all("error" not in r for r in report["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

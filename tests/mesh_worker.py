@@ -1,0 +1,122 @@
+"""Runs in its own process with simulated CPU devices (``tests/test_mesh.py`` starts it): generations of a
+tiny 8-KV-head model on several meshes, printed as one JSON object on the last line of stdout.
+
+``python -m tests.mesh_worker DEVICES`` (XLA_FLAGS must already ask for DEVICES host devices).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.api import generate_tokens
+from kvjax.artifacts import model_identity
+from kvjax.generate import TRACE_COUNTS
+from kvjax.methods import (H2O, HBW, ChunkedEviction, FullCache, HeteroCache, Locret, PyramidKV, Quest, SnapKV,
+                           StreamingLLM)
+from kvjax.retaining_heads import random_heads_artifact
+from kvjax.sharding import shard_shapes
+from models import LoadedModel
+from models.config import ModelConfig
+from models.llama import random_model
+from models.sharding import shard_model
+
+CONFIG = ModelConfig(architecture="qwen2", vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=2,
+                     num_heads=16, num_kv_heads=8, head_dim=8, attention_bias=True, max_position_embeddings=512,
+                     name="tiny-mesh")
+MESHES = ("data=1,model=1", "data=2,model=4", "data=8,model=1", "data=1,model=8")
+LENGTHS = (100, 124, 93, 120, 124, 110, 105, 124)  # ragged: rows are left-padded
+NEW_TOKENS = 6
+CHUNK = 32  # chunked prefill for every method (prompt padded to a multiple: chunk padding)
+
+
+def tiny_model() -> LoadedModel:
+    """Random weights scaled up so attention is peaked and greedy tokens vary; random q/k/v biases."""
+    graphdef, params = nnx.split(random_model(CONFIG, seed=1))
+    keys = iter(jax.random.split(jax.random.PRNGKey(7), 1000))
+    params = jax.tree_util.tree_map(
+        lambda x: x * 50 if x.ndim == 2 else x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), params)
+    return LoadedModel(CONFIG, graphdef, params, None, "random", jnp.float32)
+
+
+def methods():
+    """Every method that runs on a mesh, sized for 100-token prompts."""
+    heads = random_heads_artifact(model_identity(CONFIG), CONFIG.num_layers, CONFIG.num_heads, CONFIG.num_kv_heads,
+                                  CONFIG.head_dim, 16, 0)
+    return {
+        "full": (FullCache(block=32), None),
+        "snapkv": (SnapKV(budget=40, window=8), None),
+        "pyramidkv": (PyramidKV(budget=40, window=8), None),
+        "streaming_llm": (StreamingLLM(budget=40), None),
+        "h2o": (H2O(budget=40, evict_during_decode=True), None),
+        "hbw": (HBW(budget=48, window=8), None),
+        "quest": (Quest(budget=32, page_size=8, dense_layers=1), None),
+        "locret": (Locret(budget=48, chunk=CHUNK, local=8, stabilizers=4), heads),
+        "chunked_eviction": (ChunkedEviction(budget=48, chunk=CHUNK, local=8, window=8), None),
+    }
+
+
+def layout(cache) -> dict:
+    """Per-device shard shapes of the first layer's arrays and of the cache's padding."""
+    leaves = jax.tree_util.tree_leaves_with_path(cache.layers[0])
+    out = {jax.tree_util.keystr(path): [list(s) for s in shard_shapes(x)] for path, x in leaves}
+    out["pad"] = [list(s) for s in shard_shapes(cache.pad)]
+    return out
+
+
+def main() -> None:
+    devices = int(sys.argv[1])
+    assert len(jax.devices()) == devices, (len(jax.devices()), devices)
+    base = tiny_model()
+    rng = np.random.default_rng(0)
+    rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
+    other_rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
+    result = {"reference": {}, "meshes": {}, "params": {}, "compiles": {}, "errors": {}, "bad": {}}
+    for name, (method, artifact) in methods().items():
+        out, count, _, _ = generate_tokens(base, rows, method=method, max_new_tokens=NEW_TOKENS, chunk_size=CHUNK,
+                                           artifact=artifact)
+        result["reference"][name] = np.asarray(out).tolist()
+    for mesh in MESHES:
+        model = shard_model(base, mesh)
+        qkv = model.params["layers"][0]["self_attn"]["qkv_proj"]["weight"]
+        down = model.params["layers"][0]["mlp"]["down_proj"]["weight"]
+        result["params"][mesh] = {"qkv_proj": [list(s) for s in shard_shapes(qkv[...])],
+                                  "down_proj": [list(s) for s in shard_shapes(down[...])]}
+        result["meshes"][mesh] = {}
+        for name, (method, artifact) in methods().items():
+            before = TRACE_COUNTS["decode_loop"]
+            out, count, cache, _ = generate_tokens(model, rows, method=method, max_new_tokens=NEW_TOKENS,
+                                                   chunk_size=CHUNK, artifact=artifact)
+            if name == "full":  # a second batch of the same shapes reuses the compiled loop
+                generate_tokens(model, other_rows, method=method, max_new_tokens=NEW_TOKENS, chunk_size=CHUNK)
+                result["compiles"][mesh] = TRACE_COUNTS["decode_loop"] - before
+            stats = cache.stats()
+            result["meshes"][mesh][name] = {"tokens": np.asarray(out).tolist(), "layout": layout(cache),
+                                            "device_bytes": stats["device_bytes"],
+                                            "device_bytes_per_device": stats["device_bytes_per_device"]}
+        try:
+            generate_tokens(model, rows, method=HeteroCache(), max_new_tokens=NEW_TOKENS)
+            result["errors"][mesh] = None
+        except ValueError as e:
+            result["errors"][mesh] = str(e)
+    bad = {"model axis not dividing the KV heads": lambda: shard_model(base, "data=1,model=3"),
+           "unknown axis": lambda: shard_model(base, "data=2,pipeline=4"),
+           "mesh larger than the devices": lambda: shard_model(base, f"data={devices},model=2"),
+           "batch not divisible by data": lambda: generate_tokens(shard_model(base, "data=2,model=1"), rows[:3],
+                                                                  max_new_tokens=2)}
+    for what, call in bad.items():
+        try:
+            call()
+            result["bad"][what] = None
+        except ValueError as e:
+            result["bad"][what] = str(e)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Meshes: parsing and errors here; generation on 8 simulated CPU devices in a separate process (tests/mesh_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax.api import generate_tokens
+from kvjax.cache import CacheSpec
+from kvjax.generate import prefill_prompt
+from kvjax.methods import FullCache
+from kvjax.sharding import make_mesh, parse_mesh
+from models import LoadedModel
+from models.config import ModelConfig
+from models.llama import abstract_model, random_model
+from models.sharding import interleave_rows, tensor_parallel_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = 8
+
+
+def test_parse_mesh_and_its_errors():
+    assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
+    assert parse_mesh("model=8") == {"data": 1, "model": 8}
+    assert parse_mesh(" data = 2 , ") == {"data": 2, "model": 1}
+    for text, message in [("pipeline=2", "unknown mesh axis 'pipeline'"), ("data=0", "size >= 1"),
+                          ("data", "name=size"), ("data=2,data=2", "given twice"), ("model=x", "integer size")]:
+        with pytest.raises(ValueError, match=message):
+            parse_mesh(text)
+
+
+def test_make_mesh_refuses_more_devices_than_there_are():
+    with pytest.raises(ValueError, match=r"needs 4096 devices; 1 available"):
+        make_mesh("data=64,model=64")
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        make_mesh({"data": 1, "expert": 1})
+    mesh = make_mesh("data=1,model=1")
+    assert mesh.axis_names == ("data", "model") and mesh.size == 1
+
+
+def test_interleave_rows_hand_computed():
+    # q has 4 rows, k and v 2 each; 2 blocks: [q0 q1 k0 v0 | q2 q3 k1 v1]
+    x = jnp.arange(8)[:, None] * jnp.ones((1, 3), jnp.int32)
+    out = interleave_rows(x, (4, 2, 2), 2)
+    np.testing.assert_array_equal(np.asarray(out[:, 0]), [0, 1, 4, 6, 2, 3, 5, 7])
+    assert interleave_rows(x, (4, 2, 2), 1) is x
+
+
+def test_tensor_parallel_row_order_gives_the_same_logits_on_one_device():
+    """The reordered fused projections read back by a ``tensor_parallel=4`` model compute the same function."""
+    config = ModelConfig(architecture="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=8, num_kv_heads=4, head_dim=8, attention_bias=True, max_position_embeddings=128)
+    graphdef, params = nnx.split(random_model(config, seed=3))
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 100))
+    params = jax.tree_util.tree_map(lambda x: x * 20 if x.ndim == 2 else x + 0.5 * jax.random.normal(next(keys), x.shape),
+                                    params)
+    tp_graphdef, _ = nnx.split(abstract_model(config, jnp.float32, tensor_parallel=4))
+    tp_params = tensor_parallel_params(params, config, 4)
+    assert not np.allclose(np.asarray(params["layers"][0]["self_attn"]["qkv_proj"]["weight"][...]),
+                           np.asarray(tp_params["layers"][0]["self_attn"]["qkv_proj"]["weight"][...]))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 20)), jnp.int32)
+    logits = []
+    for g, p in ((graphdef, params), (tp_graphdef, tp_params)):
+        spec = CacheSpec.for_model(config, 2, 20, 4, jnp.float32)
+        out, _ = prefill_prompt(g, p, tokens, FullCache(block=32).init_cache(spec))
+        logits.append(np.asarray(out))
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    a = generate_tokens(LoadedModel(config, graphdef, params, None, "", jnp.float32), [[1, 2, 3], [4, 5]],
+                        max_new_tokens=5)[0]
+    b = generate_tokens(LoadedModel(config, tp_graphdef, tp_params, None, "", jnp.float32), [[1, 2, 3], [4, 5]],
+                        max_new_tokens=5)[0]
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def mesh_run():
+    """Generations of every method on meshes (1,1), (2,4), (8,1), (1,8) of 8 simulated CPU devices."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.mesh_worker", str(DEVICES)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_method_generates_the_same_tokens_on_every_mesh(mesh_run):
+    reference = mesh_run["reference"]
+    assert len({json.dumps(t) for t in reference.values()}) > 1  # the methods do differ on this model
+    for name, tokens in reference.items():
+        assert len({tuple(row) for row in tokens}) > 1, name  # rows differ: a batch mix-up would show
+    for mesh, runs in mesh_run["meshes"].items():
+        assert set(runs) == set(reference)
+        for name, run in runs.items():
+            assert run["tokens"] == reference[name], (mesh, name)
+
+
+def test_caches_are_split_by_row_and_kv_head(mesh_run):
+    meshes = mesh_run["meshes"]
+    one = meshes["data=1,model=1"]
+    # hand-computed: the full cache's K is [8 rows, 8 KV heads, 160 slots, 8]
+    assert one["full"]["layout"][".k"] == [[8, 8, 160, 8]]
+    assert meshes["data=2,model=4"]["full"]["layout"][".k"] == [[4, 2, 160, 8]] * DEVICES
+    assert meshes["data=8,model=1"]["full"]["layout"][".k"] == [[1, 8, 160, 8]] * DEVICES
+    assert meshes["data=1,model=8"]["full"]["layout"][".k"] == [[8, 1, 160, 8]] * DEVICES
+    assert meshes["data=2,model=4"]["full"]["layout"]["pad"] == [[4]] * DEVICES
+    # SnapKV: 40 + 6 slots per head -> 3 pages of 16; 8 rows x 8 heads x 3 = 192 pages, 24 per device
+    assert one["snapkv"]["layout"][".k_pages"] == [[192, 16, 8]]
+    assert meshes["data=2,model=4"]["snapkv"]["layout"][".k_pages"] == [[24, 16, 8]] * DEVICES
+    assert meshes["data=2,model=4"]["snapkv"]["layout"][".block_table"] == [[4, 2, 3]] * DEVICES
+    # every array of every method's layer state is split 8 ways on every multi-device mesh (nothing replicated)
+    for mesh in ("data=2,model=4", "data=8,model=1", "data=1,model=8"):
+        for name, run in meshes[mesh].items():
+            for key, shards in run["layout"].items():
+                if key == "pad":  # not a layer array: split by row only
+                    continue
+                whole = one[name]["layout"][key][0]
+                assert len(shards) == DEVICES and all(s == shards[0] for s in shards), (mesh, name, key)
+                assert math.prod(shards[0]) * DEVICES == math.prod(whole), (mesh, name, key, shards[0], whole)
+
+
+def test_stats_report_the_bytes_each_device_holds(mesh_run):
+    for mesh, runs in mesh_run["meshes"].items():
+        for name in ("full", "snapkv", "quest"):
+            total, per_device = runs[name]["device_bytes"], runs[name]["device_bytes_per_device"]
+            if mesh == "data=1,model=1":
+                assert per_device == total
+            else:  # layer arrays split 8 ways; the slot counter and padding are a few replicated bytes
+                assert abs(per_device - total / DEVICES) <= 64, (mesh, name, per_device, total)
+
+
+def test_weights_are_tensor_parallel_on_the_model_axis(mesh_run):
+    params = mesh_run["params"]
+    # qkv_proj [(16 + 2 * 8) * 8 = 256, 64] split by rows; down_proj [64, 64] by columns
+    assert params["data=1,model=1"] == {"qkv_proj": [[256, 64]], "down_proj": [[64, 64]]}
+    assert params["data=2,model=4"] == {"qkv_proj": [[64, 64]] * DEVICES, "down_proj": [[64, 16]] * DEVICES}
+    assert params["data=1,model=8"] == {"qkv_proj": [[32, 64]] * DEVICES, "down_proj": [[64, 8]] * DEVICES}
+    assert params["data=8,model=1"] == {"qkv_proj": [[256, 64]] * DEVICES, "down_proj": [[64, 64]] * DEVICES}
+
+
+def test_decode_loop_compiles_once_per_mesh(mesh_run):
+    assert mesh_run["compiles"] == {mesh: 1 for mesh in mesh_run["meshes"]}
+
+
+def test_clear_errors_for_bad_meshes_and_unsplit_methods(mesh_run):
+    bad = mesh_run["bad"]
+    assert "must divide the KV heads (8)" in bad["model axis not dividing the KV heads"]
+    assert "unknown mesh axis 'pipeline'" in bad["unknown axis"]
+    assert f"needs {2 * DEVICES} devices; {DEVICES} available" in bad["mesh larger than the devices"]
+    assert "must divide the batch (3 rows)" in bad["batch not divisible by data"]
+    for mesh, error in mesh_run["errors"].items():
+        if mesh != "data=1,model=1":
+            assert "heterocache cannot run on a multi-device mesh yet" in error, mesh
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_generate_together_like_one():
+    """Two processes joined by ``kvjax.distributed`` (localhost coordinator, gloo) split one model over a
+    mesh spanning both and generate what a single process does."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    port = str(_free_port())
+    cmd = [sys.executable, "-m", "tests.distributed_worker"]
+    procs = [subprocess.Popen(cmd + [str(i), port], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    outputs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=600)
+        finally:
+            for q in procs:
+                if q.poll() is None and p.returncode is None:
+                    q.kill()
+        assert p.returncode == 0, err[-4000:]
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    single = subprocess.run(cmd + ["single"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-4000:]
+    expected = json.loads(single.stdout.strip().splitlines()[-1])
+    assert sorted(o.pop("process_index") for o in outputs) == [0, 1]
+    expected.pop("process_index")
+    assert outputs[0] == outputs[1] == expected
+
+
+def test_distributed_settings_need_all_three_and_sane_values(monkeypatch):
+    from kvjax.distributed import initialize, settings
+
+    for var in ("KVJAX_COORDINATOR", "KVJAX_NUM_PROCESSES", "KVJAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert settings() is None
+    assert initialize() is False  # one process: nothing to join
+    assert settings("h:1", 2, 1) == {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}
+    monkeypatch.setenv("KVJAX_COORDINATOR", "10.0.0.1:1234")
+    monkeypatch.setenv("KVJAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("KVJAX_PROCESS_ID", "3")
+    assert settings() == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}
+    monkeypatch.delenv("KVJAX_PROCESS_ID")
+    with pytest.raises(ValueError, match=r"missing: --process-id \(KVJAX_PROCESS_ID\)"):
+        settings()
+    with pytest.raises(ValueError, match="0 <= process_id < num_processes"):
+        settings("h:1", 2, 2)
+    with pytest.raises(ValueError, match="host:port"):
+        settings("localhost", 2, 0)
