@@ -203,7 +203,7 @@ def to_pages(state: BoundedPrefill, room: int, page_size: int) -> PagedKV:
     """After the prompt: the survivors (``<= budget`` per head, slot order) into page pools with ``room`` for later tokens."""
     buf = state.buffer
     idx, count = kept_indices(buf)
-    return build_paged(buf.k, buf.v, idx, count, (buf.capacity,) * buf.k.shape[1], room, page_size)
+    return build_paged(buf.k, buf.v, idx, count, (buf.capacity,) * buf.k.shape[1], room, page_size, state.spec.mesh)
 
 
 def paged_facts(cache: Cache) -> dict:

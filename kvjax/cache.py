@@ -101,6 +101,7 @@ class AttendContext:
       layers: every layer's state as of this call: layers before ``layer`` already updated by this
         call, later ones as of the previous call (set by :meth:`Cache.attend`; heads that follow
         another layer's heads read it).
+      mesh: the cache's device mesh (static; None for one device): kernels run per device under it.
     """
 
     start: jax.Array
@@ -111,6 +112,7 @@ class AttendContext:
     artifact: Any = None
     layers: tuple | None = None
     layer: int = struct.field(pytree_node=False, default=0)
+    mesh: Any = struct.field(pytree_node=False, default=None)
 
 
 @struct.dataclass
@@ -164,7 +166,7 @@ class Cache:
         Returns ``(attention output [B, T, Hq, D], the layer's new state)``.
         """
         state = self.layers[ctx.layer]
-        ctx = ctx.replace(artifact=self.artifact, layers=self.layers)
+        ctx = ctx.replace(artifact=self.artifact, layers=self.layers, mesh=self.spec.mesh if self.spec else None)
         if self.stage == "prefill":
             return self.method.prefill_chunk(state, q, k, v, ctx)
         return self.method.decode_attend(state, q, k, v, ctx)

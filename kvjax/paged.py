@@ -26,6 +26,11 @@ from flax import struct
 
 from kvjax.attention import MASK_VALUE, resolve_implementation
 
+try:  # jax >= 0.7 (0.10, 0.11 here); older releases kept it in jax.experimental
+    from jax import shard_map
+except ImportError:  # pragma: no cover - old jax
+    from jax.experimental.shard_map import shard_map
+
 
 @struct.dataclass
 class PagedKV:
@@ -39,23 +44,38 @@ class PagedKV:
     capacities: tuple = struct.field(pytree_node=False, default=())
 
 
-def page_layout(batch: int, slots_per_head: Sequence[int], page_size: int) -> tuple[np.ndarray, int]:
-    """Static contiguous page allocation: (block_table [B, Hkv, max_pages] int32, num_pages)."""
+def page_layout(batch: int, slots_per_head: Sequence[int], page_size: int,
+                blocks: tuple[int, int] = (1, 1)) -> tuple[np.ndarray, int]:
+    """Static contiguous page allocation: (block_table [B, Hkv, max_pages] int32, num_pages).
+
+    ``blocks = (data, model)``: the rows are cut into ``data`` and the heads into ``model`` equal
+    blocks, and each (row block, head block)'s pages are contiguous, row block-major (inside a block:
+    row by row, head by head). Split evenly by page, the pool then gives each device of a
+    ``(data, model)`` mesh exactly its rows' and heads' pages (:mod:`kvjax.sharding`). ``(1, 1)``:
+    row by row, head by head.
+    """
     pages = [max(1, -(-int(n) // page_size)) for n in slots_per_head]
+    row_blocks, head_blocks = blocks
+    if batch % row_blocks or len(pages) % head_blocks:
+        raise ValueError(f"page blocks {blocks} must divide the rows ({batch}) and KV heads ({len(pages)})")
+    rows, heads = batch // row_blocks, len(pages) // head_blocks
     max_pages = max(pages)
     table = np.zeros((batch, len(pages), max_pages), np.int32)
     next_page = 0
-    for b in range(batch):
-        for h, n in enumerate(pages):
-            ids = np.arange(next_page, next_page + n)
-            table[b, h, :n] = ids
-            table[b, h, n:] = ids[-1]  # unused entries stay in range
-            next_page += n
+    for rb in range(row_blocks):
+        for hb in range(head_blocks):
+            for b in range(rb * rows, (rb + 1) * rows):
+                for h in range(hb * heads, (hb + 1) * heads):
+                    n = pages[h]
+                    ids = np.arange(next_page, next_page + n)
+                    table[b, h, :n] = ids
+                    table[b, h, n:] = ids[-1]  # unused entries stay in range
+                    next_page += n
     return table, next_page
 
 
-def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, page_size: int) -> PagedKV:
-    """Gather kept tokens into a fresh page pool.
+def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, page_size: int, mesh=None) -> PagedKV:
+    """Gather kept tokens into a fresh page pool (laid out for ``mesh`` when given: :func:`page_layout`).
 
     Args:
       k, v: [B, Hkv, S, D] staged keys/values (slot order).
@@ -65,12 +85,15 @@ def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, p
       capacities: prompt tokens each KV head may keep (static, the allocation).
       room: extra slots per head for later tokens.
       page_size: tokens per page.
+      mesh: the cache's device mesh (None: one device).
     """
+    from kvjax.sharding import page_blocks
+
     B, Hkv, _, D = k.shape
     capacities = tuple(int(c) for c in capacities)
     if len(capacities) != Hkv:
         raise ValueError(f"need one capacity per KV head ({Hkv}), got {capacities}")
-    table_np, num_pages = page_layout(B, [c + room for c in capacities], page_size)
+    table_np, num_pages = page_layout(B, [c + room for c in capacities], page_size, page_blocks(mesh, capacities))
     table = jnp.asarray(table_np)
     C = max(capacities)
     keep_idx = keep_idx[..., :C]
@@ -107,17 +130,51 @@ def append(state: PagedKV, k_new, v_new) -> PagedKV:
     )
 
 
-def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implementation: str = "auto"):
-    """Decode attention ``q[B, Hq, D]`` over a paged layer (optionally a per-step selected block table)."""
+def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implementation: str = "auto", mesh=None):
+    """Decode attention ``q[B, Hq, D]`` over a paged layer (optionally a per-step selected block table).
+
+    On a multi-device ``mesh`` the Pallas kernel runs under ``shard_map``: each device attends its own
+    rows' and KV heads' pages in its shard of the pool (:func:`sharded_paged_attention`); the XLA path
+    runs under the sharding annotations.
+    """
     from pallas_kernels import paged_decode_attention
 
+    from kvjax.sharding import is_split
+
     impl = resolve_implementation(implementation)
-    return paged_decode_attention(
-        q, state.k_pages, state.v_pages,
-        state.block_table if block_table is None else block_table,
-        state.lengths if lengths is None else lengths,
-        implementation=impl,
-    )
+    table = state.block_table if block_table is None else block_table
+    lengths = state.lengths if lengths is None else lengths
+    if impl != "xla" and is_split(mesh):
+        return sharded_paged_attention(q, state, table, lengths, mesh, impl)
+    return paged_decode_attention(q, state.k_pages, state.v_pages, table, lengths, implementation=impl)
+
+
+def sharded_paged_attention(q, state: PagedKV, block_table, lengths, mesh, implementation: str):
+    """The paged-attention kernel per device under ``shard_map`` (``pallas_call`` needs ``check_vma=False``).
+
+    The pool is split by page into (data, model) blocks that hold exactly one device's rows and KV
+    heads (:func:`kvjax.sharding.page_pool_partition`), so a device's block-table entries point into
+    its own block: they are made local by subtracting the block's first page.
+    """
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.sharding import DATA, MODEL, ROWS_HEADS, axis_size, page_pool_partition
+    from pallas_kernels import paged_decode_attention
+
+    pool = page_pool_partition(state.capacities, mesh, "paged attention")
+    models = axis_size(mesh, MODEL)
+
+    def local(q, k_pages, v_pages, table, lengths):
+        if pool == P(DATA):
+            block = lax.axis_index(DATA)
+        else:
+            block = lax.axis_index(DATA) * models + lax.axis_index(MODEL)
+        table = table - (block * k_pages.shape[0]).astype(table.dtype)
+        return paged_decode_attention(q, k_pages, v_pages, table, lengths, implementation=implementation)
+
+    return shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, pool, pool, ROWS_HEADS, ROWS_HEADS),
+                     out_specs=ROWS_HEADS, check_vma=False)(q, state.k_pages, state.v_pages, block_table, lengths)
 
 
 def paged_chunk_attention(q, state: PagedKV):
@@ -142,11 +199,12 @@ def paged_chunk_attention(q, state: PagedKV):
     return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
-def append_and_attend(state: PagedKV, q, k, v, implementation: str = "auto"):
-    """Append ``k, v[B, T, Hkv, D]`` and attend ``q[B, T, Hq, D]``: the kernel for T == 1, XLA otherwise."""
+def append_and_attend(state: PagedKV, q, k, v, implementation: str = "auto", mesh=None):
+    """Append ``k, v[B, T, Hkv, D]`` and attend ``q[B, T, Hq, D]``: the kernel for T == 1 (per device on a
+    ``mesh``), XLA otherwise."""
     state = append(state, k, v)
     if q.shape[1] == 1:
-        out = paged_attention(q[:, 0], state, implementation=implementation)[:, None]
+        out = paged_attention(q[:, 0], state, implementation=implementation, mesh=mesh)[:, None]
     else:
         out = paged_chunk_attention(q, state)
     return out.astype(q.dtype), state

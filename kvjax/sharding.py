@@ -119,12 +119,22 @@ REPLICATED = P()
 ROWS_HEADS = P(DATA, MODEL)  # [B, H, ...]: rows on data, heads on model
 
 
+def page_blocks(mesh: Mesh | None, capacities) -> tuple[int, int]:
+    """``(data, model)`` blocks of a page pool's layout on ``mesh`` (``kvjax.paged.page_layout``): heads are
+    cut into blocks only when they all hold the same capacity (else :func:`page_pool_partition` refuses
+    a ``model`` axis)."""
+    if not is_split(mesh):
+        return (1, 1)
+    uniform = len(set(capacities)) <= 1
+    return (axis_size(mesh, DATA), axis_size(mesh, MODEL) if uniform else 1)
+
+
 def page_pool_partition(capacities, mesh: Mesh, method_name: str) -> P:
     """Partition of a page pool ``[num_pages, page_size, D]`` laid out by ``kvjax.paged.page_layout``.
 
-    Pages are allocated row by row, and within a row head by head. When every KV head owns the
-    same number of pages, the pool's leading axis splits evenly into (data, model) blocks that hold
-    exactly one device's (rows, heads); with per-head capacities that differ, only rows can be split.
+    On a mesh the pool's pages are laid out in (data, model) blocks, each the pages of one device's
+    rows and KV heads (:func:`page_blocks`), so the pool's leading axis splits evenly by device. With
+    per-head capacities that differ, only rows can be split.
     """
     if len(set(capacities)) <= 1:
         return P((DATA, MODEL))

@@ -45,7 +45,7 @@ def tiny_model() -> LoadedModel:
 
 
 def methods():
-    """Every method that runs on a mesh, sized for 100-token prompts."""
+    """Every method that runs on a mesh, sized for 100-token prompts (``only``: a subset by name)."""
     heads = random_heads_artifact(model_identity(CONFIG), CONFIG.num_layers, CONFIG.num_heads, CONFIG.num_kv_heads,
                                   CONFIG.head_dim, 16, 0)
     return {
@@ -59,6 +59,37 @@ def methods():
         "locret": (Locret(budget=48, chunk=CHUNK, local=8, stabilizers=4), heads),
         "chunked_eviction": (ChunkedEviction(budget=48, chunk=CHUNK, local=8, window=8), None),
     }
+
+
+def kernel_errors() -> dict:
+    """Max |error| of the Pallas paged kernel (interpreted) run per device under ``shard_map`` on each mesh,
+    against the XLA reference on one device; per-head capacities that differ are split by row only."""
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.cache import CacheSpec
+    from kvjax.paged import build_paged, paged_attention, paged_partition
+    from kvjax.sharding import make_mesh, named
+
+    B, H, Hq, S, D = 8, 8, 16, 40, 8
+    rng = np.random.default_rng(1)
+    k, v = (jnp.asarray(rng.normal(size=(B, H, S, D)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(B, Hq, D)), jnp.float32)
+    idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
+    errors = {}
+    for mesh_text, caps in [("data=2,model=4", (S,) * H), ("data=8,model=1", (S,) * H), ("data=1,model=8", (S,) * H),
+                            ("data=4,model=1", (40, 24, 40, 8, 16, 40, 32, 40))]:
+        lengths = jnp.minimum(jnp.asarray(rng.integers(1, S, size=(B, H)), jnp.int32), jnp.asarray(caps)[None])
+        reference = paged_attention(q, build_paged(k, v, idx, lengths, caps, 3, 8), implementation="xla")
+        mesh = make_mesh(mesh_text)
+        state = build_paged(k, v, idx, lengths, caps, 3, 8, mesh)
+        spec = CacheSpec(num_layers=1, num_heads=Hq, num_kv_heads=H, head_dim=D, batch=B, prompt_slots=S,
+                         longest_row=S, room=3, mesh=mesh)
+        shardings = jax.tree_util.tree_map(lambda p: named(mesh, p), paged_partition(state, spec, "test"),
+                                           is_leaf=lambda x: isinstance(x, P))
+        state, q_mesh = jax.device_put(state, shardings), jax.device_put(q, named(mesh, P("data", "model")))
+        out = jax.jit(lambda q, s, m=mesh: paged_attention(q, s, implementation="pallas_interpret", mesh=m))(q_mesh, state)
+        errors[mesh_text + (" unequal capacities" if len(set(caps)) > 1 else "")] = float(jnp.abs(out - reference).max())
+    return errors
 
 
 def layout(cache) -> dict:
@@ -76,7 +107,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
     other_rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
-    result = {"reference": {}, "meshes": {}, "params": {}, "compiles": {}, "errors": {}, "bad": {}}
+    result = {"reference": {}, "meshes": {}, "params": {}, "compiles": {}, "errors": {}, "bad": {},
+              "kernel": kernel_errors()}
     for name, (method, artifact) in methods().items():
         out, count, _, _ = generate_tokens(base, rows, method=method, max_new_tokens=NEW_TOKENS, chunk_size=CHUNK,
                                            artifact=artifact)

@@ -18,6 +18,7 @@ from kvjax.api import generate_tokens
 from kvjax.cache import CacheSpec
 from kvjax.generate import prefill_prompt
 from kvjax.methods import FullCache
+from kvjax.paged import page_layout
 from kvjax.sharding import make_mesh, parse_mesh
 from models import LoadedModel
 from models.config import ModelConfig
@@ -134,6 +135,23 @@ def test_stats_report_the_bytes_each_device_holds(mesh_run):
                 assert per_device == total
             else:  # layer arrays split 8 ways; the slot counter and padding are a few replicated bytes
                 assert abs(per_device - total / DEVICES) <= 64, (mesh, name, per_device, total)
+
+
+def test_pallas_paged_kernel_per_device_under_shard_map(mesh_run):
+    assert len(mesh_run["kernel"]) == 4
+    for mesh, error in mesh_run["kernel"].items():
+        assert error < 1e-5, (mesh, error)
+
+
+def test_page_layout_blocks_hand_computed():
+    # 4 rows x 2 heads, one page each, in 2 x 2 blocks: (rows 0-1, head 0), (rows 0-1, head 1), (rows 2-3, head 0), ...
+    table, pages = page_layout(4, [5, 5], 8, blocks=(2, 2))
+    assert pages == 8
+    np.testing.assert_array_equal(table[:, :, 0], [[0, 2], [1, 3], [4, 6], [5, 7]])
+    table, _ = page_layout(4, [5, 5], 8)  # one block: row by row, head by head
+    np.testing.assert_array_equal(table[:, :, 0], [[0, 1], [2, 3], [4, 5], [6, 7]])
+    with pytest.raises(ValueError, match="must divide"):
+        page_layout(4, [5, 5, 5], 8, blocks=(1, 2))
 
 
 def test_weights_are_tensor_parallel_on_the_model_axis(mesh_run):

@@ -116,11 +116,11 @@ class PagedAppend:
 
     def build(self, st: StagedKV, idx, lengths, head_caps, scores, spec: CacheSpec):
         """Gather the kept tokens into pages."""
-        return build_paged(st.k, st.v, idx, lengths, head_caps, spec.room, self.page_size)
+        return build_paged(st.k, st.v, idx, lengths, head_caps, spec.room, self.page_size, spec.mesh)
 
     def decode_attend(self, state: PagedKV, q, k, v, ctx: AttendContext):
         """Append and attend."""
-        return append_and_attend(state, q, k, v, self.implementation)
+        return append_and_attend(state, q, k, v, self.implementation, ctx.mesh)
 
     def partition(self, state: PagedKV, spec: CacheSpec, method_name: str) -> PagedKV:
         """Partition specs of the compressed layer (:func:`kvjax.paged.paged_partition`)."""

@@ -134,7 +134,7 @@ class ChunkedEviction:
 
     def decode_attend(self, state: PagedKV, q, k, v, ctx: AttendContext):
         """Append without eviction and attend."""
-        return append_and_attend(state, q, k, v, self.implementation)
+        return append_and_attend(state, q, k, v, self.implementation, ctx.mesh)
 
     def state_partition(self, state, spec: CacheSpec):
         """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""

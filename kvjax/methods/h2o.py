@@ -116,7 +116,7 @@ class H2OEviction:
 
     def build(self, st, idx, lengths, head_caps, scores, spec):
         """Pools without room; held tokens keep their accumulated prefill scores."""
-        paged = build_paged(st.k, st.v, idx, lengths, head_caps, 0, self.page_size)
+        paged = build_paged(st.k, st.v, idx, lengths, head_caps, 0, self.page_size, spec.mesh)
         C = idx.shape[-1]
         held = jnp.arange(C)[None, None, :] < paged.lengths[..., None]
         kept_scores = jnp.take_along_axis(scores, idx, axis=2)

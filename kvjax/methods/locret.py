@@ -147,7 +147,7 @@ class Locret:
                 raise ValueError(f"locret with evict_during_decode: {q.shape[1]} tokens after the prompt in one call "
                                  f"exceed the buffer's chunk of {self.chunk}")
             return evict_decoding(state, q, k, v, ctx, self.token_scores(v, ctx))
-        return append_and_attend(state, q, k, v, self.implementation)
+        return append_and_attend(state, q, k, v, self.implementation, ctx.mesh)
 
     def state_partition(self, state, spec: CacheSpec):
         """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""

@@ -142,7 +142,7 @@ class Quest:
         idx = jnp.clip(ctx.pad[:, None, None] + jnp.arange(spec.longest_row)[None, None, :], 0, P - 1)
         idx = jnp.broadcast_to(idx, (B, H, spec.longest_row)).astype(jnp.int32)
         lengths = jnp.broadcast_to((P - ctx.pad)[:, None], (B, H)).astype(jnp.int32)
-        paged = build_paged(state.k, state.v, idx, lengths, (spec.longest_row,) * H, spec.room, self.page_size)
+        paged = build_paged(state.k, state.v, idx, lengths, (spec.longest_row,) * H, spec.room, self.page_size, spec.mesh)
         kmin, kmax = page_bounds(paged)
         return QuestKV(paged, kmin, kmax, pages_per_step=self.pages_per_step(spec), dense=ctx.layer < self.dense_layers)
 
@@ -157,10 +157,11 @@ class Quest:
         if T > 1:
             return paged_chunk_attention(q, state.paged), state
         if state.dense:
-            out = paged_attention(q[:, 0], state.paged, implementation=self.implementation)
+            out = paged_attention(q[:, 0], state.paged, implementation=self.implementation, mesh=ctx.mesh)
         else:
             table, lengths = select_pages(q[:, 0], state, self.gqa)
-            out = paged_attention(q[:, 0], state.paged, block_table=table, lengths=lengths, implementation=self.implementation)
+            out = paged_attention(q[:, 0], state.paged, block_table=table, lengths=lengths, implementation=self.implementation,
+                                  mesh=ctx.mesh)
         return out[:, None].astype(q.dtype), state
 
     def state_partition(self, state, spec: CacheSpec):
