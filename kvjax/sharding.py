@@ -188,13 +188,6 @@ def place_rows(x, mesh: Mesh | None):
     return jax.device_put(x, named(mesh, P(DATA)))
 
 
-def replicated_on(x, mesh: Mesh | None):
-    """Put ``x`` on every device of ``mesh`` (as it is without a mesh)."""
-    if not is_split(mesh):
-        return x
-    return jax.device_put(x, named(mesh, REPLICATED))
-
-
 def shard_shapes(x: jax.Array) -> list[tuple[int, ...]]:
     """Shapes of ``x``'s per-device shards, in device order."""
     return [tuple(s.data.shape) for s in x.addressable_shards]
