@@ -79,8 +79,9 @@ def cmd_generate(args) -> int:
     s, t = result.cache_stats, result.timings
     print(
         f"\n[{result.prompt_tokens[0]} prompt tokens, {len(result.tokens[0])} generated | prefill {t['prefill_s']:.2f} s, "
-        f"decode {_decode_speed(t)} | cache {s['method']}: "
-        f"device {_fmt_bytes(s['device_bytes'])}, host {_fmt_bytes(s['host_bytes'])}]",
+        f"decode {_decode_speed(t)} | cache {s['method']}: device {_fmt_bytes(s['device_bytes'])}"
+        + (f" ({_fmt_bytes(s['device_bytes_per_device'])} per device)" if model.mesh is not None else "")
+        + f", host {_fmt_bytes(s['host_bytes'])}]",
         file=sys.stderr,
     )
     return 0

@@ -83,6 +83,13 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
 
 
 def setup_devices(args) -> str | None:
-    """Initialise the job from :func:`add_mesh_args`'s flags; returns the ``--mesh`` value (None: one device)."""
+    """Initialise the job from :func:`add_mesh_args`'s flags; returns the ``--mesh`` value (None: one device).
+
+    A malformed ``--mesh`` is refused before anything starts (ValueError).
+    """
+    from kvjax.sharding import parse_mesh
+
+    if args.mesh is not None:
+        parse_mesh(args.mesh)
     initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed == "auto")
     return args.mesh

@@ -232,3 +232,14 @@ def test_distributed_settings_need_all_three_and_sane_values(monkeypatch):
         settings("h:1", 2, 2)
     with pytest.raises(ValueError, match="host:port"):
         settings("localhost", 2, 0)
+
+
+def test_cli_refuses_a_bad_mesh_before_loading(capsys):
+    from kvjax.cli import main
+
+    assert main(["generate", "--prompt", "hi", "--mesh", "pipeline=2"]) == 2
+    assert "unknown mesh axis 'pipeline'" in capsys.readouterr().err
+    assert main(["eval", "--mesh", "data=0", "--tasks", "passkey"]) == 2
+    assert "size >= 1" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--coordinator", "h:1"]) == 2
+    assert "missing: --num-processes" in capsys.readouterr().err
