@@ -16,12 +16,14 @@ all-reduce after the row-parallel projections, the gather of logits for sampling
 
 Each cache state type has one rule (:func:`state_partition`) mapping its arrays to partition
 specs. A state that cannot be split that way raises a clear error naming the method instead of
-being silently replicated: today the host tiers (HeteroCache, SyncKV, HCAttention) and page pools
-whose KV heads hold different capacities when the ``model`` axis is larger than 1.
+being silently replicated: today the host tiers of HeteroCache and SyncKV, and page pools
+whose KV heads hold different capacities when the ``model`` axis is larger than 1. Host-memory arrays
+(:class:`OnHost`) keep their memory kind, split like the device arrays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping
 
@@ -117,6 +119,36 @@ def named(mesh: Mesh, spec: P, memory_kind: str | None = None) -> NamedSharding:
 
 REPLICATED = P()
 ROWS_HEADS = P(DATA, MODEL)  # [B, H, ...]: rows on data, heads on model
+BY_DEVICE = P((DATA, MODEL))  # leading axis in (data, model) blocks: one block per device
+
+
+@dataclasses.dataclass(frozen=True)
+class OnHost:
+    """The partition of an array kept in ``pinned_host`` memory (each device's shard in its host's memory)."""
+
+    spec: P
+
+
+def head_blocks(mesh: Mesh | None) -> tuple[int, int]:
+    """``(data, model)`` blocks of (row, KV head) pairs on ``mesh``; (1, 1) without one."""
+    return (axis_size(mesh, DATA), axis_size(mesh, MODEL)) if is_split(mesh) else (1, 1)
+
+
+def flatten_heads(x, mesh: Mesh | None):
+    """``x[B, H, ...]`` -> ``[B * H, ...]`` with each device's (rows, heads) contiguous, in (data, model)
+    block order (so :data:`BY_DEVICE` splits it by device); row by row, head by head without a mesh."""
+    d, m = head_blocks(mesh)
+    B, H, *rest = x.shape
+    x = x.reshape(d, B // d, m, H // m, *rest).swapaxes(1, 2)
+    return x.reshape(B * H, *rest)
+
+
+def unflatten_heads(y, batch: int, heads: int, mesh: Mesh | None):
+    """Inverse of :func:`flatten_heads`: ``[B * H, ...]`` -> ``[B, H, ...]``."""
+    d, m = head_blocks(mesh)
+    rest = y.shape[1:]
+    y = y.reshape(d, m, batch // d, heads // m, *rest).swapaxes(1, 2)
+    return y.reshape(batch, heads, *rest)
 
 
 def page_blocks(mesh: Mesh | None, capacities) -> tuple[int, int]:
@@ -157,9 +189,11 @@ def cache_shardings(cache):
     specs = cache.replace(layers=layers, length=REPLICATED, pad=P(DATA), artifact=artifact)
 
     def to_sharding(spec):
+        if isinstance(spec, OnHost):
+            return named(mesh, spec.spec, "pinned_host")
         return named(mesh, spec)
 
-    return jax.tree_util.tree_map(to_sharding, specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree_util.tree_map(to_sharding, specs, is_leaf=lambda x: isinstance(x, (P, OnHost)))
 
 
 def is_split(mesh: Mesh | None) -> bool:

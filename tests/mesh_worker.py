@@ -17,8 +17,8 @@ from flax import nnx
 from kvjax.api import generate_tokens
 from kvjax.artifacts import model_identity
 from kvjax.generate import TRACE_COUNTS
-from kvjax.methods import (H2O, HBW, ChunkedEviction, FullCache, HeteroCache, Locret, PyramidKV, Quest, SnapKV,
-                           StreamingLLM)
+from kvjax.methods import (H2O, HBW, ChunkedEviction, FullCache, HCAttention, HeteroCache, Locret, PyramidKV, Quest,
+                           SnapKV, StreamingLLM)
 from kvjax.retaining_heads import random_heads_artifact
 from kvjax.sharding import shard_shapes
 from models import LoadedModel
@@ -58,6 +58,7 @@ def methods():
         "quest": (Quest(budget=32, page_size=8, dense_layers=1), None),
         "locret": (Locret(budget=48, chunk=CHUNK, local=8, stabilizers=4), heads),
         "chunked_eviction": (ChunkedEviction(budget=48, chunk=CHUNK, local=8, window=8), None),
+        "hcattention": (HCAttention(groups=0, tau=0.9), None),  # exact keys (no codebooks for this model)
     }
 
 
@@ -97,6 +98,7 @@ def layout(cache) -> dict:
     leaves = jax.tree_util.tree_leaves_with_path(cache.layers[0])
     out = {jax.tree_util.keystr(path): [list(s) for s in shard_shapes(x)] for path, x in leaves}
     out["pad"] = [list(s) for s in shard_shapes(cache.pad)]
+    out["memory_kinds"] = sorted({x.sharding.memory_kind or "device" for _, x in leaves})
     return out
 
 
@@ -140,7 +142,10 @@ def main() -> None:
            "unknown axis": lambda: shard_model(base, "data=2,pipeline=4"),
            "mesh larger than the devices": lambda: shard_model(base, f"data={devices},model=2"),
            "batch not divisible by data": lambda: generate_tokens(shard_model(base, "data=2,model=1"), rows[:3],
-                                                                  max_new_tokens=2)}
+                                                                  max_new_tokens=2),
+           "PQ kernel on a mesh": lambda: generate_tokens(
+               shard_model(base, "data=2,model=4"), rows,
+               method=HCAttention(groups=0, implementation="pallas_interpret"), max_new_tokens=2)}
     for what, call in bad.items():
         try:
             call()

@@ -120,9 +120,11 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
     for mesh in ("data=2,model=4", "data=8,model=1", "data=1,model=8"):
         for name, run in meshes[mesh].items():
             for key, shards in run["layout"].items():
-                if key == "pad":  # not a layer array: split by row only
+                if key in ("pad", "memory_kinds"):  # not a layer array: split by row only
                     continue
                 whole = one[name]["layout"][key][0]
+                if not whole:  # scalars (HCAttention's counters) are replicated
+                    continue
                 assert len(shards) == DEVICES and all(s == shards[0] for s in shards), (mesh, name, key)
                 assert math.prod(shards[0]) * DEVICES == math.prod(whole), (mesh, name, key, shards[0], whole)
 
@@ -135,6 +137,14 @@ def test_stats_report_the_bytes_each_device_holds(mesh_run):
                 assert per_device == total
             else:  # layer arrays split 8 ways; the slot counter and padding are a few replicated bytes
                 assert abs(per_device - total / DEVICES) <= 64, (mesh, name, per_device, total)
+
+
+def test_host_memory_stays_host_memory_on_every_mesh(mesh_run):
+    for mesh, runs in mesh_run["meshes"].items():
+        assert runs["hcattention"]["layout"]["memory_kinds"] == ["device", "pinned_host"], mesh
+        assert runs["full"]["layout"]["memory_kinds"] == ["device"], mesh
+    # HCAttention's prompt values [8 rows x 8 heads, 128 slots, 8] in pinned_host, 8 (row, head) pairs per device
+    assert mesh_run["meshes"]["data=2,model=4"]["hcattention"]["layout"][".values"] == [[8, 128, 8]] * DEVICES
 
 
 def test_pallas_paged_kernel_per_device_under_shard_map(mesh_run):
@@ -173,6 +183,7 @@ def test_clear_errors_for_bad_meshes_and_unsplit_methods(mesh_run):
     assert "unknown mesh axis 'pipeline'" in bad["unknown axis"]
     assert f"needs {2 * DEVICES} devices; {DEVICES} available" in bad["mesh larger than the devices"]
     assert "must divide the batch (3 rows)" in bad["batch not divisible by data"]
+    assert "the Pallas PQ kernel does not run under shard_map yet" in bad["PQ kernel on a mesh"]
     for mesh, error in mesh_run["errors"].items():
         if mesh != "data=1,model=1":
             assert "heterocache cannot run on a multi-device mesh yet" in error, mesh

@@ -66,8 +66,9 @@ from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
 from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
-from kvjax.sharding import is_split, not_shardable
-from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk
+from kvjax.sharding import (BY_DEVICE, REPLICATED, ROWS_HEADS, OnHost, flatten_heads, is_split, not_shardable,
+                            unflatten_heads)
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 from pallas_kernels.pq_attention import pq_scores
 
 VALUE_PATHS = ("host", "device")
@@ -129,7 +130,8 @@ class HCAttentionKV:
     Attributes:
       codes: ``[B, Hkv, S, g]`` uint8/uint16 codes of the prompt keys (None with exact keys).
       keys: ``[B, Hkv, S, D]`` exact prompt keys (only with ``groups=0``).
-      values: ``[B * Hkv, S, D]`` prompt values in ``pinned_host`` memory (head ``i`` = row ``i // Hkv``).
+      values: ``[B * Hkv, S, D]`` prompt values in ``pinned_host`` memory, (row, head) pairs in the order of
+        :func:`kvjax.sharding.flatten_heads` (row by row, head by head on one device).
       recent_k, recent_v: ``[B, Hkv, room, D]`` exact K/V of the tokens after the prompt (device).
       selected: sum over queries of the fraction of the row's prompt tokens selected (float32).
       queries: number of (row, query head, new token) selections made.
@@ -250,8 +252,9 @@ class HCAttention:
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging; the codebooks travel with the cache as its artifact."""
-        if is_split(spec.mesh):
-            raise not_shardable(self.name, "the host-resident values and the PQ codes are not split by row and KV head yet")
+        if is_split(spec.mesh) and resolve_implementation(self.implementation) != "xla":
+            raise not_shardable(self.name, "the Pallas PQ kernel does not run under shard_map yet (implementation='xla' "
+                                "does, under the mesh's annotations)")
         art = self.artifact_for(spec, artifact)
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
 
@@ -271,7 +274,7 @@ class HCAttention:
         room = (B, H, max(spec.room, 1), D)
         zero = jnp.zeros((), jnp.float32)
         return HCAttentionKV(
-            codes=codes, keys=exact, values=to_host(values.reshape(B * H, P, D)),
+            codes=codes, keys=exact, values=to_host(flatten_heads(values, spec.mesh)),
             recent_k=jnp.zeros(room, state.k.dtype), recent_v=jnp.zeros(room, state.v.dtype),
             selected=zero, queries=zero, rows=zero, calls=jnp.zeros((), jnp.int32), moved=zero,
             truncated=jnp.zeros((), jnp.int32),
@@ -336,11 +339,13 @@ class HCAttention:
         ids_bytes = 4 * B * H * cap
         if self.value_path == "host":  # ids + weights out, one f32 sum per query head and token back
             moved = ids_bytes + 4 * B * H * G * T * cap + 4 * B * H * G * T * D
-            out_p = weighted_rows_on_host(state.values, rows.reshape(B * H, cap), w.reshape(B * H, G * T, cap))
-            out_p = out_p.reshape(B, H, G, T, D)
+            out_p = weighted_rows_on_host(state.values, flatten_heads(rows, ctx.mesh),
+                                          flatten_heads(w.reshape(B, H, G * T, cap), ctx.mesh))
+            out_p = unflatten_heads(out_p, B, H, ctx.mesh).reshape(B, H, G, T, D)
         else:  # ids out, the [cap] value rows back (a static block)
             moved = ids_bytes + B * H * cap * D * state.values.dtype.itemsize
-            vals = gather_rows(state.values, rows.reshape(B * H, cap), count.reshape(B * H)).reshape(B, H, cap, D)
+            vals = unflatten_heads(gather_rows(state.values, flatten_heads(rows, ctx.mesh), flatten_heads(count, ctx.mesh)),
+                                   B, H, ctx.mesh)
             out_p = jnp.einsum("bhgtr,bhrd->bhgtd", w, vals.astype(jnp.float32), precision=lax.Precision.HIGHEST)
         out_r = jnp.einsum("bhgtr,bhrd->bhgtd", p_r, rv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
         denom = w.sum(-1) + forced if self.renormalize else total
@@ -357,8 +362,14 @@ class HCAttention:
 
     # -- reporting
     def state_partition(self, state, spec: CacheSpec):
-        """Not split over a mesh yet (:func:`init_cache` refuses a multi-device mesh)."""
-        raise not_shardable(self.name, "the host-resident values and the PQ codes are not split by row and KV head yet")
+        """The staging's specs, then codes / exact keys and the recent tokens by (row, KV head), the host values
+        by device block (:func:`kvjax.sharding.flatten_heads`) in ``pinned_host`` memory, counters replicated."""
+        if isinstance(state, StagedKV):
+            return staged_partition(state)
+        return state.replace(
+            codes=None if state.codes is None else ROWS_HEADS, keys=None if state.keys is None else ROWS_HEADS,
+            values=OnHost(BY_DEVICE), recent_k=ROWS_HEADS, recent_v=ROWS_HEADS, selected=REPLICATED,
+            queries=REPLICATED, rows=REPLICATED, calls=REPLICATED, moved=REPLICATED, truncated=REPLICATED)
 
     def stats(self, cache: Cache) -> dict:
         """Key representation, bytes by kind, selection ratio per layer, value rows per call."""
