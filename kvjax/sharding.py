@@ -14,11 +14,13 @@ constrains the cache it returns to the same layout (:func:`constrain_cache`), so
 across prefill, compression and every decode step. The XLA compiler inserts the collectives (the
 all-reduce after the row-parallel projections, the gather of logits for sampling).
 
-Each cache state type has one rule (:func:`state_partition`) mapping its arrays to partition
-specs. A state that cannot be split that way raises a clear error naming the method instead of
-being silently replicated: today the host tiers of HeteroCache and SyncKV, and page pools
-whose KV heads hold different capacities when the ``model`` axis is larger than 1. Host-memory arrays
-(:class:`OnHost`) keep their memory kind, split like the device arrays.
+Each method states how its per-layer state splits (``method.state_partition``, part of the method
+protocol): the partition spec of every array. A state that cannot be split that way raises a clear
+error naming the method instead of being silently replicated: today the host tiers of HeteroCache
+and SyncKV, HCAttention's Pallas PQ kernel, and page pools whose KV heads hold different capacities
+when the ``model`` axis is larger than 1. Host-memory arrays (:class:`OnHost`) keep their memory
+kind, split like the device arrays. The Pallas paged kernel runs per device under ``shard_map``
+(``kvjax.paged.sharded_paged_attention``).
 """
 
 from __future__ import annotations
