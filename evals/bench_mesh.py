@@ -70,13 +70,6 @@ def make_method(name: str, budget: float, model):
     return get_method(name, budget=budget), None
 
 
-def params_bytes_per_device(params) -> int:
-    """The most parameter bytes any one device holds."""
-    from kvjax.cache import device_bytes_per_device
-
-    return device_bytes_per_device(params)
-
-
 def run(args) -> dict:
     """Measure every (mesh, method); returns the report."""
     import jax
@@ -90,6 +83,7 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     from kvjax.api import generate_tokens
+    from kvjax.cache import device_bytes_per_device
     from models.sharding import shard_model
 
     base = bench_model()
@@ -102,7 +96,7 @@ def run(args) -> dict:
     with tqdm(total=len(meshes) * len(names), desc="bench mesh", unit="run", file=sys.stderr) as bar:
         for mesh in meshes:
             model = shard_model(base, mesh)
-            weights = params_bytes_per_device(model.params)
+            weights = device_bytes_per_device(model.params)
             for name in names:
                 bar.set_postfix_str(f"{mesh} {name}")
                 method, artifact = make_method(name, args.budget, base)

@@ -157,19 +157,15 @@ def sharded_paged_attention(q, state: PagedKV, block_table, lengths, mesh, imple
     its own block: they are made local by subtracting the block's first page.
     """
     from jax import lax
-    from jax.sharding import PartitionSpec as P
 
     from kvjax.sharding import DATA, MODEL, ROWS_HEADS, axis_size, page_pool_partition
     from pallas_kernels import paged_decode_attention
 
-    pool = page_pool_partition(state.capacities, mesh, "paged attention")
+    pool = page_pool_partition(state.capacities, mesh, "paged attention")  # by row only when model == 1
     models = axis_size(mesh, MODEL)
 
     def local(q, k_pages, v_pages, table, lengths):
-        if pool == P(DATA):
-            block = lax.axis_index(DATA)
-        else:
-            block = lax.axis_index(DATA) * models + lax.axis_index(MODEL)
+        block = lax.axis_index(DATA) * models + lax.axis_index(MODEL)  # the device's (data, model) block
         table = table - (block * k_pages.shape[0]).astype(table.dtype)
         return paged_decode_attention(q, k_pages, v_pages, table, lengths, implementation=implementation)
 

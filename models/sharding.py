@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.sharding import MODEL, REPLICATED, axis_size, check_mesh, make_mesh, named
 from models.config import ModelConfig
 from models.llama import abstract_model
+from models.weights import _param_name
 
 # parameter (last two names of its path) -> partition spec of its array
 _COLUMN_PARALLEL = P(MODEL, None)  # weight[out, in] split by output rows
@@ -38,8 +39,7 @@ _PARTITIONS = {
 
 
 def _names(path) -> tuple[str, ...]:
-    names = tuple(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
-    return names[:-1] if names and names[-1] == "value" else names
+    return tuple(_param_name(path).split("."))
 
 
 def param_partition(params):
