@@ -183,7 +183,7 @@ def evict_decoding(state: BoundedPrefill, q, k, v, ctx: AttendContext, token_sco
     return out, state.replace(buffer=compact(buf, keep))
 
 
-def bounded_partition(state, spec: CacheSpec, method_name: str):
+def bounded_partition(state):
     """Partition specs of a bounded-prefill layer (either stage): the working buffer's arrays by (row, KV head),
     the compressed pages as any paged layer (:func:`kvjax.paged.paged_partition`)."""
     from kvjax.sharding import ROWS_HEADS
@@ -191,7 +191,7 @@ def bounded_partition(state, spec: CacheSpec, method_name: str):
     if isinstance(state, BoundedPrefill):
         buffer = state.buffer.replace(k=ROWS_HEADS, v=ROWS_HEADS, slots=ROWS_HEADS, scores=ROWS_HEADS)
         return state.replace(buffer=buffer)
-    return paged_partition(state, spec, method_name)
+    return paged_partition(state)
 
 
 def buffer_read_bytes(cache: Cache) -> int:

@@ -15,8 +15,9 @@ One layer's state is a :class:`RecallKV`:
 * ``host``: the followers' prompt K/V (one host head per (row, follower));
 * ``picks[B, n_leaders, R]`` / ``version[B, n_leaders]``: the prompt slots each leader of this layer
   last chose (best first) and how many times it chose;
-* ``applied[B, n_followers]``: the leader version each follower holds; ``region_start``,
-  ``region_count[B, n_followers]``: the follower's slots a recall overwrites.
+* ``applied[B, n_slots]``: the leader version each follower holds; ``region_start``,
+  ``region_count[B, n_slots]``: the follower's slots a recall overwrites. One entry per follower
+  slot (:func:`follower_slots`): without a mesh, the followers in order.
 
 The method decides when a leader publishes (HeteroCache: attention drift; SyncKV: every ``m`` steps)
 in its ``decode_attend``; :func:`apply_recalls` then refreshes every follower whose leader has a new
@@ -25,6 +26,15 @@ version. The recall is one host-gather transfer for all followers of the layer
 A leader may sit in another layer (kvjax's cross-layer groups): a follower reads it from
 ``ctx.layers``. A leader in an earlier layer is read as of this step, one in a later layer as of the
 previous step.
+
+Meshes: a layer's follower slots are grouped by the mesh's KV-head blocks and each block is padded
+to the same number of slots with unused ones (no host copy, never recalled), so the per-follower
+arrays split by (row, KV head) and the host copy by device block (:func:`kvjax.sharding.flatten_heads`):
+each device holds the host rows of its own followers, gathers them in its own ``device_host`` region
+and writes them into its own block of the page pool (pools of heads with different capacities are
+padded per block: :func:`kvjax.paged.page_layout`). Leader-indexed state (``picks``, ``version``, the
+method's tracker) is split by row only: a follower on another device reads its leader's choice, a few
+token ids per step, which the compiler moves between devices.
 
 Timing: the step that publishes attends with the followers' old tokens. The recall is issued in that
 step, after the layer's attention, and is first used by the layer's next call. Nothing waits for the
@@ -37,13 +47,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 
 from kvjax.attention import MASK_VALUE
-from kvjax.host_tier import HostKV, offload, recall, write_recalled
-from kvjax.paged import PagedKV, append, paged_attention, paged_chunk_attention, paged_device_bytes, paged_read_bytes
+from kvjax.host_tier import HostKV, recall, scatter_recalled, to_host
+from kvjax.paged import (PagedKV, append, paged_attention, paged_chunk_attention, paged_device_bytes, paged_partition,
+                         paged_read_bytes, shard_map)
 from kvjax.selection import gqa_aggregate, pool1d, window_attention
+from kvjax.sharding import (BY_DEVICE, DATA, MODEL, REPLICATED, ROWS_HEADS, OnHost, axis_size, device_block,
+                            flatten_heads, is_split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +94,9 @@ class RecallKV:
 
     paged: PagedKV
     host: HostKV | None
-    region_start: jax.Array  # int32 [B, n_followers]
-    region_count: jax.Array  # int32 [B, n_followers]
-    applied: jax.Array  # int32 [B, n_followers]
+    region_start: jax.Array  # int32 [B, n_slots]
+    region_count: jax.Array  # int32 [B, n_slots]
+    applied: jax.Array  # int32 [B, n_slots]
     prompt_len: jax.Array  # int32 [B] real prompt tokens of each row (held in order by full heads)
     picks: jax.Array  # int32 [B, n_leaders, R]
     version: jax.Array  # int32 [B, n_leaders]
@@ -91,6 +105,17 @@ class RecallKV:
     recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
     rows_moved: jax.Array  # int32 [] token rows brought from the host
     plan: LayerPlan = struct.field(pytree_node=False, default=None)
+    slots: tuple = struct.field(pytree_node=False, default=())  # follower index of each slot, -1: padding
+
+
+def follower_slots(followers: tuple, num_kv_heads: int, mesh) -> tuple:
+    """The follower (index into ``followers``) of each slot, ``-1`` for padding: the followers of each of the
+    mesh's ``model`` blocks of KV heads, in order, each block padded to the fullest one's count."""
+    blocks = axis_size(mesh, MODEL)
+    per_block = num_kv_heads // blocks
+    groups = [[i for i, f in enumerate(followers) if f.head // per_block == blk] for blk in range(blocks)]
+    width = max(len(g) for g in groups)
+    return tuple(x for g in groups for x in g + [-1] * (width - len(g)))
 
 
 # --------------------------------------------------------------------------- calibrated methods
@@ -187,29 +212,52 @@ def top_slots(scores, pad, count: int):
 
 
 # -------------------------------------------------------------------------------------------- build
+def host_copy(k, v, slot_heads, live, mesh, page_size: int) -> HostKV:
+    """The followers' prompt ``k, v[B, Hkv, P, D]`` in ``pinned_host`` memory, one host head per (row, slot) in
+    device-block order (:func:`kvjax.sharding.flatten_heads`); padding slots ``~live`` hold zeros."""
+    B, _, S, _ = k.shape
+    ids = jnp.asarray(slot_heads, jnp.int32)
+    heads = flatten_heads(np.stack(np.broadcast_arrays(np.arange(B)[:, None], np.asarray(slot_heads)[None]), -1), mesh)
+    pad = (-S) % page_size
+
+    def stage(x):
+        x = jnp.where(jnp.asarray(live)[None, :, None, None], x[:, ids], 0)  # [B, n_slots, P, D]
+        return to_host(jnp.pad(flatten_heads(x, mesh), ((0, 0), (0, pad), (0, 0))))
+
+    return HostKV(k=stage(k), v=stage(v), heads=tuple(map(tuple, heads.tolist())), length=S, page_size=page_size)
+
+
 def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size: int, region_start, region_count,
                 picks, tracker):
     """A :class:`RecallKV` from a staged layer, the kept slots per head, and the method's regions/picks/tracker.
 
     ``keep_idx[B, Hkv, C]`` / ``keep_len[B, Hkv]``: kept prompt slots per head (in storage order).
+    ``region_start``, ``region_count``: ``[B, n_followers]`` (or broadcastable), in ``plan.followers`` order.
     ``picks[B, n_leaders, R]``: the leaders' initial choice (version 0: followers hold it already).
     """
     from kvjax.paged import build_paged
 
     P = spec.prompt_slots
-    paged = build_paged(st.k, st.v, keep_idx, keep_len, plan.capacities, spec.room, page_size)
-    host = None
+    paged = build_paged(st.k, st.v, keep_idx, keep_len, plan.capacities, spec.room, page_size, spec.mesh)
     B = st.k.shape[0]
-    if plan.followers:
-        heads = [(b, f.head) for b in range(B) for f in plan.followers]
-        host = offload(st.k[:, :, :P], st.v[:, :, :P], heads, page_size=page_size)
     nf, nl = len(plan.followers), len(plan.leaders)
+    slots = follower_slots(plan.followers, spec.num_kv_heads, spec.mesh) if nf else ()
+    live = np.asarray(slots) >= 0
+    follower = np.maximum(np.asarray(slots, np.int32), 0)
+    blocks = axis_size(spec.mesh, MODEL)
+    per_block, width = spec.num_kv_heads // blocks, len(slots) // blocks
+    slot_heads = [plan.followers[i].head if i >= 0 else (n // width) * per_block for n, i in enumerate(slots)]
+    host = host_copy(st.k[:, :, :P], st.v[:, :, :P], slot_heads, live, spec.mesh, page_size) if nf else None
+
+    def per_slot(x):  # [B, n_followers] -> [B, n_slots], 0 in padding slots
+        x = jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B, nf))
+        return jnp.where(jnp.asarray(live)[None], x[:, jnp.asarray(follower, jnp.int32)], 0)
+
     zeros = jnp.zeros((), jnp.int32)
     return RecallKV(
-        paged=paged, host=host,
-        region_start=jnp.broadcast_to(jnp.asarray(region_start, jnp.int32), (B, nf)),
-        region_count=jnp.broadcast_to(jnp.asarray(region_count, jnp.int32), (B, nf)),
-        applied=jnp.zeros((B, nf), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
+        paged=paged, host=host, slots=slots,
+        region_start=per_slot(region_start), region_count=per_slot(region_count),
+        applied=jnp.zeros((B, len(slots)), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
         picks=jnp.asarray(picks, jnp.int32),
         version=jnp.zeros((B, nl), jnp.int32),
         tracker=tracker, steps=zeros, recalls=zeros, rows_moved=zeros, plan=plan,
@@ -217,11 +265,11 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
 
 
 # ------------------------------------------------------------------------------------------- decode
-def append_attend(state: RecallKV, q, k, v, implementation: str):
-    """Append the new tokens to every head and attend (kernel for one token, XLA for a chunk)."""
+def append_attend(state: RecallKV, q, k, v, implementation: str, mesh=None):
+    """Append the new tokens to every head and attend (kernel for one token, per device on a ``mesh``; XLA for a chunk)."""
     paged = append(state.paged, k, v)
     if q.shape[1] == 1:
-        out = paged_attention(q[:, 0], paged, implementation=implementation)[:, None]
+        out = paged_attention(q[:, 0], paged, implementation=implementation, mesh=mesh)[:, None]
     else:
         out = paged_chunk_attention(q, paged)
     steps = state.steps + (1 if q.shape[1] == 1 else 0)
@@ -238,7 +286,7 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
     plan = state.plan
     if not plan.followers or not enabled:
         return state
-    B, nf = state.applied.shape
+    B = state.applied.shape[0]
     versions, picks = [], []
     for f in plan.followers:
         src = state if f.leader_layer == ctx.layer else ctx.layers[f.leader_layer]
@@ -247,19 +295,44 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
     width = max(p.shape[-1] for p in picks)
     picks = jnp.stack([jnp.pad(p, ((0, 0), (0, width - p.shape[-1]))) for p in picks], axis=1)  # [B, nf, R]
     versions = jnp.stack(versions, axis=1)  # [B, nf]
+    live = jnp.asarray(state.slots) >= 0
+    follower = jnp.maximum(jnp.asarray(state.slots, jnp.int32), 0)
+    picks, versions = picks[:, follower], jnp.where(live[None], versions[:, follower], 0)  # per slot
     due = versions > state.applied
     count = jnp.where(due, jnp.minimum(state.region_count, width), 0)
 
+    host = state.host
+    pairs = jnp.asarray(host.heads, jnp.int32)  # [B * n_slots, 2] (row, KV head) of each host head
+
+    def local(k_pages, v_pages, table, host_k, host_v, pairs, picks, count, start):  # one device's share (or all)
+        block, row, head = device_block(ctx.mesh, *table.shape[:2])  # local page ids, rows and heads
+        rk, rv = recall(host.replace(k=host_k, v=host_v), picks, count)
+        return scatter_recalled(k_pages, v_pages, table - block * k_pages.shape[0], rk, rv, pairs[:, 0] - row,
+                                pairs[:, 1] - head, start, count)
+
     def refresh(paged):
-        rk, rv = recall(state.host, picks.reshape(B * nf, width), count.reshape(-1))
-        kp, vp = write_recalled(paged.k_pages, paged.v_pages, paged.block_table, rk, rv, state.host.heads,
-                                state.region_start.reshape(-1), count.reshape(-1))
+        args = (paged.k_pages, paged.v_pages, paged.block_table, host.k, host.v, pairs,
+                *(flatten_heads(x, ctx.mesh) for x in (picks, count, state.region_start)))
+        if is_split(ctx.mesh):
+            kp, vp = shard_map(local, mesh=ctx.mesh, in_specs=(BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * 6,
+                               out_specs=(BY_DEVICE, BY_DEVICE), check_vma=False)(*args)
+        else:
+            kp, vp = local(*args)
         return paged.replace(k_pages=kp, v_pages=vp)
 
     paged = lax.cond(jnp.any(due), refresh, lambda p: p, state.paged)
     return state.replace(paged=paged, applied=jnp.where(due, versions, state.applied),
                          recalls=state.recalls + due.sum().astype(jnp.int32),
                          rows_moved=state.rows_moved + count.sum().astype(jnp.int32))
+
+
+def recall_partition(state: RecallKV, tracker) -> RecallKV:
+    """Partition specs of a :class:`RecallKV` (see the module docstring), with the method's ``tracker`` specs."""
+    host = None if state.host is None else state.host.replace(k=OnHost(BY_DEVICE), v=OnHost(BY_DEVICE))
+    rows = jax.sharding.PartitionSpec(DATA)
+    return state.replace(paged=paged_partition(state.paged), host=host, region_start=ROWS_HEADS,
+                         region_count=ROWS_HEADS, applied=ROWS_HEADS, prompt_len=rows, picks=rows, version=rows,
+                         tracker=tracker, steps=REPLICATED, recalls=REPLICATED, rows_moved=REPLICATED)
 
 
 # -------------------------------------------------------------------------------------------- stats
@@ -289,5 +362,5 @@ def attention_read_bytes(states) -> int:
 
 
 __all__ = ["check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
-           "top_mask", "top_slots", "build_layer", "append_attend", "publish", "apply_recalls", "recall_stats",
+           "top_mask", "top_slots", "follower_slots", "host_copy", "build_layer", "append_attend", "publish", "apply_recalls", "recall_partition", "recall_stats",
            "attention_read_bytes"]

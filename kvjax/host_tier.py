@@ -390,9 +390,17 @@ def write_recalled(k_pages, v_pages, block_table, recalled_k, recalled_v, heads,
         raise ValueError(f"heads {bad} outside the block table's rows [0, {B}) x KV heads [0, {Hkv})")
     if getattr(count, "shape", None) != (n,):
         raise ValueError(f"count must be int [n_heads={n}]; got shape {getattr(count, 'shape', None)}")
-    R = recalled_k.shape[1]
     rows = jnp.asarray([b for b, _ in heads], jnp.int32)
     hs = jnp.asarray([h for _, h in heads], jnp.int32)
+    return scatter_recalled(k_pages, v_pages, block_table, recalled_k, recalled_v, rows, hs, dst_start, count)
+
+
+def scatter_recalled(k_pages, v_pages, block_table, recalled_k, recalled_v, rows, hs, dst_start, count):
+    """:func:`write_recalled` without its checks, the (row, KV head) pairs given as int arrays ``rows, hs[n_heads]``
+    (traced values allowed: a device's local pairs under ``shard_map``)."""
+    num_pages, ps, D = k_pages.shape
+    max_pages = block_table.shape[-1]
+    n, R = recalled_k.shape[:2]
     start = jnp.broadcast_to(jnp.asarray(dst_start, jnp.int32), (n,))
     j = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # [n, R] logical slots
     ok = (jnp.arange(R)[None, :] < jnp.asarray(count, jnp.int32)[:, None]) & (j >= 0) & (j < max_pages * ps)

@@ -51,19 +51,22 @@ def page_layout(batch: int, slots_per_head: Sequence[int], page_size: int,
     ``blocks = (data, model)``: the rows are cut into ``data`` and the heads into ``model`` equal
     blocks, and each (row block, head block)'s pages are contiguous, row block-major (inside a block:
     row by row, head by head). Split evenly by page, the pool then gives each device of a
-    ``(data, model)`` mesh exactly its rows' and heads' pages (:mod:`kvjax.sharding`). ``(1, 1)``:
-    row by row, head by head.
+    ``(data, model)`` mesh exactly its rows' and heads' pages (:mod:`kvjax.sharding`). When the heads
+    hold different capacities, head blocks may need different page counts: every block is padded with
+    unused pages to the largest, so the blocks stay equal (the padding is counted in the pool's bytes).
+    ``(1, 1)``: row by row, head by head, no padding.
     """
     pages = [max(1, -(-int(n) // page_size)) for n in slots_per_head]
     row_blocks, head_blocks = blocks
     if batch % row_blocks or len(pages) % head_blocks:
         raise ValueError(f"page blocks {blocks} must divide the rows ({batch}) and KV heads ({len(pages)})")
     rows, heads = batch // row_blocks, len(pages) // head_blocks
+    block_pages = rows * max(sum(pages[hb * heads:(hb + 1) * heads]) for hb in range(head_blocks))
     max_pages = max(pages)
     table = np.zeros((batch, len(pages), max_pages), np.int32)
-    next_page = 0
     for rb in range(row_blocks):
         for hb in range(head_blocks):
+            next_page = (rb * head_blocks + hb) * block_pages
             for b in range(rb * rows, (rb + 1) * rows):
                 for h in range(hb * heads, (hb + 1) * heads):
                     n = pages[h]
@@ -71,7 +74,7 @@ def page_layout(batch: int, slots_per_head: Sequence[int], page_size: int,
                     table[b, h, :n] = ids
                     table[b, h, n:] = ids[-1]  # unused entries stay in range
                     next_page += n
-    return table, next_page
+    return table, row_blocks * head_blocks * block_pages
 
 
 def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, page_size: int, mesh=None) -> PagedKV:
@@ -87,13 +90,13 @@ def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, p
       page_size: tokens per page.
       mesh: the cache's device mesh (None: one device).
     """
-    from kvjax.sharding import page_blocks
+    from kvjax.sharding import head_blocks
 
     B, Hkv, _, D = k.shape
     capacities = tuple(int(c) for c in capacities)
     if len(capacities) != Hkv:
         raise ValueError(f"need one capacity per KV head ({Hkv}), got {capacities}")
-    table_np, num_pages = page_layout(B, [c + room for c in capacities], page_size, page_blocks(mesh, capacities))
+    table_np, num_pages = page_layout(B, [c + room for c in capacities], page_size, head_blocks(mesh))
     table = jnp.asarray(table_np)
     C = max(capacities)
     keep_idx = keep_idx[..., :C]
@@ -153,23 +156,18 @@ def sharded_paged_attention(q, state: PagedKV, block_table, lengths, mesh, imple
     """The paged-attention kernel per device under ``shard_map`` (``pallas_call`` needs ``check_vma=False``).
 
     The pool is split by page into (data, model) blocks that hold exactly one device's rows and KV
-    heads (:func:`kvjax.sharding.page_pool_partition`), so a device's block-table entries point into
-    its own block: they are made local by subtracting the block's first page.
+    heads (:func:`page_layout`), so a device's block-table entries point into its own block: they are
+    made local by subtracting the block's first page.
     """
-    from jax import lax
-
-    from kvjax.sharding import DATA, MODEL, ROWS_HEADS, axis_size, page_pool_partition
+    from kvjax.sharding import BY_DEVICE, ROWS_HEADS, device_block
     from pallas_kernels import paged_decode_attention
 
-    pool = page_pool_partition(state.capacities, mesh, "paged attention")  # by row only when model == 1
-    models = axis_size(mesh, MODEL)
-
     def local(q, k_pages, v_pages, table, lengths):
-        block = lax.axis_index(DATA) * models + lax.axis_index(MODEL)  # the device's (data, model) block
+        block, _, _ = device_block(mesh, *table.shape[:2])  # the device's (data, model) block
         table = table - (block * k_pages.shape[0]).astype(table.dtype)
         return paged_decode_attention(q, k_pages, v_pages, table, lengths, implementation=implementation)
 
-    return shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, pool, pool, ROWS_HEADS, ROWS_HEADS),
+    return shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, BY_DEVICE, BY_DEVICE, ROWS_HEADS, ROWS_HEADS),
                      out_specs=ROWS_HEADS, check_vma=False)(q, state.k_pages, state.v_pages, block_table, lengths)
 
 
@@ -206,12 +204,11 @@ def append_and_attend(state: PagedKV, q, k, v, implementation: str = "auto", mes
     return out.astype(q.dtype), state
 
 
-def paged_partition(state: PagedKV, spec, method_name: str) -> PagedKV:
-    """Partition specs of a paged layer on ``spec.mesh``: tables by (row, head), pools by page (:mod:`kvjax.sharding`)."""
-    from kvjax.sharding import ROWS_HEADS, page_pool_partition
+def paged_partition(state: PagedKV) -> PagedKV:
+    """Partition specs of a paged layer: tables by (row, head), pools by page in device blocks (:func:`page_layout`)."""
+    from kvjax.sharding import BY_DEVICE, ROWS_HEADS
 
-    pool = page_pool_partition(state.capacities, spec.mesh, method_name)
-    return state.replace(k_pages=pool, v_pages=pool, block_table=ROWS_HEADS, lengths=ROWS_HEADS)
+    return state.replace(k_pages=BY_DEVICE, v_pages=BY_DEVICE, block_table=ROWS_HEADS, lengths=ROWS_HEADS)
 
 
 def paged_device_bytes(state: PagedKV) -> int:

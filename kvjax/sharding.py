@@ -16,11 +16,10 @@ all-reduce after the row-parallel projections, the gather of logits for sampling
 
 Each method states how its per-layer state splits (``method.state_partition``, part of the method
 protocol): the partition spec of every array. A state that cannot be split that way raises a clear
-error naming the method instead of being silently replicated: today the host tiers of HeteroCache
-and SyncKV, HCAttention's Pallas PQ kernel, and page pools whose KV heads hold different capacities
-when the ``model`` axis is larger than 1. Host-memory arrays (:class:`OnHost`) keep their memory
-kind, split like the device arrays. The Pallas paged kernel runs per device under ``shard_map``
-(``kvjax.paged.sharded_paged_attention``).
+error naming the method instead of being silently replicated (today only calibration and Locret's
+label recording). Host-memory arrays (:class:`OnHost`) keep their memory kind, split like the device
+arrays. The Pallas paged and PQ kernels and the host recall of HeteroCache/SyncKV run per device under
+``shard_map`` (:func:`device_block` gives a device its block inside one).
 """
 
 from __future__ import annotations
@@ -153,31 +152,13 @@ def unflatten_heads(y, batch: int, heads: int, mesh: Mesh | None):
     return y.reshape(batch, heads, *rest)
 
 
-def page_blocks(mesh: Mesh | None, capacities) -> tuple[int, int]:
-    """``(data, model)`` blocks of a page pool's layout on ``mesh`` (``kvjax.paged.page_layout``): heads are
-    cut into blocks only when they all hold the same capacity (else :func:`page_pool_partition` refuses
-    a ``model`` axis)."""
+def device_block(mesh: Mesh | None, rows: int, heads: int):
+    """Inside ``shard_map`` over ``mesh``: the calling device's (data, model) block index, first batch row and first
+    KV head, for local blocks of ``rows`` x ``heads``; ``(0, 0, 0)`` without a multi-device mesh."""
     if not is_split(mesh):
-        return (1, 1)
-    uniform = len(set(capacities)) <= 1
-    return (axis_size(mesh, DATA), axis_size(mesh, MODEL) if uniform else 1)
-
-
-def page_pool_partition(capacities, mesh: Mesh, method_name: str) -> P:
-    """Partition of a page pool ``[num_pages, page_size, D]`` laid out by ``kvjax.paged.page_layout``.
-
-    On a mesh the pool's pages are laid out in (data, model) blocks, each the pages of one device's
-    rows and KV heads (:func:`page_blocks`), so the pool's leading axis splits evenly by device. With
-    per-head capacities that differ, only rows can be split.
-    """
-    if len(set(capacities)) <= 1:
-        return P((DATA, MODEL))
-    if axis_size(mesh, MODEL) > 1:
-        raise ValueError(
-            f"{method_name}: its KV heads hold different capacities ({sorted(set(capacities))}), so a layer's "
-            "page pool cannot be split by KV head; use a mesh with model=1 (data parallel) for this method"
-        )
-    return P(DATA)
+        return 0, 0, 0
+    d, m = jax.lax.axis_index(DATA), jax.lax.axis_index(MODEL)
+    return d * axis_size(mesh, MODEL) + m, d * rows, m * heads
 
 
 def cache_shardings(cache):

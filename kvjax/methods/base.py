@@ -122,9 +122,9 @@ class PagedAppend:
         """Append and attend."""
         return append_and_attend(state, q, k, v, self.implementation, ctx.mesh)
 
-    def partition(self, state: PagedKV, spec: CacheSpec, method_name: str) -> PagedKV:
+    def partition(self, state: PagedKV) -> PagedKV:
         """Partition specs of the compressed layer (:func:`kvjax.paged.paged_partition`)."""
-        return paged_partition(state, spec, method_name)
+        return paged_partition(state)
 
     def stats(self, states) -> dict:
         """Kept tokens per head (allocation) and the page pools' bytes."""
@@ -221,7 +221,7 @@ class PromptCompression:
         """The staging's specs before compression, the layout's after."""
         if isinstance(state, StagedKV):
             return staged_partition(state)
-        return self.components()[3].partition(state, spec, self.name)
+        return self.components()[3].partition(state)
 
     def stats(self, cache: Cache) -> dict:
         """The layout's facts (empty before compression)."""

@@ -138,7 +138,7 @@ class ChunkedEviction:
 
     def state_partition(self, state, spec: CacheSpec):
         """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
-        return bounded_partition(state, spec, self.name)
+        return bounded_partition(state)
 
     def stats(self, cache: Cache) -> dict:
         """Sizes, the prefill buffer bound, kept tokens per head and the page pools' bytes."""

@@ -135,11 +135,11 @@ class H2OEviction:
         state, outs = lax.scan(step, state, (q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1), jnp.arange(T)))
         return outs.swapaxes(0, 1).astype(q.dtype), state
 
-    def partition(self, state: H2OKV, spec, method_name: str) -> H2OKV:
+    def partition(self, state: H2OKV) -> H2OKV:
         """Pools and tables as any paged layer; scores and positions by (row, head)."""
         from kvjax.sharding import ROWS_HEADS
 
-        return state.replace(paged=paged_partition(state.paged, spec, method_name), acc=ROWS_HEADS, pos=ROWS_HEADS)
+        return state.replace(paged=paged_partition(state.paged), acc=ROWS_HEADS, pos=ROWS_HEADS)
 
     def stats(self, states) -> dict:
         """Fixed budget during decoding: pools hold the capacity only."""

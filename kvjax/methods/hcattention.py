@@ -60,13 +60,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from kvjax.artifacts import Artifact, no_artifact, require_artifact, shipped_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
 from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
-from kvjax.sharding import (BY_DEVICE, REPLICATED, ROWS_HEADS, OnHost, flatten_heads, is_split, not_shardable,
+from kvjax.paged import shard_map
+from kvjax.sharding import (BY_DEVICE, MODEL, REPLICATED, ROWS_HEADS, OnHost, flatten_heads, is_split,
                             unflatten_heads)
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 from pallas_kernels.pq_attention import pq_scores
@@ -252,9 +254,6 @@ class HCAttention:
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging; the codebooks travel with the cache as its artifact."""
-        if is_split(spec.mesh) and resolve_implementation(self.implementation) != "xla":
-            raise not_shardable(self.name, "the Pallas PQ kernel does not run under shard_map yet (implementation='xla' "
-                                "does, under the mesh's annotations)")
         art = self.artifact_for(spec, artifact)
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
 
@@ -294,7 +293,13 @@ class HCAttention:
             # layer for 4 rows x 14 heads x 4K tokens, g = 32); the decoded keys are a transient of one layer.
             keys = decode_keys(state.codes, codebooks)
             return jnp.einsum("bhgtd,bhsd->bhgts", qg, keys, precision=lax.Precision.HIGHEST) * D**-0.5
-        z = pq_scores(qg.reshape(B, H * G * T, D), codebooks, state.codes, implementation=implementation)
+        def scores(q, codebooks, codes):  # the kernel (per device on a mesh: its rows' and KV heads' codes)
+            return pq_scores(q, codebooks, codes, implementation=implementation)
+
+        if is_split(ctx.mesh):
+            scores = shard_map(scores, mesh=ctx.mesh, in_specs=(ROWS_HEADS, PartitionSpec(MODEL), ROWS_HEADS),
+                               out_specs=ROWS_HEADS, check_vma=False)
+        z = scores(qg.reshape(B, H * G * T, D), codebooks, state.codes)  # queries KV-head-major: split with their head
         return z.reshape(B, H, G, T, -1)
 
     def decode_attend(self, state: HCAttentionKV, q, k, v, ctx):

@@ -55,17 +55,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from kvjax.artifacts import Artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
 from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
                                last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
-                               recall_stats, to_stored, top_mask, top_slots)
+                               recall_partition, recall_stats, to_stored, top_mask, top_slots)
 from kvjax.methods.base import check_common
 from kvjax.selection import keep_to_indices, keep_top, row_capacities
-from kvjax.sharding import is_split, not_shardable
-from kvjax.staging import Recording, init_staging, stage_chunk
+from kvjax.sharding import DATA
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 
 ROLES = ("pivot", "satellite", "anchor", "volatile")
 KIND = "heterocache"
@@ -266,8 +267,6 @@ class HeteroCache:
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging recording the last query; the artifact (or the shipped one) travels with the cache."""
-        if is_split(spec.mesh):
-            raise not_shardable(self.name, "the satellites' host tier and the followers' recall are not split by row and KV head yet")
         art = self.artifact_for(spec, artifact)
         self.plans(spec, art)  # validates the budget against the full heads
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
@@ -338,14 +337,17 @@ class HeteroCache:
 
     def decode_attend(self, state, q, k, v, ctx):
         """Attend over every head's held tokens; pivots check drift; satellites of drifted pivots are refreshed."""
-        out, state = append_attend(state, q, k, v, self.implementation)
+        out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if state.plan.leaders and self.retrieval:
             state = self.track(state, q, ctx.pad)
         return out, apply_recalls(state, ctx, enabled=self.retrieval)
 
     def state_partition(self, state, spec: CacheSpec):
-        """Not split over a mesh yet (:func:`init_cache` refuses a multi-device mesh)."""
-        raise not_shardable(self.name, "the satellites' host tier and the followers' recall are not split by row and KV head yet")
+        """The staging's specs, then the leader/follower layout's (:func:`kvjax.head_recall.recall_partition`);
+        the tracker is indexed by leader, so split by row only."""
+        if isinstance(state, StagedKV):
+            return staged_partition(state)
+        return recall_partition(state, state.tracker.replace(q=PartitionSpec(None, DATA), ref=PartitionSpec(DATA)))
 
     def stats(self, cache: Cache) -> dict:
         """Roles, kept tokens, recall events."""

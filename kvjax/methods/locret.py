@@ -151,7 +151,7 @@ class Locret:
 
     def state_partition(self, state, spec: CacheSpec):
         """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
-        return bounded_partition(state, spec, self.name)
+        return bounded_partition(state)
 
     def stats(self, cache: Cache) -> dict:
         """Sizes (b, n_s, n_loc, B), the prefill buffer bound, kept tokens per head and the page pools' bytes."""

@@ -168,7 +168,7 @@ class Quest:
         """The staging's specs, then pages as any paged layer with each page's bounds beside it."""
         if isinstance(state, StagedKV):
             return staged_partition(state)
-        paged = paged_partition(state.paged, spec, self.name)
+        paged = paged_partition(state.paged)
         return state.replace(paged=paged, kmin=paged.k_pages, kmax=paged.k_pages)
 
     def stats(self, cache: Cache) -> dict:
