@@ -89,7 +89,9 @@ Paged pools
 :func:`write_recalled` scatters recalled rows into the device page pools of ``kvjax.paged``
 (``k_pages, v_pages[num_pages, page_size, D]``, ``block_table[B, Hkv, max_pages]``).
 
-Single-device (or fully replicated) arrays only. On CPU ``pinned_host`` and ``device`` are the same
+These functions see one device's arrays: on a mesh, callers run them per device under ``shard_map``
+(``kvjax.head_recall``), or on arrays split by the compiler's annotations (HCAttention's values),
+whose batch axis is each device's own host heads. On CPU ``pinned_host`` and ``device`` are the same
 RAM: the tests here show correctness and the transfer structure, not speed.
 """
 

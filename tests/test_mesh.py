@@ -190,10 +190,10 @@ def test_pallas_paged_kernel_per_device_under_shard_map(mesh_run):
 
 
 def test_pallas_pq_kernel_per_device_under_shard_map(mesh_run):
-    """HCAttention with PQ codes scored by the interpreted Pallas kernel: the same tokens per device on a mesh."""
-    tokens = mesh_run["pq_kernel"]
-    assert len({tuple(row) for row in tokens["data=1,model=1"]}) > 1
-    assert tokens["data=2,model=4"] == tokens["data=1,model=1"]
+    """HCAttention's PQ scoring by the interpreted Pallas kernel per device on a mesh against numpy table lookups."""
+    assert len(mesh_run["pq_kernel"]) == 2
+    for mesh, error in mesh_run["pq_kernel"].items():
+        assert error < 1e-3, (mesh, error)
 
 
 def test_page_layout_blocks_hand_computed():

@@ -157,6 +157,19 @@ class HCAttentionKV:
 
 
 # --------------------------------------------------------------------------------------- method
+def kernel_scores(q, codebooks, codes, implementation: str, mesh=None):
+    """PQ scores ``[B, Hq', S]`` by the Pallas kernel (:func:`pallas_kernels.pq_attention.pq_scores`); on a multi-device
+    ``mesh`` per device under ``shard_map``: each device scores its rows' and KV heads' codes with their codebooks
+    (``q[B, Hq', D]`` KV-head-major, so a head's queries split with it)."""
+    def scores(q, codebooks, codes):
+        return pq_scores(q, codebooks, codes, implementation=implementation)
+
+    if is_split(mesh):
+        scores = shard_map(scores, mesh=mesh, in_specs=(ROWS_HEADS, PartitionSpec(MODEL), ROWS_HEADS),
+                           out_specs=ROWS_HEADS, check_vma=False)
+    return scores(q, codebooks, codes)
+
+
 @dataclasses.dataclass(frozen=True)
 class HCAttention:
     """HCAttention (see the module docstring).
@@ -293,13 +306,7 @@ class HCAttention:
             # layer for 4 rows x 14 heads x 4K tokens, g = 32); the decoded keys are a transient of one layer.
             keys = decode_keys(state.codes, codebooks)
             return jnp.einsum("bhgtd,bhsd->bhgts", qg, keys, precision=lax.Precision.HIGHEST) * D**-0.5
-        def scores(q, codebooks, codes):  # the kernel (per device on a mesh: its rows' and KV heads' codes)
-            return pq_scores(q, codebooks, codes, implementation=implementation)
-
-        if is_split(ctx.mesh):
-            scores = shard_map(scores, mesh=ctx.mesh, in_specs=(ROWS_HEADS, PartitionSpec(MODEL), ROWS_HEADS),
-                               out_specs=ROWS_HEADS, check_vma=False)
-        z = scores(qg.reshape(B, H * G * T, D), codebooks, state.codes)  # queries KV-head-major: split with their head
+        z = kernel_scores(qg.reshape(B, H * G * T, D), codebooks, state.codes, implementation, ctx.mesh)
         return z.reshape(B, H, G, T, -1)
 
     def decode_attend(self, state: HCAttentionKV, q, k, v, ctx):
