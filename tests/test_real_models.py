@@ -178,18 +178,21 @@ def test_shipped_hcattention_codebooks_match_the_default_model():
 
 
 @pytest.mark.parametrize("kind", ["heterocache", "synckv"])
-def test_calibrate_command_end_to_end(smollm2, tmp_path, kind):
+def test_calibrate_command_end_to_end(smollm2, tmp_path, monkeypatch, kind):
     """`kvjax calibrate` on SmolLM2 (1 short sample): per-layer and cross-layer artifacts, reports and plots;
     the artifact drives the method; the smallest feasible budget is reported (per layer, SyncKV's N_r = 2 keeps 2 of
-    SmolLM2's 3 KV heads full)."""
+    SmolLM2's 3 KV heads full). The command gets the session's loaded model (loading is tested elsewhere)."""
+    import kvjax
     from kvjax.api import generate_tokens
     from kvjax.artifacts import load_artifact
     from kvjax.cli import main
     from kvjax.methods import get_method
 
+    loaded = []
+    monkeypatch.setattr(kvjax, "load", lambda name, dtype, progress=False: loaded.append((name, dtype)) or smollm2)
     rc = main(["calibrate", kind, "--model", "smollm2-135m", "--samples", "1", "--tokens", "300", "--decode-steps", "4",
                "--group-layers", "1,6", "--out-dir", str(tmp_path / "art"), "--report-dir", str(tmp_path / "rep")])
-    assert rc == 0
+    assert rc == 0 and loaded == [("smollm2-135m", "float32")]
     for g in (1, 6):
         art = load_artifact(tmp_path / "art" / f"smollm2-135m-g{g}.json")
         assert art.meta_dict()["group_layers"] == g

@@ -40,6 +40,7 @@ kvjax's choices (documented deviations):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -75,6 +76,17 @@ def kmeans(x, k: int, *, seed: int = 0, iterations: int = 100, restarts: int = 1
     n = x.shape[0]
     if not 1 <= k <= n:
         raise ValueError(f"k-means needs 1 <= k <= {n} points, got k={k}")
+    keys = jax.random.split(jax.random.PRNGKey(seed), restarts)
+    assign, cents, inertia = _kmeans_restarts(x, keys, k, iterations)
+    best = int(jnp.argmin(inertia))
+    return np.asarray(assign[best]), np.asarray(cents[best])
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _kmeans_restarts(x, keys, k: int, iterations: int):
+    """One k-means++ + Lloyd run per key (vmapped); compiled once per (shape, k, iterations), so calibrating many
+    layer groups of one size compiles once."""
+    n = x.shape[0]
 
     def one(key):
         first = jax.random.randint(key, (), 0, n)
@@ -97,10 +109,7 @@ def kmeans(x, k: int, *, seed: int = 0, iterations: int = 100, restarts: int = 1
         inertia = ((x - cents[assign]) ** 2).sum()
         return assign, cents, inertia
 
-    keys = jax.random.split(jax.random.PRNGKey(seed), restarts)
-    assign, cents, inertia = jax.vmap(one)(keys)
-    best = int(jnp.argmin(inertia))
-    return np.asarray(assign[best]), np.asarray(cents[best])
+    return jax.vmap(one)(keys)
 
 
 def cluster_group(similarity: np.ndarray, n_r: int, seed: int = 0):
