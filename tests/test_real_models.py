@@ -51,11 +51,18 @@ def test_smollm2_greedy_generation_matches_transformers(smollm2, smollm2_hf):
     assert out[0].tolist() == ref_new
 
 
-def test_qwen_logits_match_transformers():
-    path = ready_model_or_skip("qwen2.5-coder-0.5b")
+@pytest.fixture(scope="module")
+def qwen():
+    """The default ready model (Qwen2.5-Coder-0.5B-Instruct), loaded by kvjax in float32 once for this module."""
+    ready_model_or_skip("qwen2.5-coder-0.5b")
+    return load_model("qwen2.5-coder-0.5b", "float32")
+
+
+def test_qwen_logits_match_transformers(qwen):
+    path = qwen.path
     from transformers import AutoModelForCausalLM
 
-    model = load_model("qwen2.5-coder-0.5b", "float32")
+    model = qwen
     ids = np.asarray(model.tokenizer(PROMPT)["input_ids"], np.int32)[None]
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     with torch.no_grad():
@@ -66,52 +73,65 @@ def test_qwen_logits_match_transformers():
     assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
-def _qwen_passkey_prompt():
-    """(the default model, a 2K passkey sample at depth 0.3, its chat-templated prompt ids)."""
+def _qwen_passkey_prompt(model):
+    """(a 2K passkey sample at depth 0.3, its chat-templated prompt ids) for the default model."""
     from evals.passkey import make_passkey
 
-    model = load_model("qwen2.5-coder-0.5b", "float32")
     tok = model.tokenizer
     sample = make_passkey(tok, 2048, depth=0.3, seed=1)
     text = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False, add_generation_prompt=True)
-    return model, sample, tok(text)["input_ids"]
+    return sample, tok(text)["input_ids"]
 
 
-def _qwen_passkey_2k(methods, check_cache):
-    """The default model on a 2K passkey: one shared prefill, then per method compress, ``check_cache(method,
-    cache, prompt_len, config)``, decode 8 tokens and assert the pass key is in the answer."""
-    ready_model_or_skip("qwen2.5-coder-0.5b")
+PASSKEY_METHODS = ("snapkv", "hbw", "heterocache", "synckv", "hcattention")  # at 25%, sharing one prefill
+
+
+@pytest.fixture(scope="module")
+def qwen_passkey_prefill(qwen):
+    """The default model's shared prefill of a 2K passkey prompt for ``PASSKEY_METHODS`` at 25%:
+    (methods by name, staged cache, first token, sample, prompt length)."""
     from kvjax.api import left_pad
     from kvjax.cache import CacheSpec
-    from kvjax.generate import compress, decode_loop, prefill_prompt
-    from kvjax.shared_prefill import cache_for, init_shared_cache
+    from kvjax.generate import prefill_prompt
+    from kvjax.methods import get_method
+    from kvjax.shared_prefill import init_shared_cache
 
-    model, sample, ids = _qwen_passkey_prompt()
+    sample, ids = _qwen_passkey_prompt(qwen)
+    methods = {name: get_method(name, budget=0.25) for name in PASSKEY_METHODS}
+    tokens, pad = left_pad([ids], qwen.tokenizer.pad_token_id, multiple=512)
+    spec = CacheSpec.for_model(qwen.config, 1, tokens.shape[1], 8, qwen.dtype, longest_row=len(ids))
+    staged = init_shared_cache(tuple(methods.values()), spec).replace(pad=jnp.asarray(pad))
+    logits, staged = prefill_prompt(qwen.graphdef, qwen.params, tokens, staged, chunk_size=512)
+    return methods, staged, jnp.argmax(logits, axis=-1).astype(jnp.int32), sample, len(ids)
+
+
+def _qwen_passkey_2k(model, prefill, names, check_cache):
+    """Per method of ``names``: compress the shared 2K passkey prefill, ``check_cache(method, cache, prompt_len,
+    config)``, decode 8 tokens and assert the pass key is in the answer."""
+    from kvjax.generate import compress, decode_loop
+    from kvjax.shared_prefill import cache_for
+
+    methods, staged, first, sample, prompt_len = prefill
     tok = model.tokenizer
-    tokens, pad = left_pad([ids], tok.pad_token_id, multiple=512)
-    spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], 8, model.dtype, longest_row=len(ids))
-    staged = init_shared_cache(methods, spec).replace(pad=jnp.asarray(pad))
-    logits, staged = prefill_prompt(model.graphdef, model.params, tokens, staged, chunk_size=512)
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    for method in methods:
+    for name in names:
+        method = methods[name]
         cache = compress(cache_for(staged, method))
-        check_cache(method, cache, len(ids), model.config)
+        check_cache(method, cache, prompt_len, model.config)
         out, count, _ = decode_loop(model.graphdef, model.params, first, cache, jax.random.PRNGKey(0),
                                     max_new_tokens=8, eos_ids=(tok.eos_token_id,))
         answer = tok.decode(np.asarray(out[0, : int(count[0])]), skip_special_tokens=True)
         assert sample.answer in answer, f"{method.name} answered {answer!r}, expected {sample.answer}"
 
 
-def test_qwen_passkey_2k_with_snapkv_and_hbw_at_quarter_budget():
+def test_qwen_passkey_2k_with_snapkv_and_hbw_at_quarter_budget(qwen, qwen_passkey_prefill):
     """The default model answers a 2K passkey with SnapKV and HBW-KV at 25% (one shared prefill)."""
-    from kvjax.methods import HBW, SnapKV
 
     def check(method, cache, prompt_len, config):
         kept = cache.stats()["kept_tokens_per_head"][0][0]
         assert kept == int(0.25 * prompt_len)  # of the real prompt, not of the padded 2048 slots
         assert np.asarray(cache.layers[0].lengths).tolist() == [[kept, kept]]
 
-    _qwen_passkey_2k((SnapKV(budget=0.25), HBW(budget=0.25)), check)
+    _qwen_passkey_2k(qwen, qwen_passkey_prefill, ("snapkv", "hbw"), check)
 
 
 def test_ask_several_questions_over_one_compressed_context(smollm2):
@@ -147,11 +167,10 @@ def test_shipped_calibration_artifacts_match_the_ready_models(smollm2, kind):
     assert qwen.exists() and load_artifact(qwen).model_id.startswith("qwen2.5-coder-0.5b:")
 
 
-def test_qwen_passkey_2k_with_host_tier_methods_at_quarter_budget():
+def test_qwen_passkey_2k_with_host_tier_methods_at_quarter_budget(qwen, qwen_passkey_prefill):
     """The default model answers a 2K passkey with HeteroCache, SyncKV and HCAttention at 25% with the shipped
     calibrations and codebooks (one shared prefill), holding at most about a quarter of the prompt's KV on the
     device and the rest (followers' KV, HCAttention's values) on the host."""
-    from kvjax.methods import HCAttention, HeteroCache, SyncKV
 
     def check(method, cache, prompt_len, c):
         prompt_kv = 2 * c.num_layers * c.num_kv_heads * prompt_len * c.head_dim * 4
@@ -160,7 +179,7 @@ def test_qwen_passkey_2k_with_host_tier_methods_at_quarter_budget():
         if method.name == "hcattention":  # float32: codes of g = D/2 bytes (6.25%) + 3 MiB of codebooks
             assert s["key_representation"] == "pq g=32 c=256" and s["host_value_bytes"] >= prompt_kv // 2
 
-    _qwen_passkey_2k((HeteroCache(budget=0.25), SyncKV(budget=0.25), HCAttention(budget=0.25)), check)
+    _qwen_passkey_2k(qwen, qwen_passkey_prefill, ("heterocache", "synckv", "hcattention"), check)
 
 
 def test_shipped_hcattention_codebooks_match_the_default_model():
@@ -210,14 +229,13 @@ def test_calibrate_command_end_to_end(smollm2, tmp_path, monkeypatch, kind):
     assert main(["calibrate", kind, "--model", "smollm2-135m", "--group-layers", "0"]) == 2  # clear error
 
 
-def test_qwen_passkey_2k_with_locret_at_quarter_budget():
+def test_qwen_passkey_2k_with_locret_at_quarter_budget(qwen):
     """The default model answers a 2K passkey with Locret (shipped heads) at 25%, prefilled in chunks of 512 with
     eviction after each: every head ends with the budget's tokens, and the prefill never held more than b + n_loc + B."""
-    ready_model_or_skip("qwen2.5-coder-0.5b")
-    from kvjax.api import generate_tokens
     from kvjax.methods import Locret
 
-    model, sample, ids = _qwen_passkey_prompt()
+    model = qwen
+    sample, ids = _qwen_passkey_prompt(model)
     tok = model.tokenizer
     method = Locret(budget=0.25, chunk=512)
     out, count, cache, _ = generate_tokens(model, [ids], method=method, max_new_tokens=8, chunk_size=512,
