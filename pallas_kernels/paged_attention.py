@@ -63,7 +63,11 @@ f32 reference by bf16 rounding of q and p (~1e-2 relative).
 
 Both run on CPU in interpret mode (``implementation="pallas_interpret"``): the TPU form under
 ``pltpu.InterpretParams()`` (which emulates DMAs, semaphores and uninitialised (NaN) VMEM), the
-GPU form under ``interpret=True``.
+GPU form under ``interpret=True``. Interpreting on CPU picks the GPU form unless ``backend="tpu"``
+is given: its interpreter discharges the kernel into ordinary jax ops, while the TPU form's
+interpreter simulates through ordered host callbacks, and jax 0.10 cannot lower those in a
+program that also returns ``pinned_host`` arrays (a decode loop with a host tier fails with
+``safe_zip() argument 1 has length N+1 but argument 0 has length N``).
 """
 
 from __future__ import annotations
@@ -229,7 +233,7 @@ def _resolve_backend(implementation: str, backend: str | None) -> str:
             f"implementation='pallas' needs a TPU or GPU, but jax.default_backend() is "
             f"{platform!r}; use implementation='xla' or 'pallas_interpret' on CPU"
         )
-    return "tpu"  # interpret mode on CPU: emulate the TPU form by default.
+    return "gpu"  # interpret mode on CPU: the GPU form (no host callbacks; module docstring)
 
 
 def _gpu_max_block_tokens(head_dim: int, dtype) -> int:
@@ -620,7 +624,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
       implementation: ``"pallas"`` (compiled), ``"pallas_interpret"`` (CPU emulation) or
         ``"xla"`` (:func:`paged_decode_attention_reference`).
       backend: kernel form, ``"tpu"`` or ``"gpu"``; ``None`` follows ``jax.default_backend()``
-        (the TPU form when interpreting on CPU).
+        (the GPU form when interpreting on CPU; module docstring).
       pages_per_block: pages per kernel block; ``None`` picks about 512 (TPU) / 128 (GPU)
         tokens per block (a power of two for the GPU form, whose K block is also kept within
         32 KiB; pages larger than that are processed in sub-pages).

@@ -40,7 +40,10 @@ table on chip.  Two kernel forms, because arbitrary-index gathers lower very dif
   powers of two.  There is no matmul, hence no TF32 question.
 
 Both forms write per-tile partial statistics that a ``jnp`` epilogue combines, so every grid
-axis is parallel.  Both run on CPU in interpret mode (``implementation="pallas_interpret"``).
+axis is parallel.  Both run on CPU in interpret mode (``implementation="pallas_interpret"``); there
+the GPU form is the default, for the reason given in :mod:`pallas_kernels.paged_attention` (the TPU
+form's interpreter uses ordered host callbacks, which jax 0.10 cannot lower next to ``pinned_host``
+results such as HCAttention's values).
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def _resolve_backend(implementation, backend):
         raise ValueError(
             f"implementation='pallas' needs a TPU or GPU, but jax.default_backend() is "
             f"{platform!r}; use implementation='xla' or 'pallas_interpret' on CPU")
-    return "tpu"
+    return "gpu"  # interpret mode on CPU: the GPU form (no host callbacks; module docstring)
 
 
 def pq_lookup_table(q, codebooks, *, scale=None):
@@ -368,7 +371,7 @@ def pq_scores(q, codebooks, codes, lengths=None, *, return_stats=False,
       return_stats: also return ``m, l`` ([B, H_q] f32): max and ``sum exp(z - m)`` over valid j.
       implementation: ``"pallas"`` | ``"pallas_interpret"`` | ``"xla"`` (the reference).
       backend: ``"tpu"`` (one-hot matmul) | ``"gpu"`` (table gather) | ``None`` (from
-        ``jax.default_backend()``; the TPU form when interpreting on CPU).
+        ``jax.default_backend()``; the GPU form when interpreting on CPU).
       block_s: tokens per kernel tile (TPU: multiple of 128; GPU: power of two); ``None`` picks
         a default from ``c`` and ``g``.
 

@@ -39,19 +39,19 @@ NEW_TOKENS = 6
 CHUNK = 32  # chunked prefill for every method (prompt padded to a multiple: chunk padding)
 
 
-def tiny_model() -> LoadedModel:
+def tiny_model(config: ModelConfig = CONFIG) -> LoadedModel:
     """Random weights scaled up so attention is peaked and greedy tokens vary; random q/k/v biases."""
-    graphdef, params = nnx.split(random_model(CONFIG, seed=1))
+    graphdef, params = nnx.split(random_model(config, seed=1))
     keys = iter(jax.random.split(jax.random.PRNGKey(7), 1000))
     params = jax.tree_util.tree_map(
         lambda x: x * 50 if x.ndim == 2 else x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), params)
-    return LoadedModel(CONFIG, graphdef, params, None, "random", jnp.float32)
+    return LoadedModel(config, graphdef, params, None, "random", jnp.float32)
 
 
-def recall_artifacts():
+def recall_artifacts(config: ModelConfig = CONFIG):
     """Hand-built HeteroCache and SyncKV artifacts for the 2 x 8 KV heads: followers spread unevenly over the
     head blocks of every mesh (some blocks have none), leaders on other devices and in the other layer."""
-    model_id = model_identity(CONFIG)
+    model_id = model_identity(config)
     roles = (("pivot", "satellite", "anchor", "volatile", "satellite", "pivot", "satellite", "anchor"),
              ("satellite", "anchor", "satellite", "pivot", "anchor", "satellite", "volatile", "anchor"))
     none = (-1, -1)
@@ -107,7 +107,7 @@ def kernel_errors() -> dict:
     from kvjax.paged import build_paged, paged_attention, paged_partition
     from kvjax.sharding import make_mesh, named
 
-    B, H, Hq, S, D = 8, 8, 16, 40, 8
+    B, H, Hq, S, D = 8, 8, 16, 40, 16  # D >= 16: interpreting on CPU runs the GPU (Triton) form
     rng = np.random.default_rng(1)
     k, v = (jnp.asarray(rng.normal(size=(B, H, S, D)), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.normal(size=(B, Hq, D)), jnp.float32)

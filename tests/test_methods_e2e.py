@@ -1,4 +1,4 @@
-"""Static methods end to end on a tiny model: full budget == full cache, real memory savings, host tier, errors."""
+"""Methods end to end on a tiny model: full budget == full cache, real memory savings, host tier, Pallas in the loop, errors."""
 
 from __future__ import annotations
 
@@ -212,3 +212,31 @@ def test_pallas_interpret_generate_equals_xla(tiny, method_cls):
     pallas, _, cache, _ = generate_tokens(tiny, rows, method=method_cls(implementation="pallas_interpret", **kw),
                                           max_new_tokens=5)
     np.testing.assert_array_equal(pallas, xla)
+
+
+@pytest.mark.parametrize("name", ["hcattention", "heterocache"])
+def test_pallas_interpret_decode_loop_with_host_tier_equals_xla(name):
+    """The Pallas kernels (interpret mode, the CPU default form) inside a decode loop that also holds ``pinned_host``
+    arrays (HCAttention's values with the PQ kernel; HeteroCache's satellites with the paged kernel, recalls forced)
+    give the XLA path's tokens. With the TPU form's interpreter jax 0.10 failed to lower this loop."""
+    import dataclasses
+
+    from kvjax.methods import HCAttention, HeteroCache
+    from tests.mesh_worker import CONFIG, codebooks, recall_artifacts, tiny_model
+
+    rows = [list(np.random.default_rng(0).integers(1, 128, size=n)) for n in (100, 90)]
+    if name == "hcattention":
+        model = tiny_model()
+        make, artifact = lambda impl: HCAttention(groups=4, centroids=8, tau=0.9, implementation=impl), codebooks()
+    else:  # the paged kernel's GPU form needs head_dim >= 16
+        config = dataclasses.replace(CONFIG, head_dim=16, name="tiny-mesh-d16")
+        model = tiny_model(config)
+        make = lambda impl: HeteroCache(budget=0.5, window=2, tau_drift=1.0, block=32, implementation=impl)
+        artifact = recall_artifacts(config)[0]
+    tokens = {}
+    for impl in ("xla", "pallas_interpret"):
+        out, _, cache, _ = generate_tokens(model, rows, method=make(impl), max_new_tokens=4, chunk_size=32,
+                                           artifact=artifact)
+        assert cache.stats()["host_bytes"] > 0
+        tokens[impl] = np.asarray(out)
+    np.testing.assert_array_equal(tokens["pallas_interpret"], tokens["xla"])
