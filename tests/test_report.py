@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 
 from evals.report import shortfalls
@@ -80,3 +83,39 @@ def test_side_by_side_orders_by_device_bytes_counts_common_samples_and_refuses_o
     assert "Warning" not in text
     with pytest.raises(SystemExit, match="seed"):
         main([a, run("c", [], seed=1)])
+
+
+def test_hcattention_ablation_table_hand_computed(tmp_path):
+    """Rows per (method spec, budget): tau from the spec (default 0.9), accuracy per task, mean selection ratio and
+    per-layer ratios averaged over records; the full cache first."""
+    from evals.hcattention_ablation import main, rows
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"tasks": ["a", "b"]}))
+
+    def rec(method, task, score, ratio=None, layers=None):
+        r = {"method": method, "budget": "0.1" if method != "full" else "full", "task": task, "score": score,
+             "device_bytes": 2**20}
+        if ratio is not None:
+            r.update(selection_ratio=ratio, selection_ratio_per_layer=json.dumps(layers), key_representation="pq g=32 c=256")
+        return r
+
+    records = [rec("full", "a", 1.0), rec("full", "b", 0.0),
+               rec("hcattention:tau=0.5", "a", 1.0, 0.02, [0.01, 0.03]), rec("hcattention:tau=0.5", "a", 0.0, 0.04, [0.03, 0.05]),
+               rec("hcattention:tau=0.5", "b", 1.0, 0.03, [0.02, 0.04]), rec("hcattention", "a", 1.0, 0.1, [0.1, 0.1]),
+               rec("snapkv", "a", 1.0)]
+    (run / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    got = {r["method"]: r for r in rows([run])}
+    assert set(got) == {"full", "hcattention:tau=0.5", "hcattention"}  # other methods are left out
+    half = got["hcattention:tau=0.5"]
+    assert half["tau"] == 0.5 and half["keys"] == "pq g=32 c=256" and half["prompts"] == 3
+    assert half["per_task"] == {"a": 50.0, "b": 100.0} and half["mean"] == 75.0
+    assert abs(half["selection_ratio"] - 0.03) < 1e-12
+    np.testing.assert_allclose(half["selection_per_layer"], [0.02, 0.04])
+    assert got["hcattention"]["tau"] == 0.9 and got["full"]["tau"] is None and got["full"]["mean"] == 50.0
+    assert main([str(run), "--out", str(tmp_path / "t.md")]) == 0
+    data = [l for l in (tmp_path / "t.md").read_text().splitlines() if l.startswith("| ") and "`" in l]
+    assert len(data) == 3 and "`full`" in data[0]
+    half_line = [l for l in data if "tau=0.5" in l][0]
+    assert "| 0.5 | 3 | 50.0 | 100.0 | **75.0** | 3.0% | 1.0 |" in half_line
