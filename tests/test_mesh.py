@@ -23,8 +23,8 @@ from kvjax.sharding import make_mesh, parse_mesh
 from models import LoadedModel
 from models.config import ModelConfig
 from models.llama import abstract_model, random_model
-from tests.mesh_worker import ONE_DEVICE
 from models.sharding import interleave_rows, tensor_parallel_params
+from tests.mesh_worker import ONE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
