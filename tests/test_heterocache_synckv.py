@@ -139,21 +139,6 @@ def test_star_clustering_hand_case():
     assert star_clustering(np.zeros((3, 3), bool)) == []
 
 
-def test_star_clustering_breaks_degree_ties_by_centrality():
-    """A complete graph of 4: every degree is 3; the node with the largest overlap sum is the pivot, not node 0."""
-    adj = ~np.eye(4, dtype=bool)
-    w = np.array([[1, .5, .5, .5], [.5, 1, .9, .8], [.5, .9, 1, .6], [.5, .8, .6, 1]])  # sums: 1.5, 2.2, 2.0, 1.9
-    assert star_clustering(adj, w) == [(1, [0, 2, 3])]
-    assert star_clustering(adj) == [(0, [1, 2, 3])]  # without weights: the reference code's lowest index
-    # degree still comes first: node 3 has the largest overlaps but fewer neighbours
-    adj = np.zeros((4, 4), bool)
-    for i, j in [(0, 1), (0, 2), (1, 3)]:
-        adj[i, j] = adj[j, i] = True
-    w = np.zeros((4, 4))
-    w[1, 3] = w[3, 1] = 5.0
-    assert star_clustering(adj, w)[0] == (1, [0, 3])  # degrees 0:2, 1:2 tie -> node 1 (sum 5 + 0) over node 0
-
-
 def test_kmeans_separates_clear_clusters_deterministically():
     x = np.array([[0, 0], [0.1, 0], [0, 0.2], [10, 10], [10.2, 10]], np.float32)
     a1, c1 = kmeans(x, 2, seed=0)

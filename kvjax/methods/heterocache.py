@@ -4,11 +4,8 @@ and pivot heads that refresh their satellites from host memory when their attent
 Calibration (``kvjax calibrate heterocache``, :func:`heterocache_artifact`): per KV head the
 stability score (Eq. 2) and the overlap graph of its group (an edge when the pairwise overlap
 reaches ``tau_sim``); **greedy star clustering** (REFERENCE_NOTES): repeatedly the unassigned head
-with the most unassigned neighbours becomes a *pivot* and those neighbours its *satellites*; the
-remaining heads are *anchors* (stability >= ``tau_stable``) or *volatile*. Deviation: ties in degree go
-to the head with the largest sum of overlaps with those neighbours (the paper's "highest centrality"),
-then to the lowest index; the reference code breaks ties by index only, which in kvjax's cross-layer
-groups (nearly complete overlap graphs) always made a group's first layer its pivot.
+with the most unassigned neighbours (ties: lowest index) becomes a *pivot* and those neighbours its
+*satellites*; the remaining heads are *anchors* (stability >= ``tau_stable``) or *volatile*.
 
 Runtime:
 
@@ -76,27 +73,21 @@ KIND = "heterocache"
 
 
 # ------------------------------------------------------------------------------------ calibration
-def star_clustering(adjacency: np.ndarray, weights: np.ndarray | None = None) -> list[tuple[int, list[int]]]:
+def star_clustering(adjacency: np.ndarray) -> list[tuple[int, list[int]]]:
     """Greedy star clustering of a symmetric bool adjacency (no self loops): ``[(pivot, satellites), ...]``.
 
-    Repeatedly the unassigned node with the most unassigned neighbours becomes a pivot and its unassigned
-    neighbours its satellites; stops when the best degree is 0. Ties in degree go to the node with the
-    largest sum of ``weights`` (pairwise overlaps) over its unassigned neighbours — the paper's "highest
-    centrality" — then to the lowest index (the reference code's only tie-break; ``weights=None``).
+    Repeatedly the unassigned node with the most unassigned neighbours (ties: lowest index) becomes
+    a pivot and its unassigned neighbours its satellites; stops when the best degree is 0.
     """
     adj = np.asarray(adjacency, bool).copy()
     np.fill_diagonal(adj, False)
-    w = np.zeros(adj.shape) if weights is None else np.asarray(weights, np.float64)
     free = np.ones(len(adj), bool)
     clusters = []
     while True:
-        links = adj & free[None, :]
-        degree = np.where(free, links.sum(axis=1), -1)
-        best = degree.max()
-        if best <= 0:
+        degree = np.where(free, (adj & free[None, :]).sum(axis=1), -1)
+        pivot = int(np.argmax(degree))
+        if degree[pivot] <= 0:
             return clusters
-        centrality = np.where(degree == best, np.where(links, w, 0.0).sum(axis=1), -np.inf)
-        pivot = int(np.argmax(centrality))  # first of the most central among the highest degree
         sats = [int(j) for j in np.flatnonzero(adj[pivot] & free)]
         free[pivot] = False
         free[sats] = False
@@ -109,7 +100,7 @@ def classify_group(stability: np.ndarray, similarity: np.ndarray, tau_sim: float
     adj = (np.asarray(similarity) >= tau_sim) & ~np.eye(U, dtype=bool)
     adj = adj & adj.T
     roles, leader = [""] * U, [-1] * U
-    for pivot, sats in star_clustering(adj, similarity):
+    for pivot, sats in star_clustering(adj):
         roles[pivot] = "pivot"
         for s in sats:
             roles[s], leader[s] = "satellite", pivot
