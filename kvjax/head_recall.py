@@ -118,6 +118,13 @@ def follower_slots(followers: tuple, num_kv_heads: int, mesh) -> tuple:
     return tuple(x for g in groups for x in g + [-1] * (width - len(g)))
 
 
+def slot_followers(slots: tuple):
+    """``(live bool [n_slots], follower int32 [n_slots])`` of :func:`follower_slots`' output: whether a slot holds a
+    follower, and which (0 for padding slots, so it can index ``[..., n_followers]`` arrays; mask with ``live``)."""
+    slots = np.asarray(slots, np.int32)
+    return slots >= 0, np.maximum(slots, 0)
+
+
 # --------------------------------------------------------------------------- calibrated methods
 def check_calibrated(kernel: int, group_layers) -> None:
     """Validate the hyper-parameters HeteroCache and SyncKV share (score pooling, artifact group size)."""
@@ -242,8 +249,7 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
     B = st.k.shape[0]
     nf, nl = len(plan.followers), len(plan.leaders)
     slots = follower_slots(plan.followers, spec.num_kv_heads, spec.mesh) if nf else ()
-    live = np.asarray(slots) >= 0
-    follower = np.maximum(np.asarray(slots, np.int32), 0)
+    live, follower = slot_followers(slots)
     blocks = axis_size(spec.mesh, MODEL)
     per_block, width = spec.num_kv_heads // blocks, len(slots) // blocks
     slot_heads = [plan.followers[i].head if i >= 0 else (n // width) * per_block for n, i in enumerate(slots)]
@@ -251,7 +257,7 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
 
     def per_slot(x):  # [B, n_followers] -> [B, n_slots], 0 in padding slots
         x = jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B, nf))
-        return jnp.where(jnp.asarray(live)[None], x[:, jnp.asarray(follower, jnp.int32)], 0)
+        return jnp.where(jnp.asarray(live)[None], x[:, jnp.asarray(follower)], 0)
 
     zeros = jnp.zeros((), jnp.int32)
     return RecallKV(
@@ -295,8 +301,7 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
     width = max(p.shape[-1] for p in picks)
     picks = jnp.stack([jnp.pad(p, ((0, 0), (0, width - p.shape[-1]))) for p in picks], axis=1)  # [B, nf, R]
     versions = jnp.stack(versions, axis=1)  # [B, nf]
-    live = jnp.asarray(state.slots) >= 0
-    follower = jnp.maximum(jnp.asarray(state.slots, jnp.int32), 0)
+    live, follower = slot_followers(state.slots)
     picks, versions = picks[:, follower], jnp.where(live[None], versions[:, follower], 0)  # per slot
     due = versions > state.applied
     count = jnp.where(due, jnp.minimum(state.region_count, width), 0)
@@ -362,5 +367,5 @@ def attention_read_bytes(states) -> int:
 
 
 __all__ = ["check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
-           "top_mask", "top_slots", "follower_slots", "host_copy", "build_layer", "append_attend", "publish", "apply_recalls", "recall_partition", "recall_stats",
+           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "apply_recalls", "recall_partition", "recall_stats",
            "attention_read_bytes"]
