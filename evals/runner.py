@@ -74,6 +74,8 @@ class EvalConfig:
         unknown = [m for m in self.methods if parse_method_spec(m)[0] not in METHODS]
         if unknown:
             raise ValueError(f"unknown methods {unknown}; available: {', '.join(sorted(METHODS))}")
+        for m in self.methods:
+            split_budget(m)  # a bad budget inside a spec fails here, before any model is loaded
         bad_tasks = [t for t in self.tasks if t not in TASKS]
         if bad_tasks:
             raise ValueError(f"unknown tasks {bad_tasks}; available: {', '.join(TASKS)}")
@@ -121,16 +123,42 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def split_budget(spec: str) -> tuple[str, object]:
+    """``"snapkv:budget=0.1:window=8"`` -> ``("snapkv:window=8", 0.1)``; a spec without a budget gives ``None``.
+
+    A budget inside a method's spec runs that method at that budget alone instead of at every ``--budgets``
+    entry (e.g. HCAttention's memory configurations next to baselines at one budget, sharing one prefill).
+    """
+    from kvjax.methods import parse_method_spec
+
+    base, kwargs = parse_method_spec(spec)
+    if "budget" not in kwargs:
+        return spec, None
+    budget = kwargs.pop("budget")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget or (
+            isinstance(budget, float) and budget > 1):
+        raise ValueError(f"budget in method spec {spec!r} must be a float fraction in (0, 1] or an int number of "
+                         f"tokens per KV head, got {budget!r}")
+    return ":".join([base] + [f"{k}={v}" for k, v in kwargs.items()]), budget
+
+
 def method_grid(cfg: EvalConfig) -> list[tuple[str, str, object]]:
-    """``(method name, budget label, method instance)`` for the full cache and every method x budget."""
+    """``(method name, budget label, method instance)`` for the full cache and every method x budget.
+
+    A method whose spec names a budget (``hcattention:budget=0.05``) runs at that budget only (:func:`split_budget`).
+    """
     from kvjax.methods import FullCache, get_method
 
     grid = [("full", "full", FullCache())]
-    for name in cfg.methods:
-        if name == "full":
+    for spec in cfg.methods:
+        if spec == "full":
             continue
-        for b in cfg.budgets:
-            grid.append((name, budget_label(b), get_method(name, budget=b)))
+        name, own = split_budget(spec)
+        for b in (cfg.budgets if own is None else (own,)):
+            entry = (name, budget_label(b), get_method(name, budget=b))
+            if any(g[:2] == entry[:2] for g in grid):
+                raise ValueError(f"method {name!r} at budget {entry[1]} is listed twice")
+            grid.append(entry)
     return grid
 
 
@@ -354,7 +382,8 @@ def build_parser():
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS,
-                   help="comma list (the full cache always runs); hyper-parameters as name:key=value, e.g. synckv:stride=10")
+                   help="comma list (the full cache always runs); hyper-parameters as name:key=value, e.g. synckv:stride=10; "
+                   "name:budget=B runs that entry at budget B alone instead of at every --budgets entry")
     p.add_argument("--budgets", type=_csv(parse_budget), default=(0.1, 0.25, 0.5), help="comma list of fractions (or ints: tokens/head)")
     p.add_argument("--tasks", type=_csv(str), default=("niah_single", "passkey"), help="comma list; '' with --fidelity-texts for fidelity only")
     p.add_argument("--lengths", type=_csv(int), default=(2048,), help="target prompt lengths in the model's tokens")

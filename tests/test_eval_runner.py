@@ -160,3 +160,19 @@ def test_query_agnostic_batches_share_a_question_length():
     got = [[(len(s.prompt_ids), len(s.prompt_ids) - s.question_start) for s in b] for b in batches(samples, 2, "query-agnostic")]
     assert got == [[(100, 20), (98, 20)], [(97, 20)], [(99, 21), (96, 21)]]
     assert [len(b) for b in batches(samples, 2, "query-aware")] == [2, 2, 1]
+
+
+def test_method_grid_budget_inside_a_spec_runs_that_budget_alone():
+    from evals.runner import EvalConfig, method_grid
+
+    cfg = EvalConfig(methods=("snapkv", "hcattention:budget=0.05", "hcattention:budget=0.5", "synckv:budget=64:stride=1"),
+                     budgets=(0.1, 0.25))
+    grid = method_grid(cfg)
+    assert [(n, b) for n, b, _ in grid] == [("full", "full"), ("snapkv", "0.1"), ("snapkv", "0.25"),
+                                            ("hcattention", "0.05"), ("hcattention", "0.5"), ("synckv:stride=1", "64")]
+    assert grid[3][2].budget == 0.05 and grid[5][2].budget == 64 and grid[5][2].stride == 1
+    with pytest.raises(ValueError, match="listed twice"):
+        method_grid(EvalConfig(methods=("snapkv", "snapkv:budget=0.1"), budgets=(0.1,)))
+    for bad in ("snapkv:budget=1.5", "snapkv:budget=0", "snapkv:budget=full"):
+        with pytest.raises(ValueError, match="budget in method spec"):
+            EvalConfig(methods=(bad,))
