@@ -351,16 +351,10 @@ def main_hcattention(argv) -> int:
     return 0
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-
-
 def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command: str, artifact_path: Path, times,
                              train_err, held_err, held_all, f32_err, fig_keys, fig_queries, codebooks) -> list[str]:
     """summary.md, stats.json, error.png and attention.png of one (g, c) artifact; returns the summary lines."""
+    from kvjax.cache import format_bytes
     from kvjax.pq_codebooks import code_dtype
 
     L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
@@ -386,9 +380,9 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
              f"Wall time on this machine (2-core CPU, shared): {wall:.0f} s = model load {times['load_s']:.0f} s + "
              f"key collection {times['collect_s']:.0f} s (shared by every configuration of the run) + fit "
              f"{times['fit_s']:.0f} s. Fitting scales as layers x iterations x batch x H_kv x g x c.", "",
-             f"- artifact: `{shown}` ({_fmt_bytes(artifact_path.stat().st_size)} on disk, codebooks stored as "
+             f"- artifact: `{shown}` ({format_bytes(artifact_path.stat().st_size, 2)} on disk, codebooks stored as "
              f"{args.storage_dtype}, loaded as float32)",
-             f"- codebooks on device (float32): {_fmt_bytes(book_b)} for the model ({_fmt_bytes(book_b / L)} per layer)",
+             f"- codebooks on device (float32): {format_bytes(book_b, 2)} for the model ({format_bytes(book_b / L, 2)} per layer)",
              f"- codes: {code_b} B per token per KV head ({dtype}) vs {4 * D} B for a float32 key "
              f"({code_b / (4 * D):.1%}) and {2 * D} B for bfloat16 ({code_b / (2 * D):.1%})",
              f"- mean relative key error ||k - Q(k)||^2 / ||k||^2: training {train_err['mean']:.4f}"

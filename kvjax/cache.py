@@ -213,6 +213,15 @@ def memory_kind(x: jax.Array) -> str:
     return kind or "device"
 
 
+def format_bytes(n: float, digits: int = 1) -> str:
+    """A byte count for people: ``512 B``, ``1.5 KiB``, ``3.2 MiB``, ``1.0 GiB`` (``digits`` after the point)."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    return f"{n:.{digits}f} GiB"
+
+
 def bytes_by_memory_kind(tree) -> tuple[int, int]:
     """(device bytes, host bytes) of every array leaf of ``tree``."""
     device = host = 0

@@ -55,17 +55,10 @@ def _method(args):
     return get_method(args.method, **kwargs, **given)
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
-
-
 def cmd_generate(args) -> int:
     """Stream the answer to a prompt (or a prompt file)."""
     import kvjax
+    from kvjax.cache import format_bytes
 
     if (args.prompt is None) == (args.prompt_file is None):
         raise SystemExit("kvjax generate: give exactly one of --prompt or --prompt-file")
@@ -79,9 +72,9 @@ def cmd_generate(args) -> int:
     s, t = result.cache_stats, result.timings
     print(
         f"\n[{result.prompt_tokens[0]} prompt tokens, {len(result.tokens[0])} generated | prefill {t['prefill_s']:.2f} s, "
-        f"decode {_decode_speed(t)} | cache {s['method']}: device {_fmt_bytes(s['device_bytes'])}"
-        + (f" ({_fmt_bytes(s['device_bytes_per_device'])} per device)" if model.mesh is not None else "")
-        + f", host {_fmt_bytes(s['host_bytes'])}]",
+        f"decode {_decode_speed(t)} | cache {s['method']}: device {format_bytes(s['device_bytes'])}"
+        + (f" ({format_bytes(s['device_bytes_per_device'])} per device)" if model.mesh is not None else "")
+        + f", host {format_bytes(s['host_bytes'])}]",
         file=sys.stderr,
     )
     return 0
@@ -110,6 +103,7 @@ def cmd_demo(args) -> int:
     """Passkey hidden in a ~4K-token haystack, answered by the default model with the full cache."""
     import kvjax
     from evals.passkey import make_passkey
+    from kvjax.cache import format_bytes
 
     t0 = time.perf_counter()
     model = kvjax.load(args.model, args.dtype, progress=True, mesh=setup_devices(args))
@@ -126,8 +120,8 @@ def cmd_demo(args) -> int:
     ok = sample.answer in result.text
     print(f"\n{'CORRECT' if ok else 'WRONG'} | prefill {t['prefill_s']:.2f} s "
           f"({result.prompt_tokens[0] / t['prefill_s']:.0f} tokens/s incl. compilation), "
-          f"decode {_decode_speed(t)} | cache ({s['method']}): device {_fmt_bytes(s['device_bytes'])}, "
-          f"host {_fmt_bytes(s['host_bytes'])}")
+          f"decode {_decode_speed(t)} | cache ({s['method']}): device {format_bytes(s['device_bytes'])}, "
+          f"host {format_bytes(s['host_bytes'])}")
     return 0 if ok else 1
 
 

@@ -290,3 +290,11 @@ def test_gather_rows_and_weighted_rows_on_host_against_numpy():
     out = jax.jit(weighted_rows_on_host)(host, jnp.asarray(idx), jnp.asarray(w))
     np.testing.assert_allclose(np.asarray(out), np.einsum("nqr,nrd->nqd", w, np.stack([x[i][idx[i]] for i in range(n)])),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_format_bytes_hand_computed():
+    from kvjax.cache import format_bytes
+
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 5 * 2**20 + 2**19, 2**30, 3 * 2**40)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "5.5 MiB", "1.0 GiB", "3072.0 GiB"]
+    assert format_bytes(366 * 1024, 2) == "366.00 KiB"
