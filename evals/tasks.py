@@ -45,7 +45,7 @@ import math
 import random
 import re
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 TASKS: tuple[str, ...] = (
     "passkey",
@@ -301,6 +301,20 @@ def _task_spec(task: str, rng: random.Random) -> _Spec:
     raise ValueError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
 
 
+def fill_sentences(size: Callable[[int], int], budget: int, *, patience: int) -> list[int]:
+    """Stream positions ``k = 0, 1, ...`` whose ``size(k)`` (estimated tokens) fill ``budget``: consecutive
+    sentences while they fit, then later, shorter ones fill the gap; stops after ``patience`` that do not fit."""
+    chosen, used, k, skipped = [], 0, 0, 0
+    while skipped < patience:
+        if used + size(k) <= budget:
+            chosen.append(k)
+            used += size(k)
+        else:
+            skipped += 1
+        k += 1
+    return chosen
+
+
 def needle_depths(depth: float, num_needles: int) -> list[float]:
     """Depths of a sample's needles: the first at ``depth``, the others evenly spaced after it, wrapping at 1."""
     return [depth] + [(depth + j / num_needles) % 1.0 for j in range(1, num_needles)]
@@ -425,16 +439,7 @@ def make_sample(
         return counts[(start + k) % n_sent]
 
     def select(budget: int) -> list[int]:
-        """Stream positions filling ``budget`` estimated tokens: contiguous, then smaller sentences fill the gap."""
-        chosen, used, k, skipped = [], 0, 0, 0
-        while skipped < 64:
-            if used + est(k) <= budget:
-                chosen.append(k)
-                used += est(k)
-            else:
-                skipped += 1
-            k += 1
-        return chosen
+        return fill_sentences(est, budget, patience=64)
 
     def measure(pieces: list[tuple[str, str]], bounds: Sequence[int] | None = None) -> tuple[str, list[int]]:
         bounds = _needle_boundaries(pieces, spec.needles, depths) if bounds is None else bounds

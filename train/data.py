@@ -46,6 +46,8 @@ import statistics
 import weakref
 from typing import Sequence
 
+from evals.tasks import fill_sentences
+
 KINDS: tuple[str, ...] = ("fact", "name", "continuation", "summary")
 
 # Disjoint from kvjax.calibration.CALIBRATION_MODULES. pdb and cmd are left out: pdb's docstrings are also in
@@ -573,16 +575,7 @@ def make_sample(tokenizer, *, tokens: int, seed: int, kind: str) -> QASample:
         return message, question, answer, _encode(tokenizer, _chat(tokenizer, message))
 
     def select(budget: int) -> list[int]:
-        """Consecutive sentences within ``budget`` estimated tokens, then shorter later ones filling the rest."""
-        chosen, used, k, skipped = [], 0, 0, 0
-        while skipped < 32:
-            if used + est(k) <= budget:
-                chosen.append(k)
-                used += est(k)
-            else:
-                skipped += 1
-            k += 1
-        return chosen
+        return fill_sentences(est, budget, patience=32)
 
     probe = list(range(8))
     overhead = len(measure(probe)[3]) - sum(est(k) for k in probe)
