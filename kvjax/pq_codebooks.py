@@ -51,6 +51,7 @@ import numpy as np
 from jax import lax
 
 from kvjax.artifacts import Artifact, frozen_meta, shipped_artifact_path
+from kvjax.selection import top_p_select
 
 KIND = "hcattention"
 HIGHEST = lax.Precision.HIGHEST
@@ -312,14 +313,6 @@ def collect_keys(model, rows, *, chunk_size: int = 1024, progress: bool = False,
 
 
 # ------------------------------------------------------------------------------------------- errors
-def _top_p_mass(p_ref, p_est, tau: float):
-    """Exact mass ``p_ref`` of the smallest set whose ``p_est`` mass reaches ``tau`` (HCAttention Eq. 4)."""
-    order = np.argsort(-p_est, axis=-1)
-    est_sorted = np.take_along_axis(p_est, order, axis=-1)
-    keep = np.cumsum(est_sorted, axis=-1) - est_sorted < tau  # include the token that crosses tau
-    return np.sum(np.take_along_axis(p_ref, order, axis=-1) * keep, axis=-1)
-
-
 def quantization_error(keys_per_layer, codebooks, *, queries=None, tau: float = 0.9) -> dict:
     """How well ``codebooks[L, H_kv, g, c, D // g]`` represent keys ``[L, H_kv, n, D]``.
 
@@ -374,7 +367,10 @@ def quantization_error(keys_per_layer, codebooks, *, queries=None, tau: float = 
                 p = np.exp(z)
                 probs.append(p / p.sum(-1, keepdims=True))
             tv.append(float(0.5 * np.abs(probs[0] - probs[1]).sum(-1).mean()))
-            mass.append(float(_top_p_mass(probs[0], probs[1], tau).mean()))
+            # Eq. 4 on the quantized keys' attention; the exact attention's mass of what it selects
+            chosen = np.asarray(top_p_select(jnp.asarray(probs[1], jnp.float32), jnp.ones(probs[1].shape[:-1], jnp.float32),
+                                             jnp.zeros((), jnp.float32), tau))
+            mass.append(float((probs[0] * chosen).sum(-1).mean()))
     out = {"relative_error": rel, "relative_error_per_head": rel_heads, "mean": float(np.mean(rel)),
            "centred_error": centred, "centred_mean": float(np.mean(centred)), "unused_centroids": unused}
     if queries is not None:

@@ -287,3 +287,43 @@ class SinksAndRecent:
         # priority: sinks (by position) first, then recency
         priority = jnp.where(sink, 2.0 * S - slots, slots.astype(jnp.float32))[:, None, :]
         return keep_top(jnp.broadcast_to(priority, scores.shape), jnp.zeros(scores.shape, bool), real[:, None, :], row_caps)
+
+
+def top_p_select(mass, total, forced, tau: float):
+    """Eq. 4 per query: the tokens of largest mass whose cumulative mass, after ``forced``, reaches ``tau * total``.
+
+    Args:
+      mass: non-negative unnormalised probabilities ``[..., S]`` of the candidate tokens.
+      total: ``[...]`` the softmax normaliser (candidates plus ``forced``).
+      forced: ``[...]`` mass of tokens that are always kept (counted before any candidate).
+      tau: threshold in (0, 1]; ``tau >= 1`` keeps every candidate with non-zero mass.
+
+    Returns:
+      bool ``[..., S]``: ``mass >= t`` for the largest value ``t`` whose set reaches the target, i.e. the
+      ``k*`` largest masses of Eq. 4. Tokens tied with the ``k*``-th are all kept (the set does not depend
+      on the order of positions). Nothing is selected when ``forced`` alone reaches the target.
+
+    Sort-free: ``t`` is found exactly by bisection over the bit patterns of the (non-negative) float32
+    masses, 32 masked sums over ``S``. A full sort per query head (``lax.top_k`` with ``k = S``) was
+    30x slower on this CPU (86 ms against 2.8 ms per layer for 56 query rows of 4K tokens, measured
+    beside another job).
+    """
+    mass = mass.astype(jnp.float32)
+    if tau >= 1.0:
+        return mass > 0
+    target = tau * total - forced
+    bits = lax.bitcast_convert_type(mass, jnp.int32)  # monotone in the value for non-negative floats
+
+    def reaches(threshold):
+        return jnp.where(bits >= threshold[..., None], mass, 0.0).sum(-1) >= target
+
+    def step(_, bounds):
+        lo, hi = bounds  # invariant: reaches(lo), not reaches(hi)
+        mid = lo + (hi - lo) // 2
+        ok = reaches(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo = jnp.zeros(target.shape, jnp.int32)
+    hi = bits.max(-1) + 1
+    lo, _ = lax.fori_loop(0, 32, step, (lo, hi))
+    return (bits >= lo[..., None]) & (mass > 0) & (target > 0)[..., None]

@@ -15,7 +15,8 @@ from kvjax.cache import AttendContext, CacheSpec, new_cache
 from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, prefill
 from kvjax.host_tier import to_host
 from kvjax.methods import FullCache, HCAttention, get_method
-from kvjax.methods.hcattention import HCAttentionKV, top_p_select
+from kvjax.methods.hcattention import HCAttentionKV
+from kvjax.selection import top_p_select
 from kvjax.pq_codebooks import encode_keys
 
 L = 40

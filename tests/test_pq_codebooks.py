@@ -141,6 +141,13 @@ def test_quantization_error_against_numpy():
     exact = quantization_error(keys, np.stack([np.stack([k.reshape(n, g, D // g).transpose(1, 0, 2)[:, :c]
                                                          for k in keys[l]]) for l in range(L)]))
     assert exact["mean"] > 0  # 40 keys, 8 centroids: not exact
+    # codebooks holding the keys themselves (8 keys, 8 centroids): exact attention, so Eq. 4's set holds >= tau
+    few = keys[:, :, :c]
+    books = np.stack([np.stack([k.reshape(c, g, D // g).transpose(1, 0, 2) for k in few[l]]) for l in range(L)])
+    for tau in (0.5, 0.9, 1.0):
+        lossless = quantization_error(few, books, queries=q, tau=tau)
+        assert lossless["mean"] < 1e-6 and max(lossless["attention_tv"]) < 1e-5
+        assert all(tau - 1e-5 <= m <= 1 + 1e-5 for m in lossless["top_p_mass"])
 
 
 # ----------------------------------------------------------------------------------------- artifact

@@ -17,7 +17,7 @@ Lifecycle:
      the tokens appended after the prompt keep exact keys and values on the device;
   2. one softmax over both (Eq. 2), then the smallest set of prompt tokens whose cumulative mass,
      with the always-kept newer tokens counted first, reaches ``tau`` (Eq. 4; found by a sort-free
-     bisection on the threshold, :func:`top_p_select`; tokens tied at the threshold are all kept);
+     bisection on the threshold, :func:`kvjax.selection.top_p_select`; tokens tied at the threshold are all kept);
   3. the weighted sum of the selected values (Eq. 5), by one of two paths: ``value_path="host"``
      sends the row ids and weights to the host, computes the weighted sum where the values live
      (a ``compute_on`` host region, :func:`kvjax.host_tier.weighted_rows_on_host`) and brings back
@@ -68,6 +68,7 @@ from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
 from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
 from kvjax.paged import shard_map
+from kvjax.selection import top_p_select
 from kvjax.sharding import (BY_DEVICE, MODEL, REPLICATED, ROWS_HEADS, OnHost, flatten_heads, is_split,
                             unflatten_heads)
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
@@ -77,46 +78,6 @@ VALUE_PATHS = ("host", "device")
 
 
 # ------------------------------------------------------------------------------------- selection
-def top_p_select(mass, total, forced, tau: float):
-    """Eq. 4 per query: the tokens of largest mass whose cumulative mass, after ``forced``, reaches ``tau * total``.
-
-    Args:
-      mass: non-negative unnormalised probabilities ``[..., S]`` of the candidate tokens.
-      total: ``[...]`` the softmax normaliser (candidates plus ``forced``).
-      forced: ``[...]`` mass of tokens that are always kept (counted before any candidate).
-      tau: threshold in (0, 1]; ``tau >= 1`` keeps every candidate with non-zero mass.
-
-    Returns:
-      bool ``[..., S]``: ``mass >= t`` for the largest value ``t`` whose set reaches the target, i.e. the
-      ``k*`` largest masses of Eq. 4. Tokens tied with the ``k*``-th are all kept (the set does not depend
-      on the order of positions). Nothing is selected when ``forced`` alone reaches the target.
-
-    Sort-free: ``t`` is found exactly by bisection over the bit patterns of the (non-negative) float32
-    masses, 32 masked sums over ``S``. A full sort per query head (``lax.top_k`` with ``k = S``) was
-    30x slower on this CPU (86 ms against 2.8 ms per layer for 56 query rows of 4K tokens, measured
-    beside another job).
-    """
-    mass = mass.astype(jnp.float32)
-    if tau >= 1.0:
-        return mass > 0
-    target = tau * total - forced
-    bits = lax.bitcast_convert_type(mass, jnp.int32)  # monotone in the value for non-negative floats
-
-    def reaches(threshold):
-        return jnp.where(bits >= threshold[..., None], mass, 0.0).sum(-1) >= target
-
-    def step(_, bounds):
-        lo, hi = bounds  # invariant: reaches(lo), not reaches(hi)
-        mid = lo + (hi - lo) // 2
-        ok = reaches(mid)
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    lo = jnp.zeros(target.shape, jnp.int32)
-    hi = bits.max(-1) + 1
-    lo, _ = lax.fori_loop(0, 32, step, (lo, hi))
-    return (bits >= lo[..., None]) & (mass > 0) & (target > 0)[..., None]
-
-
 def key_bytes_fraction(groups: int | None, centroids: int, head_dim: int, itemsize: int) -> float:
     """Device bytes of a prompt token's key representation over its full K + V bytes (values offloaded)."""
     if not groups:
