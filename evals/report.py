@@ -32,15 +32,34 @@ def _config_key(method: str, budget: str, methods_order: list[str]):
     return (0 if method == "full" else 1, methods_order.index(method) if method in methods_order else 99, _budget_key(budget))
 
 
+def method_names(config: dict) -> list[str]:
+    """The run's method names as its records carry them, in the order given (a spec's ``budget=`` removed)."""
+    from evals.runner import split_budget
+
+    return list(dict.fromkeys(split_budget(m)[0] for m in config.get("methods", [])))
+
+
+def expected_records(config: dict) -> int:
+    """Task records a complete run writes: per sample, the full cache and every (method, budget) of its grid."""
+    from evals.runner import split_budget
+
+    configs = sum(len(config.get("budgets", [])) if split_budget(m)[1] is None else 1
+                  for m in config.get("methods", []) if m != "full")
+    return len(config.get("tasks", [])) * len(config.get("lengths", [])) * int(config.get("samples", 0)) * (1 + configs)
+
+
 def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
     """Aggregate per-sample records into accuracy and byte tables (plain dicts, JSON-ready)."""
-    methods_order = list(config.get("methods", []))
+    methods_order = method_names(config)
     cells = collections.defaultdict(list)  # (method, budget, task, length) -> scores
     by_config = collections.defaultdict(list)
     bytes_ = collections.defaultdict(list)  # (method, budget, length) -> device bytes per sample
     host = collections.defaultdict(list)
     depth = collections.defaultdict(list)  # (method, budget, length, depth bin) -> scores
+    recall = collections.defaultdict(list)  # (method, budget) -> (trigger rate, bytes recalled) of recalling methods
     for r in records:
+        if "recall_trigger_rate" in r:
+            recall[(r["method"], r["budget"])].append((r["recall_trigger_rate"], r["bytes_recalled"]))
         key = (r["method"], r["budget"])
         cells[key + (r["task"], r["length"])].append(r["score"])
         by_config[key].append(r["score"])
@@ -64,6 +83,9 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
             "host_bytes": {str(n): float(np.mean(host[(m, b, n)])) for n in lengths if host.get((m, b, n))},
             "device_bytes_vs_full": float(np.mean(my_bytes) / np.mean(full_bytes)) if my_bytes and full_bytes and len(my_bytes) == len(full_bytes) else None,
         }
+        if recall.get((m, b)):
+            rates, moved = zip(*recall[(m, b)])
+            row.update(recall_trigger_rate=float(np.mean(rates)), bytes_recalled=float(np.mean(moved)))
         rows.append(row)
     heat = {}
     for m, b in configs:
@@ -116,9 +138,7 @@ def render_markdown(summary: dict, config: dict) -> str:
                 "compressed cache, uncompressed (what a method that does not know the question can keep)."),
         "",
     ]
-    methods = [m for m in config.get("methods", []) if m != "full"]
-    expected = (len(config.get("tasks", [])) * len(config.get("lengths", [])) * int(config.get("samples", 0))
-                * (1 + len(methods) * len(config.get("budgets", []))))
+    expected = expected_records(config)
     pending = []
     if summary["num_records"] < expected:
         pending.append(f"{summary['num_records']} of {expected} task records written")
@@ -147,6 +167,16 @@ def render_markdown(summary: dict, config: dict) -> str:
                   "compression (including the pre-allocated room for the answer). Quest keeps the whole prompt on the "
                   "device plus per-page key bounds (it saves bandwidth, not memory); its bytes differ from the full "
                   "cache's by those bounds and by the full cache's rounding of its buffer to 256-slot blocks.", ""]
+    recalling = [r for r in summary["rows"] if "recall_trigger_rate" in r]
+    if recalling:
+        lines += ["## Recall from host memory", "",
+                  "| method | budget | recall events per follower head and step | MiB recalled per sample | host MiB per sample |",
+                  "|---|---|---:|---:|---:|"]
+        for r in recalling:
+            host_mib = np.mean(list(r["host_bytes"].values())) / mib if r["host_bytes"] else 0.0
+            lines.append(f"| {r['method']} | {r['budget']} | {r['recall_trigger_rate']:.3f} | "
+                         f"{r['bytes_recalled'] / mib:.1f} | {host_mib:.1f} |")
+        lines += ["", "Averaged over the run's batches; a recall refreshes a follower head's region from its host copy.", ""]
     if summary["fidelity"]:
         lines += ["## Fidelity vs the full cache (teacher forcing on real prose)", "",
                   "| method | budget | prefix tokens | continuation | KL(full ‖ method) nats/token | top-1 agreement | NLL nats/token | KV MiB |",

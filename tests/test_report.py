@@ -119,3 +119,26 @@ def test_hcattention_ablation_table_hand_computed(tmp_path):
     assert len(data) == 3 and "`full`" in data[0]
     half_line = [l for l in data if "tau=0.5" in l][0]
     assert "| 0.5 | 3 | 50.0 | 100.0 | **75.0** | 3.0% | 1.0 |" in half_line
+
+
+def test_report_of_a_run_with_budgets_inside_specs_and_recall_stats_hand_made():
+    from evals.report import expected_records, render_markdown, summarize
+
+    config = {"run_name": "r", "methods": ["synckv:budget=0.25:stride=1", "snapkv", "synckv:budget=0.25"],
+              "budgets": [0.1, 0.5], "tasks": ["passkey"], "lengths": [128], "samples": 2}
+    # per sample: full + synckv:stride=1 @0.25 + snapkv @0.1, @0.5 + synckv @0.25 = 5 records
+    assert expected_records(config) == 1 * 1 * 2 * 5
+    base = dict(task="passkey", length=128, depth=0.0, host_bytes=0)
+    recs = [dict(base, index=i, method="full", budget="full", score=1.0, device_bytes=100) for i in range(2)]
+    recs += [dict(base, index=i, method="snapkv", budget="0.1", score=float(i), device_bytes=10) for i in range(2)]
+    recs += [dict(base, index=i, method="synckv:stride=1", budget="0.25", score=1.0, device_bytes=30, host_bytes=2**20,
+                  recall_trigger_rate=r, bytes_recalled=2**20 * m) for i, (r, m) in enumerate(((1.0, 4), (0.5, 2)))]
+    summary = summarize(recs, [], config)
+    assert [(r["method"], r["budget"]) for r in summary["rows"]] == [("full", "full"), ("synckv:stride=1", "0.25"),
+                                                                    ("snapkv", "0.1")]  # the order given
+    row = summary["rows"][1]
+    assert row["recall_trigger_rate"] == pytest.approx(0.75) and row["bytes_recalled"] == pytest.approx(3 * 2**20)
+    assert "recall_trigger_rate" not in summary["rows"][2]
+    text = render_markdown(summary, config)
+    assert "6 of 10 task records written" in text
+    assert "| synckv:stride=1 | 0.25 | 0.750 | 3.0 | 1.0 |" in text
