@@ -1,7 +1,7 @@
 """Summaries, Markdown tables and PNG plots of an evaluation run, rebuilt from its JSONL records.
 
-:func:`write_report` reads ``config.json``, ``samples.jsonl`` and ``fidelity.jsonl`` of a run
-directory and writes ``summary.json``, ``README.md``, ``accuracy_vs_budget.png`` and
+:func:`write_report` (also ``python -m evals.report RUN_DIR``, e.g. for a partial run) reads
+``config.json``, ``samples.jsonl`` and ``fidelity.jsonl`` of a run directory and writes ``summary.json``, ``README.md``, ``accuracy_vs_budget.png`` and
 ``depth_heatmap.png``. Accuracy is the mean exact-match score (RULER's ``string_match_all``: the
 fraction of expected strings found in the answer), in percent.
 """
@@ -271,3 +271,23 @@ def write_report(out_dir: str) -> dict:
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
         f.write(render_markdown(summary, config))
     return summary
+
+
+def main(argv=None) -> int:
+    """``python -m evals.report RUN_DIR [RUN_DIR ...]``: rebuild each run's report (also of a partial run)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m evals.report",
+                                description="rebuild README.md, summary.json and the plots of kvjax eval runs from their records")
+    p.add_argument("runs", nargs="+", help="run directories (docs/results/<run>)")
+    args = p.parse_args(argv)
+    for d in args.runs:
+        if not os.path.exists(os.path.join(d, "config.json")):
+            raise SystemExit(f"{d} has no config.json (not a kvjax eval run directory)")
+        write_report(d)
+        print(os.path.join(d, "README.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
