@@ -176,3 +176,10 @@ def test_method_grid_budget_inside_a_spec_runs_that_budget_alone():
     for bad in ("snapkv:budget=1.5", "snapkv:budget=0", "snapkv:budget=full"):
         with pytest.raises(ValueError, match="budget in method spec"):
             EvalConfig(methods=(bad,))
+
+
+def test_kvjax_generate_cli_prints_the_answer_and_cache_bytes(tiny_chat_model, capsys):
+    assert cli_main(["generate", "--model", tiny_chat_model, "--prompt", "Hello there, " * 30, "--max-new-tokens", "3",
+                     "--method", "snapkv", "--budget", "40"]) == 0
+    err = capsys.readouterr().err
+    assert "generated" in err and "cache snapkv: device " in err and "host 0 B]" in err
