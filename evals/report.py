@@ -2,8 +2,9 @@
 
 :func:`write_report` (also ``python -m evals.report RUN_DIR``, e.g. for a partial run) reads
 ``config.json``, ``samples.jsonl`` and ``fidelity.jsonl`` of a run directory and writes
-``summary.json``, ``README.md``, ``accuracy_vs_budget.png`` and ``depth_heatmap.png``. Accuracy is the mean exact-match score (RULER's ``string_match_all``: the
-fraction of expected strings found in the answer), in percent.
+``summary.json``, ``README.md``, ``accuracy_vs_budget.png`` and ``depth_heatmap.png``. Accuracy is
+the mean exact-match score (RULER's ``string_match_all``: the fraction of expected strings found in
+the answer), in percent.
 """
 
 from __future__ import annotations
