@@ -129,16 +129,17 @@ def split_budget(spec: str) -> tuple[str, object]:
     A budget inside a method's spec runs that method at that budget alone instead of at every ``--budgets``
     entry (e.g. HCAttention's memory configurations next to baselines at one budget, sharing one prefill).
     """
+    from kvjax.budgets import check_budget
     from kvjax.methods import parse_method_spec
 
     base, kwargs = parse_method_spec(spec)
     if "budget" not in kwargs:
         return spec, None
     budget = kwargs.pop("budget")
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget or (
-            isinstance(budget, float) and budget > 1):
-        raise ValueError(f"budget in method spec {spec!r} must be a float fraction in (0, 1] or an int number of "
-                         f"tokens per KV head, got {budget!r}")
+    try:
+        check_budget(budget)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"budget in method spec {spec!r}: {e}") from None
     return ":".join([base] + [f"{k}={v}" for k, v in kwargs.items()]), budget
 
 
