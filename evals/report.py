@@ -35,17 +35,16 @@ def _config_key(method: str, budget: str, methods_order: list[str]):
 
 def method_names(config: dict) -> list[str]:
     """The run's method names as its records carry them, in the order given (a spec's ``budget=`` removed)."""
-    from evals.runner import split_budget
+    from evals.runner import method_budgets
 
-    return list(dict.fromkeys(split_budget(m)[0] for m in config.get("methods", [])))
+    return list(dict.fromkeys(name for name, _ in method_budgets(config.get("methods", []), config.get("budgets", []))))
 
 
 def expected_records(config: dict) -> int:
     """Task records a complete run writes: per sample, the full cache and every (method, budget) of its grid."""
-    from evals.runner import split_budget
+    from evals.runner import method_budgets
 
-    configs = sum(len(config.get("budgets", [])) if split_budget(m)[1] is None else 1
-                  for m in config.get("methods", []) if m != "full")
+    configs = len(method_budgets(config.get("methods", []), config.get("budgets", [])))
     return len(config.get("tasks", [])) * len(config.get("lengths", [])) * int(config.get("samples", 0)) * (1 + configs)
 
 

@@ -143,6 +143,17 @@ def split_budget(spec: str) -> tuple[str, object]:
     return ":".join([base] + [f"{k}={v}" for k, v in kwargs.items()]), budget
 
 
+def method_budgets(methods, budgets) -> list[tuple[str, object]]:
+    """``(method name, budget)`` of every method other than the full cache: a spec's own budget
+    (:func:`split_budget`), else each of ``budgets``."""
+    pairs = []
+    for spec in methods:
+        if spec != "full":
+            name, own = split_budget(spec)
+            pairs += [(name, b) for b in (budgets if own is None else (own,))]
+    return pairs
+
+
 def method_grid(cfg: EvalConfig) -> list[tuple[str, str, object]]:
     """``(method name, budget label, method instance)`` for the full cache and every method x budget.
 
@@ -151,15 +162,11 @@ def method_grid(cfg: EvalConfig) -> list[tuple[str, str, object]]:
     from kvjax.methods import FullCache, get_method
 
     grid = [("full", "full", FullCache())]
-    for spec in cfg.methods:
-        if spec == "full":
-            continue
-        name, own = split_budget(spec)
-        for b in (cfg.budgets if own is None else (own,)):
-            entry = (name, budget_label(b), get_method(name, budget=b))
-            if any(g[:2] == entry[:2] for g in grid):
-                raise ValueError(f"method {name!r} at budget {entry[1]} is listed twice")
-            grid.append(entry)
+    for name, b in method_budgets(cfg.methods, cfg.budgets):
+        entry = (name, budget_label(b), get_method(name, budget=b))
+        if any(g[:2] == entry[:2] for g in grid):
+            raise ValueError(f"method {name!r} at budget {entry[1]} is listed twice")
+        grid.append(entry)
     return grid
 
 
