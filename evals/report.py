@@ -58,9 +58,9 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
     depth = collections.defaultdict(list)  # (method, budget, length, depth bin) -> scores
     recall = collections.defaultdict(list)  # (method, budget) -> (trigger rate, bytes recalled) of recalling methods
     for r in records:
-        if "recall_trigger_rate" in r:
-            recall[(r["method"], r["budget"])].append((r["recall_trigger_rate"], r["bytes_recalled"]))
         key = (r["method"], r["budget"])
+        if "recall_trigger_rate" in r:
+            recall[key].append((r["recall_trigger_rate"], r["bytes_recalled"]))
         cells[key + (r["task"], r["length"])].append(r["score"])
         by_config[key].append(r["score"])
         bytes_[key + (r["length"],)].append(r["device_bytes"])
