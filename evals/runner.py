@@ -69,6 +69,7 @@ class EvalConfig:
 
     def __post_init__(self):
         from evals.tasks import TASKS
+        from kvjax.budgets import check_budget
         from kvjax.methods import METHODS, parse_method_spec
 
         unknown = [m for m in self.methods if parse_method_spec(m)[0] not in METHODS]
@@ -80,8 +81,10 @@ class EvalConfig:
         if bad_tasks:
             raise ValueError(f"unknown tasks {bad_tasks}; available: {', '.join(TASKS)}")
         for b in self.budgets:
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or (isinstance(b, float) and not 0 < b <= 1) or b <= 0:
-                raise ValueError(f"budget {b!r} must be a float fraction in (0, 1] or an int number of tokens per KV head")
+            try:
+                check_budget(b)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"budgets: {e}") from None
         for name, v in (("samples", self.samples), ("batch_size", self.batch_size), ("chunk_size", self.chunk_size)):
             if v <= 0:
                 raise ValueError(f"{name} must be > 0, got {v}")

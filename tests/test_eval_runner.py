@@ -176,6 +176,9 @@ def test_method_grid_budget_inside_a_spec_runs_that_budget_alone():
     for bad in ("snapkv:budget=1.5", "snapkv:budget=0", "snapkv:budget=full"):
         with pytest.raises(ValueError, match="budget in method spec"):
             EvalConfig(methods=(bad,))
+    for bad in (1.5, 0.0, 0, -3, True, "0.1"):
+        with pytest.raises(ValueError, match="budgets: .*budget"):
+            EvalConfig(budgets=(bad,))
 
 
 def test_kvjax_generate_cli_prints_the_answer_and_cache_bytes(tiny_chat_model, capsys):
