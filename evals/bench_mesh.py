@@ -3,8 +3,13 @@
 A random model with 8 KV heads (the ready models have 2 and 3, too few to split 8 ways) generates
 for a batch of left-padded prompts on every mesh and method; the second of two identical runs is
 timed (the first compiles). Per row: decode ms/token, prefill s, the cache's device bytes in all and
-on the fullest device, the weights' bytes per device, and ratios against the full cache on the same
-mesh and against the same method on one device, measured in the same run.
+on the fullest device, its host bytes (HeteroCache, SyncKV, HCAttention), the weights' bytes per
+device, and ratios against the full cache on the same mesh and against the same method on one
+device, measured in the same run.
+
+HeteroCache, SyncKV and HCAttention need artifacts made for the model: the bench calibrates them on
+the random model itself (:func:`calibrated_artifact`: a few random token rows, the same functions as
+``kvjax calibrate``), so their head roles and codebooks come from calibration, not by hand.
 
 On CPU the devices are simulated (``--cpu-devices``): the numbers show the structure (what each
 device holds), not the speed of a real mesh, since all "devices" share this machine's cores.
@@ -27,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvjax bench mesh", description=__doc__.splitlines()[0])
     p.add_argument("--meshes", default=";".join(DEFAULT_MESHES), help="';'-separated meshes (default: %(default)s)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma list among full, snapkv, quest, locret, "
-                   "h2o, streaming_llm (default: %(default)s)")
+                   "h2o, streaming_llm, heterocache, synckv, hcattention (default: %(default)s)")
     p.add_argument("--length", type=int, default=1024, help="prompt tokens of the longest row (default 1024)")
     p.add_argument("--batch", type=int, default=8, help="rows (default 8)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run (default 32)")
@@ -55,8 +60,56 @@ def bench_model(seed: int = 0):
     return LoadedModel(config, graphdef, params, None, "random", jnp.float32)
 
 
+CALIBRATION_ROWS, CALIBRATION_TOKENS = 4, 512  # random token rows the recall methods are calibrated on
+
+
+def calibrated_artifact(kind: str, model, *, groups: int = 32, centroids: int = 256):
+    """A ``heterocache``, ``synckv`` or ``hcattention`` artifact calibrated on ``model`` (random token rows).
+
+    Head roles: attended sets over 8 greedy decode steps (top 10%), statistics over groups of
+    :func:`kvjax.calibration.auto_group_layers` adjacent layers, as ``kvjax calibrate``; HeteroCache's
+    thresholds are quantiles of those statistics (see below). Codebooks: ``groups`` x ``centroids``
+    mini-batch k-means over the rows' post-RoPE keys (10 iterations).
+    """
+    import numpy as np
+
+    from kvjax.artifacts import model_identity
+    from kvjax.calibration import auto_group_layers, head_statistics, record_sets
+
+    c = model.config
+    rng = np.random.default_rng(1)
+    rows = [list(rng.integers(1, c.vocab_size, size=CALIBRATION_TOKENS)) for _ in range(CALIBRATION_ROWS)]
+    mid = model_identity(c)
+    if kind == "hcattention":
+        from kvjax.pq_codebooks import collect_keys, fit_codebooks, hcattention_artifact
+
+        cbs = fit_codebooks(collect_keys(model, rows), groups=groups, centroids=centroids, iterations=10)
+        return hcattention_artifact(cbs, mid, samples=len(rows), tokens=CALIBRATION_TOKENS, iterations=10, batch=4096,
+                                    seed=0, calibration="random token rows (kvjax bench mesh)")
+    topk = max(1, int(0.1 * (CALIBRATION_TOKENS - 1)))
+    gqa = "mean" if kind == "heterocache" else "max"  # as kvjax calibrate
+    records = record_sets(model, rows, decode_steps=8, topk=topk, gqa=gqa)
+    stats = head_statistics(records, topk=topk, group_layers=auto_group_layers(c.num_kv_heads), tokens=CALIBRATION_TOKENS)
+    if kind == "heterocache":
+        from kvjax.methods.heterocache import heterocache_artifact
+
+        # A random model's heads sit near chance (stability about 0.1, overlaps about 0.2), so the
+        # paper's thresholds (0.5) make every head volatile. Thresholds at quantiles of the model's own
+        # statistics give every role: the top 10% of head pairs by overlap are similar, the 10% least
+        # stable heads volatile (this bench measures layout and speed, not quality).
+        pairs = np.concatenate([m[~np.eye(len(m), dtype=bool)] for m in stats.sim_median])
+        return heterocache_artifact(stats, mid, tau_sim=float(np.quantile(pairs, 0.9)),
+                                    tau_stable=float(np.quantile(stats.stability, 0.1)))
+    if kind == "synckv":
+        from kvjax.methods.synckv import synckv_artifact
+
+        return synckv_artifact(stats, mid)
+    raise ValueError(f"no calibration for {kind!r}; calibrated kinds: heterocache, synckv, hcattention")
+
+
 def make_method(name: str, budget: float, model):
-    """A method by name at ``budget``; Locret gets random retaining heads of the model's shape."""
+    """A method by name at ``budget`` with its artifact: random retaining heads of the model's shape for
+    Locret, :func:`calibrated_artifact` for HeteroCache, SyncKV and HCAttention."""
     from kvjax.artifacts import model_identity
     from kvjax.methods import get_method
     from kvjax.retaining_heads import random_heads_artifact
@@ -67,6 +120,16 @@ def make_method(name: str, budget: float, model):
         c = model.config
         heads = random_heads_artifact(model_identity(c), c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, 64, 0)
         return get_method("locret", budget=budget, chunk=256, local=32), heads
+    if name in ("heterocache", "synckv", "hcattention"):
+        method = get_method(name, budget=budget)
+        if name == "hcattention":
+            from kvjax.cache import CacheSpec
+
+            groups = method.key_groups(CacheSpec.for_model(model.config, 1, CALIBRATION_TOKENS, 0, model.dtype))
+            if not groups:  # exact keys: no codebooks
+                return method, None
+            return method, calibrated_artifact(name, model, groups=groups, centroids=method.centroids)
+        return method, calibrated_artifact(name, model)
     return get_method(name, budget=budget), None
 
 
@@ -93,13 +156,14 @@ def run(args) -> dict:
     meshes = [m.strip() for m in args.meshes.split(";") if m.strip()]
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     results = []
+    made = {name: make_method(name, args.budget, base) for name in names}  # calibrated once, used on every mesh
     with tqdm(total=len(meshes) * len(names), desc="bench mesh", unit="run", file=sys.stderr) as bar:
         for mesh in meshes:
             model = shard_model(base, mesh)
             weights = device_bytes_per_device(model.params)
             for name in names:
                 bar.set_postfix_str(f"{mesh} {name}")
-                method, artifact = make_method(name, args.budget, base)
+                method, artifact = made[name]
                 row = {"mesh": mesh, "method": name, "weights_bytes_per_device": weights}
                 try:
                     chunk = 256 if name == "locret" else None
@@ -108,7 +172,7 @@ def run(args) -> dict:
                                                                      max_new_tokens=args.new_tokens, chunk_size=chunk)
                     stats = cache.stats()
                     row.update(decode_ms_per_token=timings["decode_ms_per_token"], prefill_s=timings["prefill_s"],
-                               device_bytes=stats["device_bytes"],
+                               device_bytes=stats["device_bytes"], host_bytes=stats["host_bytes"],
                                device_bytes_per_device=stats["device_bytes_per_device"],
                                tokens=np.asarray(out).tolist())
                 except ValueError as e:
@@ -154,17 +218,17 @@ def markdown(report: dict) -> str:
         lines += ["CPU devices are simulated on this machine's cores: the bytes show what each device holds; the "
                   "times show the cost of the partitioned program on one machine, not the speed of a real mesh.", ""]
     lines += ["| mesh | method | decode ms/token | vs full | vs one device | cache MiB (all) | cache MiB per device | "
-              "per device vs one device | weights MiB per device | same tokens as one device |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "per device vs one device | host MiB | weights MiB per device | same tokens as one device |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if "error" in r:
-            lines.append(f"| {r['mesh']} | {r['method']} | error: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['mesh']} | {r['method']} | error: {r['error']} | | | | | | | | |")
             continue
         lines.append(
             f"| {r['mesh']} | {r['method']} | {r['decode_ms_per_token']:.1f} | {r.get('decode_vs_full', float('nan')):.2f} | "
             f"{r.get('decode_vs_one_device', float('nan')):.2f} | {r['device_bytes'] / mib:.1f} | "
             f"{r['device_bytes_per_device'] / mib:.2f} | {r.get('bytes_per_device_vs_one_device', float('nan')):.3f} | "
-            f"{r['weights_bytes_per_device'] / mib:.1f} | {r.get('same_tokens_as_one_device', '')} |")
+            f"{r.get('host_bytes', 0) / mib:.1f} | {r['weights_bytes_per_device'] / mib:.1f} | {r.get('same_tokens_as_one_device', '')} |")
     return "\n".join(lines) + "\n"
 
 
