@@ -8,7 +8,7 @@ device, and ratios against the full cache on the same mesh and against the same 
 device, measured in the same run.
 
 HeteroCache, SyncKV and HCAttention need artifacts made for the model: the bench calibrates them on
-the random model itself (:func:`calibrated_artifact`: a few random token rows, the same functions as
+the random model itself (:func:`calibrate_on_model`: a few random token rows, the same functions as
 ``kvjax calibrate``), so their head roles and codebooks come from calibration, not by hand.
 
 On CPU the devices are simulated (``--cpu-devices``): the numbers show the structure (what each
@@ -63,7 +63,7 @@ def bench_model(seed: int = 0):
 CALIBRATION_ROWS, CALIBRATION_TOKENS = 4, 512  # random token rows the recall methods are calibrated on
 
 
-def calibrated_artifact(kind: str, model, *, groups: int = 32, centroids: int = 256):
+def calibrate_on_model(kind: str, model, *, groups: int = 32, centroids: int = 256):
     """A ``heterocache``, ``synckv`` or ``hcattention`` artifact calibrated on ``model`` (random token rows).
 
     Head roles: attended sets over 8 greedy decode steps (top 10%), statistics over groups of
@@ -109,7 +109,7 @@ def calibrated_artifact(kind: str, model, *, groups: int = 32, centroids: int = 
 
 def make_method(name: str, budget: float, model):
     """A method by name at ``budget`` with its artifact: random retaining heads of the model's shape for
-    Locret, :func:`calibrated_artifact` for HeteroCache, SyncKV and HCAttention."""
+    Locret, :func:`calibrate_on_model` for HeteroCache, SyncKV and HCAttention."""
     from kvjax.artifacts import model_identity
     from kvjax.methods import get_method
     from kvjax.retaining_heads import random_heads_artifact
@@ -128,8 +128,8 @@ def make_method(name: str, budget: float, model):
             groups = method.key_groups(CacheSpec.for_model(model.config, 1, CALIBRATION_TOKENS, 0, model.dtype))
             if not groups:  # exact keys: no codebooks
                 return method, None
-            return method, calibrated_artifact(name, model, groups=groups, centroids=method.centroids)
-        return method, calibrated_artifact(name, model)
+            return method, calibrate_on_model(name, model, groups=groups, centroids=method.centroids)
+        return method, calibrate_on_model(name, model)
     return get_method(name, budget=budget), None
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from evals.bench_mesh import calibrated_artifact, make_method, markdown
+from evals.bench_mesh import calibrate_on_model, make_method, markdown
 from kvjax.cache import CacheSpec
 from models import LoadedModel
 from models.config import ModelConfig
@@ -24,7 +24,7 @@ def model():
 
 
 def test_heterocache_calibration_of_a_random_model_gives_followers_and_a_feasible_budget(model):
-    art = calibrated_artifact("heterocache", model)
+    art = calibrate_on_model("heterocache", model)
     roles = [r for row in art.meta_dict()["roles"] for r in row]
     assert {"pivot", "satellite", "anchor"} <= set(roles)  # the paper's thresholds would make every head volatile
     assert roles.count("pivot") + roles.count("volatile") <= len(roles) // 4  # full heads: most heads compress
@@ -41,7 +41,7 @@ def test_synckv_and_hcattention_artifacts_fit_the_bench_model(model):
     assert art.arrays["codebooks"].shape == (2, 8, 4, 256, 2)  # g = D/2 = 4 at 25% in float32
     assert make_method("hcattention", 0.5, model)[1] is None  # exact keys: no codebooks
     with pytest.raises(ValueError, match="no calibration for 'snapkv'"):
-        calibrated_artifact("snapkv", model)
+        calibrate_on_model("snapkv", model)
 
 
 def test_report_rows_have_as_many_cells_as_the_header():
