@@ -138,7 +138,11 @@ def _mosaic_kernel(call):
 
 def lower_kernels(fn, args, platform):
     """Export ``fn(*args)`` for ``platform`` and return one summary per Pallas kernel call."""
-    exported = _export(fn, args, platform)
+    return exported_kernels(_export(fn, args, platform), platform)
+
+
+def exported_kernels(exported, platform):
+    """One summary per Pallas kernel call in an export for ``platform``."""
     ctx = mlir.make_ir_context()
     tt_dialect.register_dialect(ctx)
     tpu_dialect.register_dialect(ctx)
@@ -337,3 +341,53 @@ def test_triton_compiles_for_sm90(tmp_path):
             assert compiled.asm["ptx"]
             assert compiled.metadata.shared <= A100_MAX_SHARED_BYTES, (
                 args, compiled.metadata.shared)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole decode loops: the kernels as the methods call them, next to pinned_host arrays
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["hcattention", "heterocache"])
+def host_tier_decode(request):
+    """``(name, model, first tokens, cache)``: a host-tier method's cache after the prefill of two 96-token
+    rows, built on CPU (XLA path), for lowering its decode loop."""
+    import dataclasses
+
+    from kvjax.cache import CacheSpec
+    from kvjax.generate import compress, prefill_prompt
+    from kvjax.methods import HCAttention, HeteroCache
+    from tests.mesh_worker import CONFIG, codebooks, recall_artifacts, tiny_model
+
+    if request.param == "hcattention":
+        model, method, artifact = tiny_model(), HCAttention(groups=4, centroids=8, tau=0.9), codebooks()
+    else:  # the paged kernel's GPU form needs head_dim >= 16; recalls forced (tau_drift 1)
+        config = dataclasses.replace(CONFIG, head_dim=16, name="tiny-mesh-d16")
+        model, artifact = tiny_model(config), recall_artifacts(config)[0]
+        method = HeteroCache(budget=0.5, window=2, tau_drift=1.0, block=32)
+    spec = CacheSpec.for_model(model.config, 2, 96, 8, model.dtype)
+    cache = method.init_cache(spec, artifact)
+    _, cache = prefill_prompt(model.graphdef, model.params, jnp.arange(2 * 96, dtype=jnp.int32).reshape(2, 96) % 120 + 1,
+                              cache, chunk_size=32)
+    cache = compress(cache)
+    assert cache.stats()["host_bytes"] > 0
+    return request.param, model, jnp.array([5, 7], jnp.int32), cache
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_decode_loop_with_host_tier_lowers(host_tier_decode, platform, monkeypatch):
+    """The whole jitted decode loop of a host-tier method with ``implementation="auto"`` (what a GPU or
+    TPU runs): HCAttention's PQ kernel with prompt values in ``pinned_host``, HeteroCache's paged
+    kernel with satellites recalled from ``pinned_host``. Only the loop is lowered, with
+    ``jax.default_backend()`` reporting the target so "auto" picks Pallas and the kernel's form as
+    it would there; the host placement survives the lowering."""
+    from kvjax.generate import decode_loop_jit
+
+    name, model, first, cache = host_tier_decode
+    jax.clear_caches()  # the loop traced for another platform would be reused: the kernel form is chosen at trace time
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu" if platform == "cuda" else "tpu")
+    loop = lambda params, tokens, cache: decode_loop_jit(model.graphdef, params, tokens, cache, jax.random.PRNGKey(0),
+                                                         max_new_tokens=4)
+    exported = _export(loop, (model.params, first, cache), platform)
+    _check(exported_kernels(exported, platform), platform, f32_matmuls=name == "heterocache")
+    assert "pinned_host" in exported.mlir_module()
