@@ -199,6 +199,40 @@ def test_tau_one_exact_keys_equals_full_cache(tiny, value_path):
     np.testing.assert_array_equal(got, ref)
 
 
+def test_exact_prompt_tail_with_tau_one_and_exact_keys_equals_full_cache(tiny):
+    """``local``: the last prompt tokens join the exact newer tokens. With tau = 1 and exact keys the attention
+    is still the full one, also for a row shorter than the tail (its left padding inside the tail is masked)."""
+    rng = np.random.default_rng(12)
+    rows = [list(rng.integers(0, 97, size=L)), list(rng.integers(0, 97, size=20))]
+    full, _, _, _ = generate_tokens(tiny, rows, method=FullCache(block=16), max_new_tokens=8)
+    got, _, cache, _ = generate_tokens(tiny, rows, method=HCAttention(groups=0, tau=1.0, block=16, local=24),
+                                       max_new_tokens=8, chunk_size=16)
+    np.testing.assert_array_equal(got, full)
+    P = cache.spec.prompt_slots  # 48: rows padded to the chunk grid
+    for st in cache.layers:
+        assert st.keys.shape[2] == st.values.shape[1] == P - 24 and st.recent_k.shape[2] == 24 + cache.spec.room
+
+
+def test_exact_prompt_tail_holds_fewer_codes_and_its_keys_exactly(tiny):
+    cfg = tiny.config
+    g, c, local = 4, 8, 10
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, size=(1, L)).astype(np.int32))
+    art = codebook_artifact(cfg, g, c)
+    cache = new_cache(HCAttention(groups=g, centroids=c, tau=0.9, block=16, local=local), cfg, 1, L, 4, tiny.dtype,
+                      artifact=art)
+    _, cache = prefill(tiny.graphdef, tiny.params, tokens, cache)
+    tail_k = np.asarray(cache.layers[0].k[:, :, L - local:L])  # before compression the staging holds every key
+    cache = compress(cache)
+    st = cache.layers[0]
+    assert st.codes.shape == (1, cfg.num_kv_heads, L - local, g) and st.values.shape[1] == L - local
+    np.testing.assert_array_equal(np.asarray(st.recent_k[:, :, :local]), tail_k)
+    assert cache.stats()["code_bytes"] == cfg.num_layers * cfg.num_kv_heads * (L - local) * g
+    with pytest.raises(ValueError, match="local=40 must be smaller than the prompt"):
+        c2 = new_cache(HCAttention(groups=g, centroids=c, local=L), cfg, 1, L, 4, tiny.dtype, artifact=art)
+        _, c2 = prefill(tiny.graphdef, tiny.params, tokens, c2)
+        compress(c2)
+
+
 def test_quantized_keys_hold_codes_not_keys(tiny):
     cfg = tiny.config
     g, c = 4, 8
@@ -271,6 +305,8 @@ def test_budget_picks_the_key_representation():
     (dict(centroids=70000), "centroids"),
     (dict(value_path="gpu"), "value_path"),
     (dict(max_selected=0.0), "max_selected"),
+    (dict(local=-1), "local"),
+    (dict(local=True), "local"),
 ])
 def test_bad_hyper_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
