@@ -243,6 +243,8 @@ class HCAttention:
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging; the codebooks travel with the cache as its artifact."""
+        if self.local >= spec.prompt_slots:  # checked before any prefill work
+            raise ValueError(f"hcattention local={self.local} must be smaller than the prompt ({spec.prompt_slots} slots)")
         art = self.artifact_for(spec, artifact)
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
 
@@ -254,8 +256,6 @@ class HCAttention:
         """Encode the prompt keys (or keep them exact), move the prompt values to host memory."""
         spec = ctx.spec
         P, B, H, D = spec.prompt_slots, spec.batch, spec.num_kv_heads, spec.head_dim
-        if self.local >= P:
-            raise ValueError(f"hcattention local={self.local} must be smaller than the prompt ({P} slots)")
         S = P - self.local  # quantized, offloaded slots; the last `local` prompt slots join the exact newer tokens
         keys, values = state.k[:, :, :S], state.v[:, :, :S]
         if self.key_groups(spec):
