@@ -33,9 +33,12 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--tau", type=float, default=None, help="cumulative attention mass kept (default 0.9)")
     h.add_argument("--value-path", default=None, choices=["host", "device"],
                    help="weighted sum where the values live (host) or selected rows moved to the device")
+    h.add_argument("--local", type=int, default=None,
+                   help="last prompt tokens kept exact on the device (default 0: every prompt key quantized, the paper; "
+                        "64 keeps a question at the prompt's end exact)")
 
 
-HCATTENTION_OPTIONS = ("groups", "centroids", "tau", "value_path")
+HCATTENTION_OPTIONS = ("groups", "centroids", "tau", "value_path", "local")
 
 
 def _method(args):
