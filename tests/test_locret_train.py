@@ -18,7 +18,7 @@ from models import load_model
 from tests.tiny import save_tiny
 from train.dataset import build_dataset, open_dataset
 from train.labels import collect
-from train.locret import TrainConfig, loss_fn, make_step, smooth_l1, top_overlap, train
+from train.locret import TrainConfig, loss_fn, make_step, smooth_l1, standardize_labels, top_overlap, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,25 @@ def test_loss_on_hand_computed_values():
     total, per_layer = loss_fn(heads, feats, labels, mask, 0.0025)
     np.testing.assert_allclose(float(total), reg + 0.0025 * smooth, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(per_layer), [reg], rtol=1e-6)
+
+
+def test_standardized_labels_by_hand():
+    labels = jnp.asarray(np.array([[[7.0, 1.0, 3.0, 0.0], [2.0, 5.0, 5.0, 5.0]]]))  # [L=1, H=2, N=4]
+    mask = jnp.asarray([False, True, True, True])  # slot 0 is padding: left out of the statistics
+    # head 0 over slots 1..3: [1, 3, 0], mean 4/3, std sqrt(14/9); head 1 constant -> zeros (no division by 0)
+    mean, std = 4 / 3, np.sqrt(14 / 9)
+    want = [[0.0, (1 - mean) / std, (3 - mean) / std, (0 - mean) / std], [0.0, 0.0, 0.0, 0.0]]
+    np.testing.assert_allclose(np.asarray(standardize_labels(labels, mask))[0], want, rtol=1e-6, atol=1e-6)
+    # the standardised loss ignores a per-head offset and scale of the labels; the paper's raw loss does not
+    heads = {"w1": jnp.ones((1, 1, 1)), "w2": jnp.ones((1, 1, 2))}
+    feats = jnp.asarray(np.array([0.0, 1.0, 2.0, 5.0])[None, :, None])
+    shifted = labels * jnp.asarray([[[3.0], [0.5]]]) + jnp.asarray([[[900.0], [-40.0]]])
+    a = loss_fn(heads, feats, labels, mask, 0.0025, "standardize")[0]
+    b = loss_fn(heads, feats, shifted, mask, 0.0025, "standardize")[0]
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+    assert abs(float(loss_fn(heads, feats, shifted, mask, 0.0025)[0]) - float(loss_fn(heads, feats, labels, mask, 0.0025)[0])) > 1
+    with pytest.raises(ValueError, match="label_norm"):
+        TrainConfig(label_norm="minmax")
 
 
 def test_top_overlap_by_hand():

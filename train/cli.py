@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=1000, help="optimiser steps, batch 1 (paper: 3000)")
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--alpha", type=float, default=0.0025, help="weight of the adjacent-smoothness L2 loss")
+    t.add_argument("--label-norm", default="none", choices=["none", "standardize"],
+                   help="labels as they are (the paper) or standardised per sample, layer and KV head (train.locret)")
     t.add_argument("--seed", type=int, default=0, help="seed of the heads' init and the data order")
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--checkpoint-every", type=int, default=100)
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
 
     if args.heldout >= args.samples:
         raise ValueError(f"--heldout ({args.heldout}) must be smaller than --samples ({args.samples})")
-    cfg = TrainConfig(hidden=args.hidden, steps=args.steps, lr=args.lr, alpha=args.alpha, heldout=args.heldout,
+    cfg = TrainConfig(hidden=args.hidden, steps=args.steps, lr=args.lr, alpha=args.alpha, label_norm=args.label_norm,
+                      heldout=args.heldout,
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed)
     t0 = time.time()
     model = load_model(args.model, "float32")
@@ -105,7 +108,8 @@ def write_report(out: Path, metrics: dict, argv, model_id: str) -> None:
         f"- model: `{model_id}`",
         f"- data: {metrics['dataset']['samples']} QA samples of {metrics['dataset']['tokens']} prompt tokens "
         f"({metrics['train_samples']} train, {metrics['heldout_samples']} held out); kinds {data.get('kinds', {})}",
-        f"- heads: d_R = {metrics['config']['hidden']}; {metrics['steps']} steps at batch 1",
+        f"- heads: d_R = {metrics['config']['hidden']}; {metrics['steps']} steps at batch 1; labels "
+        f"{'standardised per sample, layer and KV head' if metrics['config'].get('label_norm') == 'standardize' else 'raw (the paper)'}",
         f"- wall time (this machine): {metrics.get('wall_seconds', {})}",
         f"- held-out top-10% overlap: {first.get('top10_overlap', float('nan')):.3f} at step {first.get('step')} -> "
         f"{last.get('top10_overlap', float('nan')):.3f} at step {last.get('step')} (chance: 0.10)",
