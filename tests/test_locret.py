@@ -193,6 +193,34 @@ def test_bad_input_is_a_clear_error(tiny):
         new_cache(Locret(budget=16, local=4), c, 1, 40, 2, model.dtype)
 
 
+def test_heads_from_a_file(tiny, tmp_path):
+    """``locret:heads=<file>`` (a ``kvjax train-locret`` output) runs those heads; a missing file is a clear error."""
+    from kvjax.artifacts import save_artifact
+    from kvjax.methods import get_method
+
+    model, _ = tiny
+    art = heads_for(model, seed=5)
+    save_artifact(art, tmp_path / "heads.npz")
+    rows = [list(np.random.default_rng(4).integers(0, 97, size=40))]
+    method = Locret(budget=12, chunk=8, local=4, stabilizers=2)
+    want, _, want_cache, _ = generate_tokens(model, rows, method=method, max_new_tokens=4, artifact=art)
+    from_file = get_method(f"locret:budget=12:chunk=8:local=4:stabilizers=2:heads={tmp_path / 'heads.npz'}")
+    got, _, got_cache, _ = generate_tokens(model, rows, method=from_file, max_new_tokens=4)
+    np.testing.assert_array_equal(got, want)
+    leaves = lambda c: [np.asarray(x) for x in jax.tree_util.tree_leaves(c.layers)]
+    for a, b in zip(leaves(got_cache), leaves(want_cache)):
+        np.testing.assert_array_equal(a, b)
+    # other heads keep other tokens at this budget: the file's heads were the ones used
+    _, _, other, _ = generate_tokens(model, rows, method=method, max_new_tokens=4, artifact=heads_for(model, seed=6))
+    assert any(not np.array_equal(a, b) for a, b in zip(leaves(other), leaves(want_cache)))
+    with pytest.raises(ValueError, match="loads its heads from that file"):
+        new_cache(from_file, model.config, 1, 40, 2, model.dtype, artifact=art)
+    with pytest.raises(ValueError, match="no heads file"):
+        new_cache(Locret(budget=16, local=4, heads=str(tmp_path / "none.npz")), model.config, 1, 40, 2, model.dtype)
+    with pytest.raises(ValueError, match="heads .npz file"):
+        Locret(heads="best")
+
+
 def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
     """XLA's memory analysis of the compiled chunk step (the ``kvjax bench locret-memory`` measurement)."""
     from evals.locret_memory import measure, table

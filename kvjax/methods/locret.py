@@ -37,9 +37,10 @@ Deviations and choices (documented, measured where they change results):
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
-from kvjax.artifacts import require_artifact, shipped_artifact
+from kvjax.artifacts import load_artifact, require_artifact, shipped_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
                                    init_bounded, paged_cache_read_bytes, paged_facts, prefill_in_pieces, to_pages)
@@ -62,8 +63,9 @@ class Locret:
       stabilizers: ``n_s``, the last tokens forced into the kept set after each chunk but the last:
         an int (tokens) or a float fraction of ``b`` in [0, 1).
       local: ``n_loc``, the last prompt tokens prefilled without eviction (the paper's 100).
-      heads: "trained" (the artifact given, else the heads shipped for the model) or "random"
-        (untrained heads of the shipped heads' size, seeded: the paper's Table 6 control).
+      heads: "trained" (the artifact given, else the heads shipped for the model), "random"
+        (untrained heads of the shipped heads' size, seeded: the paper's Table 6 control), or the path
+        of a heads file (``heads.npz`` of ``kvjax train-locret --out``), e.g. ``locret:heads=run/heads.npz``.
       seed: seed of the random heads.
       evict_during_decode: keep ``budget`` tokens per head while decoding too (module docstring, step 3).
       page_size: tokens per page of the compressed pools.
@@ -84,8 +86,8 @@ class Locret:
     def __post_init__(self):
         check_budget(self.budget)
         check_schedule(self.name, self.chunk, self.local, self.stabilizers)
-        if self.heads not in HEADS:
-            raise ValueError(f"locret: heads must be one of {', '.join(HEADS)}, got {self.heads!r}")
+        if not isinstance(self.heads, str) or (self.heads not in HEADS and not self.heads.endswith(".npz")):
+            raise ValueError(f"locret: heads must be one of {', '.join(HEADS)} or a heads .npz file, got {self.heads!r}")
         if self.page_size <= 0:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
         resolve_implementation(self.implementation)
@@ -101,13 +103,19 @@ class Locret:
         return None
 
     def artifact_for(self, spec: CacheSpec, artifact: Any = None):
-        """The retaining heads: given, else shipped for the model; "random": untrained heads of the shipped size."""
+        """The retaining heads: given, else shipped for the model; "random": untrained heads of the shipped size; or a file's."""
         if self.heads == "random":
             if artifact is not None:
                 raise ValueError("locret with heads='random' makes its own heads; do not pass an artifact")
             hidden = shipped_artifact(KIND, spec.model_id).arrays["w1"].shape[2]
             return random_heads_artifact(spec.model_id, spec.num_layers, spec.num_heads, spec.num_kv_heads,
                                          spec.head_dim, int(hidden), self.seed)
+        if self.heads not in HEADS:  # a heads file
+            if artifact is not None:
+                raise ValueError(f"locret with heads={self.heads!r} loads its heads from that file; do not pass an artifact")
+            if not os.path.exists(self.heads):
+                raise ValueError(f"locret: no heads file {self.heads!r} (train one with `kvjax train-locret --out DIR`)")
+            artifact = load_artifact(self.heads)
         if artifact is None:
             try:
                 artifact = shipped_artifact(KIND, spec.model_id)
