@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     if args.heldout >= args.samples:
         raise ValueError(f"--heldout ({args.heldout}) must be smaller than --samples ({args.samples})")
     cfg = TrainConfig(hidden=args.hidden, steps=args.steps, lr=args.lr, alpha=args.alpha, label_norm=args.label_norm,
-                      heldout=args.heldout,
-                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed)
+                      heldout=args.heldout, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+                      seed=args.seed)
     t0 = time.time()
     model = load_model(args.model, "float32")
     model_id = model_identity(model.config)
