@@ -115,8 +115,10 @@ def write_report(out: Path, metrics: dict, argv, model_id: str) -> None:
         f"{last.get('top10_overlap', float('nan')):.3f} at step {last.get('step')} (chance: 0.10)",
         f"- held-out loss: {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f}",
         f"- per-layer overlap at the end: {last.get('top10_overlap_per_layer')}",
-        "- the loss is summed over layers: layers with large attention logits (labels are pre-softmax "
-        "logits) dominate it; the overlap is scale-free", "",
+        ("- the loss is summed over layers, on standardised labels (each layer's loss is on the same scale); "
+         "the overlap is scale-free" if metrics['config'].get('label_norm') == 'standardize' else
+         "- the loss is summed over layers: layers with large attention logits (labels are pre-softmax "
+         "logits) dominate it; the overlap is scale-free"), "",
         "![loss](loss.png)", "",
     ]
     (out / "report.md").write_text("\n".join(lines))
