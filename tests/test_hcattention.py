@@ -336,7 +336,8 @@ def test_method_spec_and_cli_flags():
     assert (m.groups, m.tau, m.value_path) == (16, 0.5, "device")
     args = build_parser().parse_args(["generate", "--prompt", "x", "--method", "hcattention", "--groups", "32", "--tau", "0.7",
                                       "--local", "64"])
-    assert (_method(args).groups, _method(args).tau, _method(args).local) == (32, 0.7, 64)
+    m = _method(args)
+    assert (m.groups, m.tau, m.local) == (32, 0.7, 64)
     for flag in (["--tau", "0.7"], ["--local", "64"]):
         args = build_parser().parse_args(["generate", "--prompt", "x", "--method", "snapkv", *flag])
         with pytest.raises(ValueError, match="apply to --method hcattention only"):

@@ -102,6 +102,7 @@ def write_report(out: Path, metrics: dict, argv, model_id: str) -> None:
     ev = metrics["eval"]
     first, last = (ev[0], ev[-1]) if ev else ({}, {})
     data = metrics.get("data", {})
+    standardized = metrics["config"].get("label_norm") == "standardize"
     lines = [
         f"# Locret retaining heads: {model_id.split(':')[0]}", "",
         f"Command: `{cmd}`", "",
@@ -109,14 +110,14 @@ def write_report(out: Path, metrics: dict, argv, model_id: str) -> None:
         f"- data: {metrics['dataset']['samples']} QA samples of {metrics['dataset']['tokens']} prompt tokens "
         f"({metrics['train_samples']} train, {metrics['heldout_samples']} held out); kinds {data.get('kinds', {})}",
         f"- heads: d_R = {metrics['config']['hidden']}; {metrics['steps']} steps at batch 1; labels "
-        f"{'standardised per sample, layer and KV head' if metrics['config'].get('label_norm') == 'standardize' else 'raw (the paper)'}",
+        f"{'standardised per sample, layer and KV head' if standardized else 'raw (the paper)'}",
         f"- wall time (this machine): {metrics.get('wall_seconds', {})}",
         f"- held-out top-10% overlap: {first.get('top10_overlap', float('nan')):.3f} at step {first.get('step')} -> "
         f"{last.get('top10_overlap', float('nan')):.3f} at step {last.get('step')} (chance: 0.10)",
         f"- held-out loss: {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f}",
         f"- per-layer overlap at the end: {last.get('top10_overlap_per_layer')}",
         ("- the loss is summed over layers, on standardised labels (each layer's loss is on the same scale); "
-         "the overlap is scale-free" if metrics['config'].get('label_norm') == 'standardize' else
+         "the overlap is scale-free" if standardized else
          "- the loss is summed over layers: layers with large attention logits (labels are pre-softmax "
          "logits) dominate it; the overlap is scale-free"), "",
         "![loss](loss.png)", "",

@@ -293,5 +293,5 @@ def plot_history(history: dict, path, title: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["TrainConfig", "LABEL_NORMS", "standardize_labels", "smooth_l1", "predict", "loss_fn", "top_overlap", "make_optimizer", "make_step",
-           "sample_order", "evaluate", "train", "plot_history"]
+__all__ = ["TrainConfig", "LABEL_NORMS", "standardize_labels", "smooth_l1", "predict", "loss_fn", "top_overlap",
+           "make_optimizer", "make_step", "sample_order", "evaluate", "train", "plot_history"]
