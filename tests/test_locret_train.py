@@ -164,6 +164,7 @@ def test_resumed_run_equals_an_uninterrupted_one(dataset, tmp_path):
     a, b = (load_artifact(tmp_path / r / "heads.npz") for r in ("a", "b"))
     for name in ("w1", "w2"):
         np.testing.assert_array_equal(np.asarray(a.arrays[name]), np.asarray(b.arrays[name]))
+    assert a.meta_dict()["label_norm"] == cfg.label_norm and a.meta_dict()["steps"] == 10  # how they were trained
     assert (tmp_path / "a" / "loss.png").stat().st_size > 0
     with pytest.raises(ValueError, match="another configuration"):
         train(dataset, tmp_path / "a", dataclasses.replace(cfg, steps=12))

@@ -262,7 +262,7 @@ def train(dataset, out, cfg: TrainConfig = TrainConfig(), *, resume: bool = True
     if end == cfg.steps:
         last = history["eval"][-1] if history["eval"] else {}
         art = heads_artifact(heads, meta["model_id"], trained=True, steps=cfg.steps, hidden_size=cfg.hidden,
-                             train_samples=n_train, tokens=meta["tokens"], seed=cfg.seed,
+                             train_samples=n_train, tokens=meta["tokens"], seed=cfg.seed, label_norm=cfg.label_norm,
                              heldout_top10_overlap=last.get("top10_overlap", float("nan")))
         save_artifact(art, out / "heads.npz")
         plot_history(history, out / "loss.png", title=f"Locret retaining heads, {meta['model_id'].split(':')[0]}")
