@@ -20,7 +20,7 @@ One layer's state is a :class:`RecallKV`:
   slot (:func:`follower_slots`): without a mesh, the followers in order.
 
 The method decides when a leader publishes (HeteroCache: attention drift; SyncKV: every ``m`` steps)
-in the ``choose`` function it gives :func:`recall_step`; :func:`apply_recalls` then refreshes every follower whose leader has a new
+in its ``decode_attend``; :func:`apply_recalls` then refreshes every follower whose leader has a new
 version. The recall is one host-gather transfer for all followers of the layer
 (:func:`kvjax.host_tier.recall`), inside ``lax.cond`` so steps without a new choice move nothing.
 A leader may sit in another layer (kvjax's cross-layer groups): a follower reads it from
@@ -36,11 +36,9 @@ padded per block: :func:`kvjax.paged.page_layout`). Leader-indexed state (``pick
 method's tracker) is split by row only: a follower on another device reads its leader's choice, a few
 token ids per step, which the compiler moves between devices.
 
-Timing: a decode step that publishes attends with the followers' old tokens. The recall is issued in that
+Timing: the step that publishes attends with the followers' old tokens. The recall is issued in that
 step, after the layer's attention, and is first used by the layer's next call. Nothing waits for the
-copy until then, so it can overlap the remaining layers (the paper's asynchronous update). A question
-prefilled onto the compressed cache (several tokens in one call) is recalled for before it attends
-(:func:`recall_step`): otherwise its first answer token would be computed without the recalled tokens.
+copy until then, so it can overlap the remaining layers (the paper's asynchronous update).
 """
 
 from __future__ import annotations
@@ -273,31 +271,15 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
 
 
 # ------------------------------------------------------------------------------------------- decode
-def recall_step(state: RecallKV, q, k, v, ctx, choose, *, enabled: bool, implementation: str):
-    """One call on the compressed cache: append the new tokens to every head, attend, let this layer's leaders
-    choose (``choose(state, q) -> state``, which publishes) and refresh the followers (:func:`apply_recalls`).
-
-    One token (a decode step) attends first: the recall is issued after the layer's attention and used from the
-    layer's next call (asynchronous, the papers' decode). Several tokens (a question prefilled onto the compressed
-    cache) are the other way round: the leaders choose from the chunk's queries and the followers are refreshed
-    *before* the chunk attends, so the question and the first answer token already see the recalled tokens
-    (synchronous, once per question). A follower whose leader is in a later layer gets that leader's previous
-    choice. ``enabled=False`` neither chooses nor recalls. Decode attention uses ``implementation``: the kernel for
-    one token, per device on ``ctx.mesh``; XLA for a chunk.
-    """
-    one_token = q.shape[1] == 1
-    state = state.replace(paged=append(state.paged, k, v), steps=state.steps + (1 if one_token else 0))
-
-    def recall_now(st):
-        if enabled and st.plan.leaders:
-            st = choose(st, q)
-        return apply_recalls(st, ctx, enabled=enabled)
-
-    if not one_token:
-        state = recall_now(state)
-        return paged_chunk_attention(q, state.paged).astype(q.dtype), state
-    out = paged_attention(q[:, 0], state.paged, implementation=implementation, mesh=ctx.mesh)[:, None]
-    return out.astype(q.dtype), recall_now(state)
+def append_attend(state: RecallKV, q, k, v, implementation: str, mesh=None):
+    """Append the new tokens to every head and attend (kernel for one token, per device on a ``mesh``; XLA for a chunk)."""
+    paged = append(state.paged, k, v)
+    if q.shape[1] == 1:
+        out = paged_attention(q[:, 0], paged, implementation=implementation, mesh=mesh)[:, None]
+    else:
+        out = paged_chunk_attention(q, paged)
+    steps = state.steps + (1 if q.shape[1] == 1 else 0)
+    return out.astype(q.dtype), state.replace(paged=paged, steps=steps)
 
 
 def publish(state: RecallKV, new, picks):
@@ -385,5 +367,5 @@ def attention_read_bytes(states) -> int:
 
 
 __all__ = ["check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
-           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "recall_step", "publish", "apply_recalls", "recall_partition", "recall_stats",
+           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "apply_recalls", "recall_partition", "recall_stats",
            "attention_read_bytes"]

@@ -41,9 +41,7 @@ kvjax's choices where the paper is silent or the model differs (each documented)
 * Tokens prefilled onto the compressed cache in one call (a question) count as decode steps for the
   drift window: the last ``min(T, window)`` of them are checked at once. Without this, a question
   asked after compression could trigger a refresh only after ``window`` decoded tokens.
-* The recall is issued in the decode step that detects the drift and used from the next step on. For a
-  question prefilled onto the compressed cache the recall is applied **before** the question attends,
-  so the first answer token sees the recalled tokens.
+* The recall is issued in the step that detects the drift and used from the next step on.
 * Ablations: ``allocation=False`` gives every compressed head ``base`` tokens (the paper's
   "w/o allocation"); ``retrieval=False`` never refreshes ("w/o retrieval").
 """
@@ -62,8 +60,8 @@ from jax.sharding import PartitionSpec
 from kvjax.artifacts import Artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
-from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, attention_read_bytes, build_layer,
-                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish, recall_step,
+from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
+                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
                                recall_partition, recall_stats, to_stored, top_mask, top_slots)
 from kvjax.methods.base import check_common
 from kvjax.selection import keep_to_indices, keep_top, row_capacities
@@ -338,10 +336,11 @@ class HeteroCache:
                         lambda st: self.drift_check(st, jnp.moveaxis(st.tracker.q, 0, 1), pad), lambda st: st, state)
 
     def decode_attend(self, state, q, k, v, ctx):
-        """Attend over every head's held tokens; pivots check drift; satellites of drifted pivots are refreshed
-        (before a multi-token call attends: :func:`kvjax.head_recall.recall_step`)."""
-        return recall_step(state, q, k, v, ctx, lambda st, q: self.track(st, q, ctx.pad), enabled=self.retrieval,
-                           implementation=self.implementation)
+        """Attend over every head's held tokens; pivots check drift; satellites of drifted pivots are refreshed."""
+        out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
+        if state.plan.leaders and self.retrieval:
+            state = self.track(state, q, ctx.pad)
+        return out, apply_recalls(state, ctx, enabled=self.retrieval)
 
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then the leader/follower layout's (:func:`kvjax.head_recall.recall_partition`);

@@ -31,10 +31,9 @@ kvjax's choices (documented deviations):
   ``N_r = 2``, per-layer clustering makes every head an R-head and compresses nothing (calibration
   reports it). The shipped default artifacts cluster ``ceil(16 / Hkv)`` adjacent layers. An NR-head
   whose R-head is in a later layer uses that R-head's choice from the previous step.
-* A multi-token call on the compressed cache (a question asked after compression; the paper has no
-  such call) is an anticipation step for its last query, and its recall is applied **before** the
-  question attends, so the first answer token sees the recalled tokens. Decode steps keep the
-  paper's asynchronous upload (issued in the anticipation step, used from the next step on).
+* A multi-token call on the compressed cache (a question) is an anticipation step for its last
+  query. The recall is issued in the anticipation step and used from the next step on, as the
+  paper's asynchronous upload.
 * ``anticipation=False`` is the paper's "w/o anticipation" ablation (static ``I_0`` only).
 """
 
@@ -54,8 +53,8 @@ from jax.sharding import PartitionSpec
 from kvjax.artifacts import Artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
-from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, attention_read_bytes, build_layer,
-                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish, recall_step,
+from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
+                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
                                recall_partition, recall_stats, to_stored, top_slots)
 from kvjax.methods.base import check_common
 from kvjax.selection import row_capacities
@@ -326,15 +325,17 @@ class SyncKV:
         return publish(state, jnp.ones(state.version.shape, bool), picks)
 
     def decode_attend(self, state, q, k, v, ctx):
-        """Attend over the held tokens; anticipation every ``stride`` steps (and for a multi-token call, recalled
-        before it attends: :func:`kvjax.head_recall.recall_step`)."""
-        def choose(st, q):
-            qg = leader_queries(q, st.plan.leaders, len(st.plan.capacities))
+        """Attend over the held tokens; anticipation every ``stride`` steps (and for a multi-token call); recall."""
+        out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
+        plan = state.plan
+        if plan.leaders and self.anticipation:
+            qg = leader_queries(q, plan.leaders, len(plan.capacities))
             if q.shape[1] > 1:
-                return self.anticipate(st, qg, ctx.pad)
-            return lax.cond(st.steps % self.stride == 0, lambda s: self.anticipate(s, qg, ctx.pad), lambda s: s, st)
-
-        return recall_step(state, q, k, v, ctx, choose, enabled=self.anticipation, implementation=self.implementation)
+                state = self.anticipate(state, qg, ctx.pad)
+            else:
+                state = lax.cond(state.steps % self.stride == 0, lambda st: self.anticipate(st, qg, ctx.pad),
+                                 lambda st: st, state)
+        return out, apply_recalls(state, ctx, enabled=self.anticipation)
 
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then the leader/follower layout's (:func:`kvjax.head_recall.recall_partition`);
