@@ -89,7 +89,7 @@ def test_loss_on_hand_computed_values():
     reg = np.mean([0.5 * pred[1] ** 2 if pred[1] < 1 else pred[1] - 0.5,
                    pred[2] - 0.5, abs(pred[3] - 9.0) - 0.5])
     smooth = np.mean([(pred[2] - pred[1]) ** 2, (pred[3] - pred[2]) ** 2])
-    total, per_layer = loss_fn(heads, feats, labels, mask, 0.0025)
+    total, per_layer = loss_fn(heads, feats, labels, mask, 0.0025, "none")
     np.testing.assert_allclose(float(total), reg + 0.0025 * smooth, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(per_layer), [reg], rtol=1e-6)
 
@@ -108,7 +108,7 @@ def test_standardized_labels_by_hand():
     a = loss_fn(heads, feats, labels, mask, 0.0025, "standardize")[0]
     b = loss_fn(heads, feats, shifted, mask, 0.0025, "standardize")[0]
     np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
-    assert abs(float(loss_fn(heads, feats, shifted, mask, 0.0025)[0]) - float(loss_fn(heads, feats, labels, mask, 0.0025)[0])) > 1
+    assert abs(float(loss_fn(heads, feats, shifted, mask, 0.0025, "none")[0]) - float(loss_fn(heads, feats, labels, mask, 0.0025, "none")[0])) > 1
     with pytest.raises(ValueError, match="label_norm"):
         TrainConfig(label_norm="minmax")
 

@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=1000, help="optimiser steps, batch 1 (paper: 3000)")
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--alpha", type=float, default=0.0025, help="weight of the adjacent-smoothness L2 loss")
-    t.add_argument("--label-norm", default="none", choices=["none", "standardize"],
-                   help="labels as they are (the paper) or standardised per sample, layer and KV head (train.locret)")
+    t.add_argument("--label-norm", default="standardize", choices=["standardize", "none"],
+                   help="labels standardised per sample, layer and KV head (the default, a deviation: see train.locret) "
+                   "or as they are (none: the paper)")
     t.add_argument("--seed", type=int, default=0, help="seed of the heads' init and the data order")
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--checkpoint-every", type=int, default=100)

@@ -11,13 +11,16 @@ Recipe (paper Sec. 3.3 and its public code; ours scaled to a CPU, see :class:`Tr
 * only the heads train: the inputs are precomputed features of the frozen model
   (:mod:`train.dataset`), so the model's parameters are never an argument of the train step.
 
-Deviation, optional (``label_norm="standardize"``; the default ``"none"`` is the paper's raw labels):
-each sample's labels are standardised per layer and KV head over its prompt tokens (zero mean, unit
+**Deviation (the default, ``label_norm="standardize"``; ``"none"`` is the paper's raw labels):** each
+sample's labels are standardised per layer and KV head over its prompt tokens (zero mean, unit
 standard deviation) before the loss. Inference only ranks a head's own scores (its top-``b``), so an
 offset or scale per head carries no information; but Qwen's q/k biases add one of up to ~10^3 to every
 logit of some heads (layer 0: mean 932, spread within a head 3.6-15), which a bias-free head must
 regress before it can rank, and in the paper's raw-label loss it swamps the ranking (held-out
-top-10% overlap at chance in those layers).
+top-10% overlap at chance in those layers). Measured on Qwen2.5-Coder-0.5B (same data, steps and
+seed): held-out top-10% overlap 0.46 -> 0.52; 4K evaluation, 12 prompts per protocol, 10% / 25%
+budget: query-agnostic 66.7 -> 75.0 / 83.3 -> 91.7, query-aware 75.0 -> 75.0 / 83.3 -> 91.7
+(``docs/results/``, README "Locret").
 
 The data order is a function of ``(seed, step)`` (a fresh permutation of the training samples per
 epoch), so a run resumed from an Orbax checkpoint equals an uninterrupted one step for step. Every
@@ -63,7 +66,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip: float = 0.5
     alpha: float = 0.0025
-    label_norm: str = "none"
+    label_norm: str = "standardize"
     heldout: int = 8
     eval_every: int = 100
     checkpoint_every: int = 100
@@ -103,7 +106,7 @@ def predict(heads, features):
     return jax.vmap(apply_head)(heads["w1"], heads["w2"], features)
 
 
-def loss_fn(heads, features, labels, mask, alpha: float, label_norm: str = "none"):
+def loss_fn(heads, features, labels, mask, alpha: float, label_norm: str):
     """(total loss, per-layer regression loss ``[L]``) of one sample: SmoothL1 + ``alpha`` x adjacent L2, summed over layers.
 
     ``features[L, N, F]``, ``labels[L, H_kv, N]``, ``mask[N]`` (prompt tokens); ``label_norm``: "none"
@@ -171,7 +174,7 @@ def _loss_and_prediction(heads, features, labels, mask, alpha: float, label_norm
     return loss_fn(heads, features, labels, mask, alpha, label_norm)[0], predict(heads, features)
 
 
-def evaluate(heads, features, labels, mask, indices, alpha: float, label_norm: str = "none") -> dict:
+def evaluate(heads, features, labels, mask, indices, alpha: float, label_norm: str) -> dict:
     """Held-out loss and top-10% overlap (mean, and per layer) over the samples ``indices``."""
     losses, overlaps = [], []
     for i in indices:
