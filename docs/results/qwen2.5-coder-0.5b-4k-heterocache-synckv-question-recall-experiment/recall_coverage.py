@@ -1,16 +1,16 @@
 """Issue 12 diagnosis: in the query-agnostic protocol, which KV heads attend to the needle (full cache, question in
 the prompt), and do those heads hold the needle after SyncKV / HeteroCache recall for the question?"""
-import json, sys
-import numpy as np, jax, jax.numpy as jnp
+import sys
+import numpy as np, jax.numpy as jnp
 from models import load_model
 from evals.tasks import make_samples
 from evals.runner import batches
 from kvjax.cache import CacheSpec
 from kvjax.generate import compress, prefill, prefill_prompt
 from kvjax.methods import SyncKV, HeteroCache
-from kvjax.methods.base import round_up
 from kvjax.shared_prefill import cache_for, init_shared_cache
-from kvjax.head_recall import last_query_probs, prompt_scores
+from kvjax.api import left_pad
+from kvjax.head_recall import last_query_probs
 
 task = sys.argv[1] if len(sys.argv) > 1 else "niah_single"
 model = load_model("qwen2.5-coder-0.5b", "float32")
@@ -31,11 +31,8 @@ def needle_positions(ids, answer):
     raise ValueError("needle not found")
 
 def run_prefill(rows, methods, extra):
-    L = round_up(max(len(r) for r in rows), 1024)
-    toks = np.full((len(rows), L), pad_id, np.int32)
-    for b, r in enumerate(rows):
-        toks[b, L - len(r):] = r
-    pad = np.asarray([L - len(r) for r in rows], np.int32)
+    toks, pad = left_pad(rows, pad_id, 1024)
+    L = toks.shape[1]
     spec = CacheSpec.for_model(cfg, len(rows), L, extra, model.dtype, longest_row=max(len(r) for r in rows))
     staged = init_shared_cache(methods, spec).replace(pad=jnp.asarray(pad))
     _, staged = prefill_prompt(model.graphdef, model.params, jnp.asarray(toks), staged, chunk_size=1024)
@@ -60,14 +57,21 @@ methods = {"synckv": SyncKV(budget=0.25), "heterocache": HeteroCache(budget=0.25
 staged, pad_c, Lc = run_prefill(ctx_rows, list(methods.values()), q_len + 16)
 needle_c = [[pad_c[b] + p for p in needle_positions(s.prompt_ids, s.answers[0])] for b, s in enumerate(batch)]
 K = [np.asarray(staged.layers[l].k) for l in range(L_layers)]  # [B, H, S, D]
-out = {"task": task, "mass_top": [], "methods": {}}
+keysets = {}  # (layer, row, head) -> {key row bytes: prompt slot}
+
+
 def held(state, b, h, l):
+    """Prompt slots whose keys head ``h`` of row ``b`` holds (matched by exact key rows)."""
     p = state.paged
     n = int(p.lengths[b, h])
     rows = np.asarray(p.k_pages[p.block_table[b, h]]).reshape(-1, p.k_pages.shape[-1])[:n]
-    ks = K[l][b, h]
-    keyset = {ks[j].tobytes(): j for j in range(ks.shape[0])}
+    if (l, b, h) not in keysets:
+        ks = K[l][b, h]
+        keysets[l, b, h] = {ks[j].tobytes(): j for j in range(ks.shape[0])}
+    keyset = keysets[l, b, h]
     return {keyset[r.tobytes()] for r in rows if r.tobytes() in keyset}
+
+
 for name, method in methods.items():
     cache = compress(cache_for(staged, method))
     before = {}
@@ -86,11 +90,7 @@ for name, method in methods.items():
             plan = plans[l]
             role = "full" if h in plan.full else ("follower" if h in [f.head for f in plan.followers] else "static")
             rows.append((b, l, h, round(float(mass[b, l, h]), 3), role, round(before[b, l, h], 2), round(after, 2)))
-    out["methods"][name] = rows
-    # overall: fraction of compressed heads holding the needle after the question
-    tot = {"before": np.mean(list(before.values()))}
     print(name, "stats", {k: v for k, v in cache.stats().items() if k in ("recall_events", "rows_recalled", "full_heads", "follower_heads")})
     for r in rows:
         print(name, "row %d L%02d h%d needle-mass %.3f %-8s held before %.2f after %.2f" % r)
     del cache
-json.dump(out, open(f"/tmp/diag/recall_coverage_{task}.json", "w"), indent=1)

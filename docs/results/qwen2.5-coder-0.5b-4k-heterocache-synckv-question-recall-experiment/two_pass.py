@@ -6,10 +6,10 @@ import numpy as np, jax, jax.numpy as jnp
 from models import load_model
 from evals.tasks import make_samples, score
 from evals.runner import batches, MAX_NEW_TOKENS, stop_token_ids
+from kvjax.api import left_pad
 from kvjax.cache import CacheSpec
 from kvjax.generate import compress, prefill, prefill_prompt, decode_loop
 from kvjax.methods import SyncKV, HeteroCache
-from kvjax.methods.base import round_up
 from kvjax.shared_prefill import cache_for, init_shared_cache
 
 tasks = sys.argv[1].split(",")
@@ -23,11 +23,8 @@ for task in tasks:
         q_len = len(batch[0].prompt_ids) - batch[0].question_start
         rows = [list(s.prompt_ids[:len(s.prompt_ids) - q_len]) for s in batch]
         question = jnp.asarray([list(s.prompt_ids[len(s.prompt_ids) - q_len:]) for s in batch], jnp.int32)
-        L = round_up(max(len(r) for r in rows), 1024)
-        toks = np.full((len(rows), L), tok.pad_token_id, np.int32)
-        for b, r in enumerate(rows):
-            toks[b, L - len(r):] = r
-        pad = np.asarray([L - len(r) for r in rows], np.int32)
+        toks, pad = left_pad(rows, tok.pad_token_id, 1024)
+        L = toks.shape[1]
         max_new = MAX_NEW_TOKENS[task]
         spec = CacheSpec.for_model(cfg, len(rows), L, 2 * q_len + max_new, model.dtype, longest_row=max(len(r) for r in rows))
         staged = init_shared_cache(list(methods.values()), spec).replace(pad=jnp.asarray(pad))
