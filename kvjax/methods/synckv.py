@@ -54,10 +54,9 @@ from kvjax.artifacts import Artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
 from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
-                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish, publish_anchor,
+                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
                                recall_partition, recall_stats, to_stored, top_slots)
 from kvjax.methods.base import check_common
-from kvjax.paged import append, paged_chunk_attention
 from kvjax.selection import row_capacities
 from kvjax.sharding import DATA
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
@@ -162,12 +161,9 @@ def synckv_artifact(stats, model_id: str, *, seed: int = 0, default_representati
 # -------------------------------------------------------------------------------------- the method
 @struct.dataclass
 class RepresentativeTracker:
-    """Per R-head of a layer: its static set in stored positions ``static[B, n, positions]`` (never re-picked
-    by anticipation), and each row's static and total NR-head tokens ``static_rows``, ``keep_rows[B]``."""
+    """Per R-head of a layer: its static set in stored positions ``static[B, n, positions]`` (never re-picked)."""
 
     static: jnp.ndarray
-    static_rows: jnp.ndarray
-    keep_rows: jnp.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +187,6 @@ class SyncKV:
     num_representatives: int | None = None
     static_ratio: float = 0.5
     anticipation: bool = True
-    reanchor: bool = True
     kernel: int = 1
     group_layers: int | None = None
     page_size: int = 16
@@ -252,8 +247,7 @@ class SyncKV:
             followers = tuple(Follower(h, leader[l][h][0], reps[leader[l][h][0]].index(leader[l][h][1]))
                               for h, r in enumerate(row) if r == "NR")
             plans.append(LayerPlan(capacities=tuple(L if r == "R" else k for r in row), full=tuple(reps[l]),
-                                   leaders=tuple(reps[l]), followers=followers, picks=max(dyn, 1) if reps[l] else 0,
-                                   anchor_picks=k if reps[l] and self.reanchor and self.anticipation else 0))
+                                   leaders=tuple(reps[l]), followers=followers, picks=max(dyn, 1) if reps[l] else 0))
         return tuple(plans), k
 
     # -- protocol
@@ -320,7 +314,7 @@ class SyncKV:
             mask = jnp.put_along_axis(mask, i0, in_static, axis=-1, inplace=False)
             statics.append(to_stored(mask[:, None], ctx.pad, positions, False)[:, 0])
         static = jnp.stack(statics, axis=1) if statics else jnp.zeros((B, 0, positions), bool)
-        return layer.replace(tracker=RepresentativeTracker(static=static, static_rows=static_rows, keep_rows=k_rows))
+        return layer.replace(tracker=RepresentativeTracker(static=static))
 
     def anticipate(self, state, qg, pad):
         """R-heads pick the best ``k_dyn`` prompt tokens outside their static sets for their last query and publish."""
@@ -330,32 +324,10 @@ class SyncKV:
         picks = top_slots(scores, pad, state.picks.shape[-1])
         return publish(state, jnp.ones(state.version.shape, bool), picks)
 
-    def reanchor_for(self, state, qg, pad):
-        """A question asked after compression: the R-heads redo Eq. 3-4 for its last query (new ``I_0``: static set
-        and initial dynamic set) and publish it as a re-anchoring of their NR-heads' whole kept sets."""
-        plan, tr = state.plan, state.tracker
-        scores = leader_probs(state.paged, plan.leaders, qg[:, -1:], self.kernel, "max")[:, :, -1]  # [B, n, positions]
-        top = top_slots(prompt_only(scores, state.prompt_len), pad, plan.anchor_picks)  # [B, n, k] best first
-        K, positions = top.shape[-1], scores.shape[-1]
-        in_static = jnp.arange(K)[None, None, :] < tr.static_rows[:, None, None]
-        static = jnp.zeros(scores.shape, bool)
-        static = jnp.put_along_axis(static, jnp.clip(top - pad[:, None, None], 0, positions - 1), in_static, axis=-1,
-                                    inplace=False)
-        R = state.picks.shape[-1]
-        dyn = jnp.take_along_axis(top, jnp.clip(tr.static_rows[:, None, None] + jnp.arange(R), 0, K - 1), axis=-1)
-        return publish_anchor(state.replace(tracker=tr.replace(static=static)), top, dyn)
-
     def decode_attend(self, state, q, k, v, ctx):
-        """Attend over the held tokens; anticipation every ``stride`` steps (and for a multi-token call); recall.
-        A multi-token call with ``reanchor`` re-anchors and recalls *before* it attends."""
-        plan = state.plan
-        if q.shape[1] > 1 and self.reanchor and self.anticipation:
-            state = state.replace(paged=append(state.paged, k, v))
-            if plan.leaders:
-                state = self.reanchor_for(state, leader_queries(q, plan.leaders, len(plan.capacities)), ctx.pad)
-            state = apply_recalls(state, ctx)
-            return paged_chunk_attention(q, state.paged).astype(q.dtype), state
+        """Attend over the held tokens; anticipation every ``stride`` steps (and for a multi-token call); recall."""
         out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
+        plan = state.plan
         if plan.leaders and self.anticipation:
             qg = leader_queries(q, plan.leaders, len(plan.capacities))
             if q.shape[1] > 1:
@@ -370,8 +342,7 @@ class SyncKV:
         the tracker is indexed by leader, so split by row only."""
         if isinstance(state, StagedKV):
             return staged_partition(state)
-        rows = PartitionSpec(DATA)
-        return recall_partition(state, state.tracker.replace(static=rows, static_rows=rows, keep_rows=rows))
+        return recall_partition(state, state.tracker.replace(static=PartitionSpec(DATA)))
 
     def stats(self, cache: Cache) -> dict:
         """R/NR heads, kept tokens, recall events."""
