@@ -13,7 +13,10 @@ cache was allocated for, and the ``stage``:
 * ``"prefill"``: prompt chunks go to ``method.prefill_chunk`` (the method records, may evict);
 * ``"compressed"``: after ``kvjax.generate.compress`` ran ``method.finish_prefill`` on every layer;
   every later token (a question of any length, a second turn, one decoded token per step) goes to
-  ``method.decode_attend``, which appends it uncompressed and attends.
+  ``method.decode_attend``, which appends it uncompressed and attends;
+* ``"rehearsal"``: a compressed cache during the first pass of a two-pass question (only inside
+  ``kvjax.generate.prefill``, for a method whose ``question_passes()`` is 2): ``decode_attend`` gets
+  ``ctx.rehearsal`` set and returns its state without the call's tokens.
 
 The model calls :meth:`Cache.attend` and nothing else, so adding a method never touches the model.
 """
@@ -102,6 +105,8 @@ class AttendContext:
         call, later ones as of the previous call (set by :meth:`Cache.attend`; heads that follow
         another layer's heads read it).
       mesh: the cache's device mesh (static; None for one device): kernels run per device under it.
+      rehearsal: (static) this call is the first pass of a two-pass question (stage ``"rehearsal"``): the
+        method may change what it holds (recall, re-anchoring) but returns its state without the tokens.
     """
 
     start: jax.Array
@@ -113,6 +118,7 @@ class AttendContext:
     layers: tuple | None = None
     layer: int = struct.field(pytree_node=False, default=0)
     mesh: Any = struct.field(pytree_node=False, default=None)
+    rehearsal: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -169,7 +175,7 @@ class Cache:
         ctx = ctx.replace(artifact=self.artifact, layers=self.layers, mesh=self.spec.mesh if self.spec else None)
         if self.stage == "prefill":
             return self.method.prefill_chunk(state, q, k, v, ctx)
-        return self.method.decode_attend(state, q, k, v, ctx)
+        return self.method.decode_attend(state, q, k, v, ctx.replace(rehearsal=self.stage == "rehearsal"))
 
     def device_bytes(self) -> int:
         """Bytes of all device-memory arrays held by the cache (from the arrays' sizes)."""

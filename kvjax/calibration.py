@@ -147,6 +147,10 @@ class AttentionRecorder:
         top = attended_set(q[:, 0], k_all, ctx.start, ctx.pad, topk=self.topk, kernel=self.kernel, gqa=self.gqa)
         return out, RecordedKV(k_all, v_all, top)
 
+    def question_passes(self) -> int:
+        """One (the recorder takes one query per call)."""
+        return 1
+
     def state_partition(self, state, spec: CacheSpec):
         """Calibration runs on one device."""
         raise not_shardable(self.name, "calibration records every head's attended sets on one device")

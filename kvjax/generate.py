@@ -96,13 +96,38 @@ def check_room(cache: Cache, new_tokens: int) -> None:
                          "(max_new_tokens / question length) when creating the cache")
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def rehearse_jit(graphdef, params, tokens: jax.Array, cache: Cache) -> Cache:
+    """First pass of a two-pass question on a compressed cache (stage ``"rehearsal"``): returns the cache with
+    what the method changed (recall, re-anchoring) and without the tokens (``length`` unchanged)."""
+    TRACE_COUNTS["rehearse"] += 1
+    positions = jnp.maximum(cache.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] - cache.pad[:, None], 0)
+    _, new = _forward(graphdef, params, tokens, positions, cache.replace(stage="rehearsal"), last_only=True)
+    return constrain_cache(new.replace(stage="compressed", length=cache.length))
+
+
+def question_passes(cache: Cache, tokens: int) -> int:
+    """Forward passes a call of ``tokens`` tokens takes: ``method.question_passes()`` for a multi-token call on a
+    compressed cache (a question), else 1."""
+    if cache.stage != "compressed" or tokens < 2:
+        return 1
+    passes = cache.method.question_passes()
+    if passes not in (1, 2):
+        raise ValueError(f"{cache.method.name}.question_passes() must be 1 or 2, got {passes}")
+    return passes
+
+
 def prefill(graphdef, params, tokens: jax.Array, cache: Cache):
     """Run ``tokens[B, T]`` at slots ``cache.length..``; returns (last logits [B, V], cache) (cache donated).
 
     Before compression this is a prompt chunk (``method.prefill_chunk``); after it, the tokens (a
-    question, a second turn) are appended uncompressed (``method.decode_attend``).
+    question, a second turn) are appended uncompressed (``method.decode_attend``). A method whose
+    ``question_passes()`` is 2 sees such a multi-token call twice: first a rehearsal
+    (:func:`rehearse_jit`) that may change what it holds, then the call itself.
     """
     check_room(cache, tokens.shape[1])
+    if question_passes(cache, tokens.shape[1]) == 2:
+        cache = rehearse_jit(graphdef, params, tokens, cache)
     return prefill_jit(graphdef, params, tokens, cache)
 
 

@@ -15,6 +15,11 @@ One layer's state is a :class:`RecallKV`:
 * ``host``: the followers' prompt K/V (one host head per (row, follower));
 * ``picks[B, n_leaders, R]`` / ``version[B, n_leaders]``: the prompt slots each leader of this layer
   last chose (best first) and how many times it chose;
+* ``anchor_picks[B, n_leaders, K]`` / ``anchor_at[B, n_leaders]``: a leader's latest **re-anchoring**
+  (SyncKV's new ``I_0`` for a question asked after compression): the slots its followers' whole
+  kept prompt set (slots ``0 .. region_start + region_count``) should hold, best first, and the
+  version it was published with (0: never). Unused (``K = 1``, never published) when the plan's
+  ``anchor_picks`` is 0;
 * ``applied[B, n_slots]``: the leader version each follower holds; ``region_start``,
   ``region_count[B, n_slots]``: the follower's slots a recall overwrites. One entry per follower
   slot (:func:`follower_slots`): without a mesh, the followers in order.
@@ -79,6 +84,8 @@ class LayerPlan:
       leaders: heads that publish picks (a subset of ``full``), in order.
       followers: heads refreshed from the host with their leader's picks.
       picks: tokens each leader of this layer publishes (the largest region of its followers).
+      anchor_picks: tokens a re-anchoring publishes (the followers' whole kept prompt set); 0: the method
+        never re-anchors.
     """
 
     capacities: tuple
@@ -86,6 +93,7 @@ class LayerPlan:
     leaders: tuple = ()
     followers: tuple = ()
     picks: int = 0
+    anchor_picks: int = 0
 
 
 @struct.dataclass
@@ -100,6 +108,8 @@ class RecallKV:
     prompt_len: jax.Array  # int32 [B] real prompt tokens of each row (held in order by full heads)
     picks: jax.Array  # int32 [B, n_leaders, R]
     version: jax.Array  # int32 [B, n_leaders]
+    anchor_picks: jax.Array  # int32 [B, n_leaders, K]
+    anchor_at: jax.Array  # int32 [B, n_leaders] version of the latest re-anchoring (0: none)
     tracker: object  # the method's per-leader state
     steps: jax.Array  # int32 [] decode calls with one token
     recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
@@ -266,6 +276,7 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
         applied=jnp.zeros((B, len(slots)), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
         picks=jnp.asarray(picks, jnp.int32),
         version=jnp.zeros((B, nl), jnp.int32),
+        anchor_picks=jnp.zeros((B, nl, max(plan.anchor_picks, 1)), jnp.int32), anchor_at=jnp.zeros((B, nl), jnp.int32),
         tracker=tracker, steps=zeros, recalls=zeros, rows_moved=zeros, plan=plan,
     )
 
@@ -287,26 +298,38 @@ def publish(state: RecallKV, new, picks):
     return state.replace(picks=jnp.where(new[..., None], picks, state.picks), version=state.version + new.astype(jnp.int32))
 
 
+def publish_anchor(state: RecallKV, anchor_picks, picks):
+    """Every leader re-anchors: its followers' whole kept prompt set becomes ``anchor_picks[B, n_leaders, K]``
+    (best first) and their region ``picks[B, n_leaders, R]`` (one new version for both)."""
+    state = publish(state, jnp.ones(state.version.shape, bool), picks)
+    return state.replace(anchor_picks=anchor_picks.astype(jnp.int32), anchor_at=state.version)
+
+
 def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
-    """Refresh every follower whose leader published a version it does not hold, from the host (one transfer)."""
+    """Refresh every follower whose leader published a version it does not hold, from the host (one transfer;
+    a re-anchoring it has not applied first, in a transfer of its own, then any newer region)."""
     plan = state.plan
     if not plan.followers or not enabled:
         return state
-    B = state.applied.shape[0]
-    versions, picks = [], []
-    for f in plan.followers:
-        src = state if f.leader_layer == ctx.layer else ctx.layers[f.leader_layer]
-        versions.append(src.version[:, f.leader_index])
-        picks.append(src.picks[:, f.leader_index])
-    width = max(p.shape[-1] for p in picks)
-    picks = jnp.stack([jnp.pad(p, ((0, 0), (0, width - p.shape[-1]))) for p in picks], axis=1)  # [B, nf, R]
-    versions = jnp.stack(versions, axis=1)  # [B, nf]
     live, follower = slot_followers(state.slots)
-    picks, versions = picks[:, follower], jnp.where(live[None], versions[:, follower], 0)  # per slot
-    due = versions > state.applied
-    count = jnp.where(due, jnp.minimum(state.region_count, width), 0)
 
+    def leader_values(read):  # read(leader layer state)[:, leader] per slot: [B, n_slots, ...] (0 in padding slots)
+        vals = []
+        for f in plan.followers:
+            src = state if f.leader_layer == ctx.layer else ctx.layers[f.leader_layer]
+            vals.append(read(src)[:, f.leader_index])
+        if vals[0].ndim == 2:
+            width = max(x.shape[-1] for x in vals)
+            vals = [jnp.pad(x, ((0, 0), (0, width - x.shape[-1]))) for x in vals]
+        vals = jnp.stack(vals, axis=1)[:, follower]
+        return vals if vals.ndim == 3 else jnp.where(live[None], vals, 0)
+
+    versions = leader_values(lambda st: st.version)
     host = state.host
+    moved = jnp.zeros((), jnp.int32)
+    recalls = jnp.zeros((), jnp.int32)
+    applied = state.applied
+    paged = state.paged
     pairs = jnp.asarray(host.heads, jnp.int32)  # [B * n_slots, 2] (row, KV head) of each host head
 
     def local(k_pages, v_pages, table, host_k, host_v, pairs, picks, count, start):  # one device's share (or all)
@@ -315,9 +338,9 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
         return scatter_recalled(k_pages, v_pages, table - block * k_pages.shape[0], rk, rv, pairs[:, 0] - row,
                                 pairs[:, 1] - head, start, count)
 
-    def refresh(paged):
+    def refresh(paged, picks, count, start):
         args = (paged.k_pages, paged.v_pages, paged.block_table, host.k, host.v, pairs,
-                *(flatten_heads(x, ctx.mesh) for x in (picks, count, state.region_start)))
+                *(flatten_heads(x, ctx.mesh) for x in (picks, count, start)))
         if is_split(ctx.mesh):
             kp, vp = shard_map(local, mesh=ctx.mesh, in_specs=(BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * 6,
                                out_specs=(BY_DEVICE, BY_DEVICE), check_vma=False)(*args)
@@ -325,10 +348,28 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
             kp, vp = local(*args)
         return paged.replace(k_pages=kp, v_pages=vp)
 
-    paged = lax.cond(jnp.any(due), refresh, lambda p: p, state.paged)
-    return state.replace(paged=paged, applied=jnp.where(due, versions, state.applied),
-                         recalls=state.recalls + due.sum().astype(jnp.int32),
-                         rows_moved=state.rows_moved + count.sum().astype(jnp.int32))
+    if any(leader_plan(state, ctx, f).anchor_picks for f in plan.followers):
+        # a re-anchoring the follower has not applied: its whole kept prompt set, then any newer region
+        anchor_at = leader_values(lambda st: st.anchor_at)
+        anchor_picks = leader_values(lambda st: st.anchor_picks)
+        anchor_due = anchor_at > applied
+        count = jnp.where(anchor_due, jnp.minimum(state.region_start + state.region_count, anchor_picks.shape[-1]), 0)
+        paged = lax.cond(jnp.any(anchor_due), lambda p: refresh(p, anchor_picks, count, jnp.zeros_like(count)),
+                         lambda p: p, paged)
+        applied = jnp.where(anchor_due, anchor_at, applied)
+        recalls, moved = recalls + anchor_due.sum().astype(jnp.int32), moved + count.sum().astype(jnp.int32)
+    picks = leader_values(lambda st: st.picks)
+    due = versions > applied
+    count = jnp.where(due, jnp.minimum(state.region_count, picks.shape[-1]), 0)
+    paged = lax.cond(jnp.any(due), lambda p: refresh(p, picks, count, state.region_start), lambda p: p, paged)
+    return state.replace(paged=paged, applied=jnp.where(due, versions, applied),
+                         recalls=state.recalls + recalls + due.sum().astype(jnp.int32),
+                         rows_moved=state.rows_moved + moved + count.sum().astype(jnp.int32))
+
+
+def leader_plan(state: RecallKV, ctx, f: Follower) -> LayerPlan:
+    """The plan of follower ``f``'s leader layer."""
+    return state.plan if f.leader_layer == ctx.layer else ctx.layers[f.leader_layer].plan
 
 
 def recall_partition(state: RecallKV, tracker) -> RecallKV:
@@ -337,6 +378,7 @@ def recall_partition(state: RecallKV, tracker) -> RecallKV:
     rows = jax.sharding.PartitionSpec(DATA)
     return state.replace(paged=paged_partition(state.paged), host=host, region_start=ROWS_HEADS,
                          region_count=ROWS_HEADS, applied=ROWS_HEADS, prompt_len=rows, picks=rows, version=rows,
+                         anchor_picks=rows, anchor_at=rows,
                          tracker=tracker, steps=REPLICATED, recalls=REPLICATED, rows_moved=REPLICATED)
 
 
@@ -367,5 +409,5 @@ def attention_read_bytes(states) -> int:
 
 
 __all__ = ["check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
-           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "apply_recalls", "recall_partition", "recall_stats",
+           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "recall_partition", "recall_stats",
            "attention_read_bytes"]

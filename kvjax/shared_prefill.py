@@ -57,6 +57,10 @@ class SharedStaging:
         """Not a method of its own."""
         raise ValueError("a shared staging cache cannot decode; use kvjax.shared_prefill.cache_for(staged, method)")
 
+    def question_passes(self) -> int:
+        """One (a staging never decodes)."""
+        return 1
+
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs."""
         return staged_partition(state)

@@ -13,7 +13,7 @@ from kvjax.api import generate_tokens
 from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
-from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill
+from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit
 from kvjax.head_recall import leader_probs, leader_queries, prompt_only, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.methods.heterocache import classify_group, head_capacities, spread_capped, star_clustering
@@ -293,6 +293,79 @@ def test_synckv_recall_every_step_equals_attention_over_static_and_recalled(tiny
     keys = np.concatenate([kf[1, slots], np.asarray(k1)[0, 0, 1:], np.asarray(k2)[0, 0, 1:]])
     vals = np.concatenate([vf[1, slots], np.asarray(v1)[0, 0, 1:], np.asarray(v2)[0, 0, 1:]])
     np.testing.assert_allclose(np.asarray(out2)[0, 0, 2:], _ref_attention(np.asarray(q2)[0, 0, 2:], keys, vals), atol=1e-5)
+
+
+@pytest.mark.parametrize("reanchor", [True, False])
+def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor):
+    """A question (3 tokens) on the compressed cache: with ``reanchor`` the R-head redoes Eq. 3-4 for the question's
+    last query (numpy softmax over prompt + question, group max, prompt only): its best ``rho k`` become the static
+    set and every NR-head, in the R-head's layer (same call) and the next (its own call), then holds exactly the host
+    rows of the top ``k`` (best first). Without it the static half is the prefill's."""
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
+    method = SyncKV(budget=0.5, block=16, num_representatives=1, static_ratio=0.5, reanchor=reanchor)
+    cache = _prefilled(tiny, method, tokens, sk_artifact(tiny))
+    full = _prefilled(tiny, FullCache(block=16), tokens, None)
+    kf = np.asarray(full.layers[0].k)[0]  # [H, S, D]
+    st0, st1 = cache.layers
+    D = kf.shape[-1]
+    static_before = _held_rows(st0, 0, 1)[:int(st0.region_start[0, 0])]
+    q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(1, 3, 4, D), (1, 3, 2, D), (1, 3, 2, D)])
+    ctx = AttendContext(start=cache.length, pad=cache.pad, positions=jnp.array([[L, L + 1, L + 2]]), layers=cache.layers, layer=0)
+    _, new0 = method.decode_attend(st0, q, k, v, ctx)
+    _, new1 = method.decode_attend(st1, q, k, v, ctx.replace(layers=(new0, st1), layer=1))
+    kr = np.concatenate([kf[0, :L], np.asarray(k)[0, :, 0]])
+    s = np.asarray(q)[0, -1, :2] @ kr.T / np.sqrt(D)  # the R-head's (KV head 0) two query heads, last query
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True)).max(0)[:L]
+    n_keep, n_static = int(st0.region_start[0, 0] + st0.region_count[0, 0]), int(st0.region_start[0, 0])
+    best = np.argsort(-p, kind="stable")[:n_keep]
+    if reanchor:
+        assert np.asarray(new0.tracker.static)[0, 0, :L].nonzero()[0].tolist() == sorted(best[:n_static].tolist())
+        for state, head in ((new0, 1), (new1, 0), (new1, 1)):
+            np.testing.assert_array_equal(_held_rows(state, 0, head)[:n_keep],
+                                          np.asarray(state.host.k)[state.host.heads.index((0, head))][best])
+        assert int(new0.recalls) == 1 and int(new1.recalls) == 2
+    else:
+        np.testing.assert_array_equal(_held_rows(new0, 0, 1)[:n_static], static_before)
+
+
+def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny):
+    """The R-head sits in layer 1 and leads both heads of layer 0. A question in one pass (the jitted call alone)
+    leaves layer 0's NR-heads holding the prefill's choice while it attends; :func:`prefill` rehearses it first,
+    so they hold the host rows of the R-head's question choice (the anchor it publishes in that pass) when it
+    attends. The slot counter and every head's length advance by the question only (the rehearsal's tokens are
+    dropped)."""
+    lead = (((1, 0), (1, 0)), ((-1, -1), (1, 0)))
+    art = Artifact(arrays={}, kind="synckv", model_id=model_identity(tiny.config),
+                   meta=(("clusters", ((1, (("NR", "NR"), ("R", "NR")), lead),)), ("group_layers", 2)))
+    rng = np.random.default_rng(12)
+    tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
+    question = jnp.asarray(rng.integers(0, 97, size=(1, 4)), jnp.int32)
+    method = SyncKV(budget=0.5, block=16, num_representatives=1)
+    assert method.question_passes() == 2 and SyncKV(budget=0.5, reanchor=False).question_passes() == 1
+    base = _prefilled(tiny, method, tokens, art)
+    st = base.layers[0]
+    n_keep = int(st.region_start[0, 0] + st.region_count[0, 0])
+    before = [_held_rows(st, 0, h)[:n_keep] for h in (0, 1)]
+    lengths = [np.asarray(s.paged.lengths) for s in base.layers]
+
+    def copy(c):
+        return jax.tree_util.tree_map(jnp.copy, c)
+
+    _, one = prefill_jit(tiny.graphdef, tiny.params, question, copy(base))
+    _, two = prefill(tiny.graphdef, tiny.params, question, copy(base))
+    anchor = np.asarray(one.layers[1].anchor_picks)[0, 0, :n_keep]  # the R-head's choice for the question
+    assert int(one.layers[1].anchor_at[0, 0]) == 1
+    for h in (0, 1):
+        np.testing.assert_array_equal(_held_rows(one.layers[0], 0, h)[:n_keep], before[h])
+        host = np.asarray(two.layers[0].host.k)[two.layers[0].host.heads.index((0, h))]
+        np.testing.assert_array_equal(_held_rows(two.layers[0], 0, h)[:n_keep], host[anchor])
+    assert not np.array_equal(before[0], _held_rows(two.layers[0], 0, 0)[:n_keep])
+    assert int(two.length) == int(base.length) + 4
+    for s, n in zip(two.layers, lengths):
+        np.testing.assert_array_equal(np.asarray(s.paged.lengths), n + 4)
+    assert int(two.layers[1].version[0, 0]) == 2  # published in the rehearsal and again in the call
 
 
 @pytest.mark.parametrize("which", ["heterocache", "synckv"])

@@ -108,6 +108,10 @@ class LabelRecorder:
         """Not supported: the recorder only prefills."""
         raise ValueError("the label recorder only runs one prefill")
 
+    def question_passes(self) -> int:
+        """One (the recorder only prefills)."""
+        return 1
+
     def state_partition(self, state, spec: CacheSpec):
         """Label recording runs on one device."""
         raise not_shardable(self.name, "training labels are recorded on one device")

@@ -22,6 +22,11 @@ explicit per-layer lifecycle. Every function is required; nothing is discovered 
 ``decode_attend(state, q, k, v, ctx)``
     One layer, any later tokens (T >= 1: a question or one decoded token): append them
     uncompressed, run the per-step logic (page selection, eviction, recall...) and attend.
+``question_passes()``
+    Forward passes a multi-token call on the compressed cache (a question, a later turn) takes: 1,
+    or 2 for a method whose earlier layers follow choices its later layers make on those tokens. The
+    first of 2 is a rehearsal (``ctx.rehearsal``; :func:`kvjax.generate.prefill`): the method may
+    change what it holds (recall, re-anchoring) and returns its state without the call's tokens.
 ``state_partition(state, spec)``
     Partition specs of one layer's state (either stage) over the mesh ``spec.mesh``, by row on
     ``data`` and by KV head on ``model`` (:mod:`kvjax.sharding`); a state that cannot be split that
@@ -76,6 +81,10 @@ class Method(Protocol):
 
     def decode_attend(self, state: Any, q, k, v, ctx: AttendContext) -> tuple[jax.Array, Any]:
         """Append later tokens to one compressed layer and attend."""
+        ...
+
+    def question_passes(self) -> int:
+        """Forward passes of a multi-token call after compression: 1, or 2 (a rehearsal first)."""
         ...
 
     def state_partition(self, state: Any, spec: CacheSpec) -> Any:
@@ -216,6 +225,10 @@ class PromptCompression:
     def decode_attend(self, state, q, k, v, ctx):
         """The layout's decode path."""
         return self.components()[3].decode_attend(state, q, k, v, ctx)
+
+    def question_passes(self) -> int:
+        """One pass: a question is appended and attended like any later token."""
+        return 1
 
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs before compression, the layout's after."""

@@ -136,6 +136,10 @@ class ChunkedEviction:
         """Append without eviction and attend."""
         return append_and_attend(state, q, k, v, self.implementation, ctx.mesh)
 
+    def question_passes(self) -> int:
+        """One pass: a question is appended and attended like any later token."""
+        return 1
+
     def state_partition(self, state, spec: CacheSpec):
         """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
         return bounded_partition(state)

@@ -70,6 +70,10 @@ class FullCache:
                                      block=self.block, implementation=self.implementation)
         return out, DenseKV(k=k_new, v=v_new)
 
+    def question_passes(self) -> int:
+        """One pass: a question is appended and attended like any later token."""
+        return 1
+
     def state_partition(self, state, spec: CacheSpec):
         """K/V by (row, KV head) in both stages."""
         if isinstance(state, StagedKV):

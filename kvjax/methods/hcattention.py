@@ -357,6 +357,10 @@ class HCAttention:
         return out, state
 
     # -- reporting
+    def question_passes(self) -> int:
+        """One pass: a question is appended and attended like any later token."""
+        return 1
+
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then codes / exact keys and the recent tokens by (row, KV head), the host values
         by device block (:func:`kvjax.sharding.flatten_heads`) in ``pinned_host`` memory, counters replicated."""

@@ -342,6 +342,10 @@ class HeteroCache:
             state = self.track(state, q, ctx.pad)
         return out, apply_recalls(state, ctx, enabled=self.retrieval)
 
+    def question_passes(self) -> int:
+        """One pass: a question is appended and attended like any later token."""
+        return 1
+
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then the leader/follower layout's (:func:`kvjax.head_recall.recall_partition`);
         the tracker is indexed by leader, so split by row only."""

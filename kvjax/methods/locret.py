@@ -159,6 +159,10 @@ class Locret:
             return evict_decoding(state, q, k, v, ctx, self.token_scores(v, ctx))
         return append_and_attend(state, q, k, v, self.implementation, ctx.mesh)
 
+    def question_passes(self) -> int:
+        """One pass: a question is appended and attended like any later token."""
+        return 1
+
     def state_partition(self, state, spec: CacheSpec):
         """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
         return bounded_partition(state)

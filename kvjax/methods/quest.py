@@ -164,6 +164,10 @@ class Quest:
                                   mesh=ctx.mesh)
         return out[:, None].astype(q.dtype), state
 
+    def question_passes(self) -> int:
+        """One pass: a question is appended and attended like any later token."""
+        return 1
+
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then pages as any paged layer with each page's bounds beside it."""
         if isinstance(state, StagedKV):

@@ -31,9 +31,18 @@ kvjax's choices (documented deviations):
   ``N_r = 2``, per-layer clustering makes every head an R-head and compresses nothing (calibration
   reports it). The shipped default artifacts cluster ``ceil(16 / Hkv)`` adjacent layers. An NR-head
   whose R-head is in a later layer uses that R-head's choice from the previous step.
-* A multi-token call on the compressed cache (a question) is an anticipation step for its last
-  query. The recall is issued in the anticipation step and used from the next step on, as the
-  paper's asynchronous upload.
+* **Re-anchoring on a question** (``reanchor=True``, the default; a deviation for a setting the paper
+  does not evaluate: the question arriving after compression). A multi-token call on the compressed
+  cache makes every R-head redo Eq. 3-4 for the call's last query: its best ``rho k`` prompt tokens
+  become the static set, the next ``(1 - rho) k`` the dynamic set, and every NR-head's whole kept
+  set is recalled from the host *before* the call attends. The call runs twice
+  (``question_passes() == 2``): a rehearsal first, so that NR-heads in layers before their R-head's
+  also hold the question's choice when it attends (:func:`kvjax.generate.prefill`). The paper's
+  query-aware setting never triggers it (decode steps are single tokens). Measured on the 4K
+  query-agnostic suite (``docs/results/qwen2.5-coder-0.5b-4k-synckv-reanchor-query-agnostic``).
+  With ``reanchor=False`` a multi-token call is an anticipation step for its last query, recalled
+  from the next step on (the paper's asynchronous upload): only the dynamic half ever follows the
+  question.
 * ``anticipation=False`` is the paper's "w/o anticipation" ablation (static ``I_0`` only).
 """
 
@@ -54,9 +63,10 @@ from kvjax.artifacts import Artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
 from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
-                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
+                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish, publish_anchor,
                                recall_partition, recall_stats, to_stored, top_slots)
 from kvjax.methods.base import check_common
+from kvjax.paged import append, paged_chunk_attention
 from kvjax.selection import row_capacities
 from kvjax.sharding import DATA
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
@@ -161,9 +171,12 @@ def synckv_artifact(stats, model_id: str, *, seed: int = 0, default_representati
 # -------------------------------------------------------------------------------------- the method
 @struct.dataclass
 class RepresentativeTracker:
-    """Per R-head of a layer: its static set in stored positions ``static[B, n, positions]`` (never re-picked)."""
+    """Per R-head of a layer: its static set in stored positions ``static[B, n, positions]`` (never re-picked
+    by anticipation), and each row's static and total NR-head tokens ``static_rows``, ``keep_rows[B]``."""
 
     static: jnp.ndarray
+    static_rows: jnp.ndarray
+    keep_rows: jnp.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +190,8 @@ class SyncKV:
         the model family: 2 for Llama, 1 for Qwen).
       static_ratio: ``rho``, the static share of the NR-heads' ``k`` tokens (paper: 0.5).
       anticipation: refresh the dynamic sets (False: the paper's "w/o anticipation").
+      reanchor: a question after compression re-anchors the static and dynamic sets, in two passes (module
+        docstring; a deviation; needs ``anticipation``).
       kernel: pooling of the R-heads' scores (1: none, as the paper's equations).
       group_layers: which shipped artifact to load when none is given (None: the model's default).
       page_size, block, implementation: paged layout, prefill block, decode attention implementation.
@@ -187,6 +202,7 @@ class SyncKV:
     num_representatives: int | None = None
     static_ratio: float = 0.5
     anticipation: bool = True
+    reanchor: bool = True
     kernel: int = 1
     group_layers: int | None = None
     page_size: int = 16
@@ -247,7 +263,8 @@ class SyncKV:
             followers = tuple(Follower(h, leader[l][h][0], reps[leader[l][h][0]].index(leader[l][h][1]))
                               for h, r in enumerate(row) if r == "NR")
             plans.append(LayerPlan(capacities=tuple(L if r == "R" else k for r in row), full=tuple(reps[l]),
-                                   leaders=tuple(reps[l]), followers=followers, picks=max(dyn, 1) if reps[l] else 0))
+                                   leaders=tuple(reps[l]), followers=followers, picks=max(dyn, 1) if reps[l] else 0,
+                                   anchor_picks=k if reps[l] and self.reanchor and self.anticipation else 0))
         return tuple(plans), k
 
     # -- protocol
@@ -314,7 +331,7 @@ class SyncKV:
             mask = jnp.put_along_axis(mask, i0, in_static, axis=-1, inplace=False)
             statics.append(to_stored(mask[:, None], ctx.pad, positions, False)[:, 0])
         static = jnp.stack(statics, axis=1) if statics else jnp.zeros((B, 0, positions), bool)
-        return layer.replace(tracker=RepresentativeTracker(static=static))
+        return layer.replace(tracker=RepresentativeTracker(static=static, static_rows=static_rows, keep_rows=k_rows))
 
     def anticipate(self, state, qg, pad):
         """R-heads pick the best ``k_dyn`` prompt tokens outside their static sets for their last query and publish."""
@@ -324,10 +341,37 @@ class SyncKV:
         picks = top_slots(scores, pad, state.picks.shape[-1])
         return publish(state, jnp.ones(state.version.shape, bool), picks)
 
+    def reanchor_for(self, state, qg, pad):
+        """A question asked after compression: the R-heads redo Eq. 3-4 for its last query (new ``I_0``: static set
+        and initial dynamic set) and publish it as a re-anchoring of their NR-heads' whole kept sets."""
+        plan, tr = state.plan, state.tracker
+        scores = leader_probs(state.paged, plan.leaders, qg[:, -1:], self.kernel, "max")[:, :, -1]  # [B, n, positions]
+        top = top_slots(prompt_only(scores, state.prompt_len), pad, plan.anchor_picks)  # [B, n, k] best first
+        K, positions = top.shape[-1], scores.shape[-1]
+        in_static = jnp.arange(K)[None, None, :] < tr.static_rows[:, None, None]
+        static = jnp.zeros(scores.shape, bool)
+        static = jnp.put_along_axis(static, jnp.clip(top - pad[:, None, None], 0, positions - 1), in_static, axis=-1,
+                                    inplace=False)
+        R = state.picks.shape[-1]
+        dyn = jnp.take_along_axis(top, jnp.clip(tr.static_rows[:, None, None] + jnp.arange(R), 0, K - 1), axis=-1)
+        return publish_anchor(state.replace(tracker=tr.replace(static=static)), top, dyn)
+
     def decode_attend(self, state, q, k, v, ctx):
-        """Attend over the held tokens; anticipation every ``stride`` steps (and for a multi-token call); recall."""
-        out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
+        """Attend over the held tokens; anticipation every ``stride`` steps (and for a multi-token call); recall.
+        A multi-token call with ``reanchor`` re-anchors and recalls *before* it attends; in a rehearsal
+        (``ctx.rehearsal``) the state is returned without its tokens."""
         plan = state.plan
+        if q.shape[1] > 1 and self.reanchor and self.anticipation:
+            held = state.paged.lengths
+            state = state.replace(paged=append(state.paged, k, v))
+            if plan.leaders:
+                state = self.reanchor_for(state, leader_queries(q, plan.leaders, len(plan.capacities)), ctx.pad)
+            state = apply_recalls(state, ctx)
+            out = paged_chunk_attention(q, state.paged).astype(q.dtype)
+            if ctx.rehearsal:  # the tokens' rows stay past ``lengths``, overwritten by the real pass
+                state = state.replace(paged=state.paged.replace(lengths=held))
+            return out, state
+        out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if plan.leaders and self.anticipation:
             qg = leader_queries(q, plan.leaders, len(plan.capacities))
             if q.shape[1] > 1:
@@ -337,12 +381,18 @@ class SyncKV:
                                  lambda st: st, state)
         return out, apply_recalls(state, ctx, enabled=self.anticipation)
 
+    def question_passes(self) -> int:
+        """Two with ``reanchor`` (and anticipation): a rehearsal re-anchors every layer's NR-heads, including those
+        in layers before their R-head's, before the question attends; else one."""
+        return 2 if self.reanchor and self.anticipation else 1
+
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then the leader/follower layout's (:func:`kvjax.head_recall.recall_partition`);
         the tracker is indexed by leader, so split by row only."""
         if isinstance(state, StagedKV):
             return staged_partition(state)
-        return recall_partition(state, state.tracker.replace(static=PartitionSpec(DATA)))
+        rows = PartitionSpec(DATA)
+        return recall_partition(state, state.tracker.replace(static=rows, static_rows=rows, keep_rows=rows))
 
     def stats(self, cache: Cache) -> dict:
         """R/NR heads, kept tokens, recall events."""
