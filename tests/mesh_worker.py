@@ -180,6 +180,12 @@ def run_meshes(result: dict, base, rows, other_rows, meshes) -> None:
                                             "device_bytes": stats["device_bytes"],
                                             "device_bytes_per_device": stats["device_bytes_per_device"],
                                             "recall_events": stats.get("recall_events")}
+        # a question after compression: SyncKV rehearses it (re-anchoring recalls every follower's kept set)
+        method, artifact = methods()["synckv"]
+        questions = [list(range(3 + b, 8 + b)) for b in range(len(rows))]
+        out, _, cache, _ = generate_tokens(model, rows, method=method, max_new_tokens=NEW_TOKENS, chunk_size=CHUNK,
+                                           artifact=artifact, question_rows=questions)
+        result["questions"][mesh] = {"tokens": np.asarray(out).tolist(), "recall_events": cache.stats()["recall_events"]}
 
 
 def main() -> None:
@@ -189,7 +195,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
     other_rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
-    result = {"meshes": {}, "params": {}, "compiles": {}, "bad": {}, "kernel": {}, "pq_kernel": {}}
+    result = {"meshes": {}, "params": {}, "compiles": {}, "bad": {}, "kernel": {}, "pq_kernel": {}, "questions": {}}
     if part == 1:
         run_meshes(result, base, rows, other_rows, PARTS[1])
         result["pq_kernel"] = pq_kernel_errors()

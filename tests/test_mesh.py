@@ -120,6 +120,12 @@ def test_every_method_generates_the_same_tokens_on_every_mesh(mesh_run):
         # followers were refreshed from their host copies (same count as on one device: the same picks)
         assert runs["heterocache"]["recall_events"] == one["heterocache"]["recall_events"] > 0
         assert runs["synckv"]["recall_events"] == one["synckv"]["recall_events"] > 0
+    # SyncKV with a question after compression (rehearsed, then run): the same tokens and recalls on every mesh
+    questions = mesh_run["questions"]
+    assert set(questions) == set(mesh_run["meshes"])
+    for mesh, run in questions.items():
+        assert run == questions[ONE_DEVICE], mesh
+    assert questions[ONE_DEVICE]["recall_events"] > one["synckv"]["recall_events"]
 
 
 def test_caches_are_split_by_row_and_kv_head(mesh_run):
@@ -141,7 +147,8 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
     # every array of every method's layer state is split 8 ways on every multi-device mesh (nothing replicated),
     # except what is indexed by leader head (HeteroCache/SyncKV: a follower on any device reads its leader's
     # choice), split by row only, and scalar counters
-    by_row_only = {".picks", ".version", ".prompt_len", ".tracker.q", ".tracker.ref", ".tracker.static"}
+    by_row_only = {".picks", ".version", ".prompt_len", ".anchor_picks", ".anchor_at", ".tracker.q", ".tracker.ref",
+                   ".tracker.static", ".tracker.static_rows", ".tracker.keep_rows"}
     # padded per device block: pools of unequal capacities, follower slots (host copies and per-slot arrays)
     padded = {".paged.k_pages", ".paged.v_pages", ".host.k", ".host.v", ".region_start", ".region_count", ".applied"}
     for mesh in ("data=2,model=4", "data=8,model=1", "data=1,model=8"):
