@@ -101,7 +101,7 @@ def rehearse_jit(graphdef, params, tokens: jax.Array, cache: Cache) -> Cache:
     """First pass of a two-pass question on a compressed cache (stage ``"rehearsal"``): returns the cache with
     what the method changed (recall, re-anchoring) and without the tokens (``length`` unchanged)."""
     TRACE_COUNTS["rehearse"] += 1
-    positions = jnp.maximum(cache.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] - cache.pad[:, None], 0)
+    positions = prompt_positions(cache.pad, cache.length, tokens.shape[1])
     _, new = _forward(graphdef, params, tokens, positions, cache.replace(stage="rehearsal"), last_only=True)
     return constrain_cache(new.replace(stage="compressed", length=cache.length))
 

@@ -409,5 +409,5 @@ def attention_read_bytes(states) -> int:
 
 
 __all__ = ["check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
-           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "recall_partition", "recall_stats",
+           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "leader_plan", "recall_partition", "recall_stats",
            "attention_read_bytes"]

@@ -297,37 +297,47 @@ def test_synckv_recall_every_step_equals_attention_over_static_and_recalled(tiny
 
 @pytest.mark.parametrize("reanchor", [True, False])
 def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor):
-    """A question (3 tokens) on the compressed cache: with ``reanchor`` the R-head redoes Eq. 3-4 for the question's
-    last query (numpy softmax over prompt + question, group max, prompt only): its best ``rho k`` become the static
-    set and every NR-head, in the R-head's layer (same call) and the next (its own call), then holds exactly the host
-    rows of the top ``k`` (best first). Without it the static half is the prefill's."""
+    """A question (3 tokens) on the compressed cache of a batch whose second row is left-padded: with ``reanchor``
+    the R-head redoes Eq. 3-4 for the question's last query (numpy softmax over the row's prompt + question, group
+    max, prompt only): its best ``rho k`` become the static set and every NR-head, in the R-head's layer (same call)
+    and the next (its own call), then holds exactly the host rows of the top ``k`` (best first). Without it the
+    static half is the prefill's."""
     rng = np.random.default_rng(8)
-    tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
+    pads = (0, 8)
+    tokens = rng.integers(1, 97, size=(2, L)).astype(np.int32)
+    tokens[1, :pads[1]] = 0
     method = SyncKV(budget=0.5, block=16, num_representatives=1, static_ratio=0.5, reanchor=reanchor)
-    cache = _prefilled(tiny, method, tokens, sk_artifact(tiny))
-    full = _prefilled(tiny, FullCache(block=16), tokens, None)
-    kf = np.asarray(full.layers[0].k)[0]  # [H, S, D]
+
+    def prefilled(m, art):
+        cache = new_cache(m, tiny.config, 2, L, 8, tiny.dtype, artifact=art).replace(pad=jnp.asarray(pads, jnp.int32))
+        _, cache = prefill(tiny.graphdef, tiny.params, jnp.asarray(tokens), cache)
+        return compress(cache)
+
+    cache, full = prefilled(method, sk_artifact(tiny)), prefilled(FullCache(block=16), None)
     st0, st1 = cache.layers
-    D = kf.shape[-1]
-    static_before = _held_rows(st0, 0, 1)[:int(st0.region_start[0, 0])]
-    q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(1, 3, 4, D), (1, 3, 2, D), (1, 3, 2, D)])
-    ctx = AttendContext(start=cache.length, pad=cache.pad, positions=jnp.array([[L, L + 1, L + 2]]), layers=cache.layers, layer=0)
+    D = np.asarray(full.layers[0].k).shape[-1]
+    q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(2, 3, 4, D), (2, 3, 2, D), (2, 3, 2, D)])
+    positions = jnp.asarray([[L - p, L - p + 1, L - p + 2] for p in pads], jnp.int32)
+    ctx = AttendContext(start=cache.length, pad=cache.pad, positions=positions, layers=cache.layers, layer=0)
     _, new0 = method.decode_attend(st0, q, k, v, ctx)
     _, new1 = method.decode_attend(st1, q, k, v, ctx.replace(layers=(new0, st1), layer=1))
-    kr = np.concatenate([kf[0, :L], np.asarray(k)[0, :, 0]])
-    s = np.asarray(q)[0, -1, :2] @ kr.T / np.sqrt(D)  # the R-head's (KV head 0) two query heads, last query
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p = (p / p.sum(-1, keepdims=True)).max(0)[:L]
-    n_keep, n_static = int(st0.region_start[0, 0] + st0.region_count[0, 0]), int(st0.region_start[0, 0])
-    best = np.argsort(-p, kind="stable")[:n_keep]
+    for b, pad in enumerate(pads):
+        n = L - pad  # the row's real prompt tokens
+        kr = np.concatenate([np.asarray(full.layers[0].k)[b, 0, pad:L], np.asarray(k)[b, :, 0]])
+        s = np.asarray(q)[b, -1, :2] @ kr.T / np.sqrt(D)  # the R-head's (KV head 0) two query heads, last query
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p = (p / p.sum(-1, keepdims=True)).max(0)[:n]
+        n_keep, n_static = int(st0.region_start[b, 0] + st0.region_count[b, 0]), int(st0.region_start[b, 0])
+        best = np.argsort(-p, kind="stable")[:n_keep]  # prompt positions; slots are positions + pad
+        if reanchor:
+            assert np.asarray(new0.tracker.static)[b, 0, :n].nonzero()[0].tolist() == sorted(best[:n_static].tolist())
+            for state, head in ((new0, 1), (new1, 0), (new1, 1)):
+                host = np.asarray(state.host.k)[state.host.heads.index((b, head))]
+                np.testing.assert_array_equal(_held_rows(state, b, head)[:n_keep], host[best + pad])
+        else:
+            np.testing.assert_array_equal(_held_rows(new0, b, 1)[:n_static], _held_rows(st0, b, 1)[:n_static])
     if reanchor:
-        assert np.asarray(new0.tracker.static)[0, 0, :L].nonzero()[0].tolist() == sorted(best[:n_static].tolist())
-        for state, head in ((new0, 1), (new1, 0), (new1, 1)):
-            np.testing.assert_array_equal(_held_rows(state, 0, head)[:n_keep],
-                                          np.asarray(state.host.k)[state.host.heads.index((0, head))][best])
-        assert int(new0.recalls) == 1 and int(new1.recalls) == 2
-    else:
-        np.testing.assert_array_equal(_held_rows(new0, 0, 1)[:n_static], static_before)
+        assert int(new0.recalls) == 2 and int(new1.recalls) == 4  # one per follower and row
 
 
 def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny):

@@ -356,11 +356,11 @@ class HCAttention:
             truncated=state.truncated + (in_union > cap).sum().astype(jnp.int32))
         return out, state
 
-    # -- reporting
     def question_passes(self) -> int:
         """One pass: a question is appended and attended like any later token."""
         return 1
 
+    # -- reporting
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then codes / exact keys and the recent tokens by (row, KV head), the host values
         by device block (:func:`kvjax.sharding.flatten_heads`) in ``pinned_host`` memory, counters replicated."""
