@@ -172,6 +172,9 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="Markdown output; JSON and PNG next to it, same stem (default docs/results/bench_methods_<model>.md)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    p.add_argument("--random-weights", action="store_true",
+                   help="the model's architecture with random weights (no weight files needed, e.g. on a machine "
+                        "without the model's packages): timings and bytes only, recall rates are not the model's")
     add_mesh_args(p)
     return p
 
@@ -570,6 +573,9 @@ def render_markdown(report: dict) -> str:
         f"- versions: python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
         f"- date: {report['date']}, total time {report['total_s'] / 60:.1f} min",
     ]
+    if a.get("random_weights"):
+        lines.append("- **random weights** (`--random-weights`): the model's shapes, not its trained weights. Times and "
+                     "bytes are the model's; data-dependent figures (recall trigger rates, selections) are not")
     if "error" in bw:
         lines.append(f"- bandwidth measurement failed: {bw['error']} (no limits)")
     else:
@@ -754,7 +760,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
 
         _log(f"[bench] loading {args.model} ({args.dtype})")
         t = time.perf_counter()
-        model = load_model(args.model, args.dtype, tokenizer=False, mesh=mesh)
+        model = load_model(args.model, args.dtype, tokenizer=False, mesh=mesh, random_weights=args.random_weights)
         jax.block_until_ready(model.params)
         load_s = time.perf_counter() - t
         check_methods_fit(methods, model.config, args.lengths, args.new_tokens)
@@ -775,7 +781,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         "command": f"{prog} {shlex.join(argv)}" if argv else prog,
         "args": {k: getattr(args, k) for k in (
             "model", "methods", "budget", "lengths", "new_tokens", "chunk_size", "dtype", "repeats", "seed",
-            "bandwidth_mib", "bandwidth_repeats")} | {"out": out, "model_path": model.path},
+            "bandwidth_mib", "bandwidth_repeats", "random_weights")} | {"out": out, "model_path": model.path},
         "machine": machine_info(),
         "versions": versions(),
         "backend": jax.default_backend(),

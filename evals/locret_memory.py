@@ -5,7 +5,9 @@ prompt: the most the cache ever holds) and the compression step are lowered and 
 full cache and for Locret at a fixed budget and chunk, and XLA's memory analysis is read:
 the cache's own device bytes (the step's donated argument), the step's temporaries and its
 outputs. Nothing is executed, so 32K prompts cost only compile time on a CPU. On a GPU/TPU, add
-``--measure`` to also run each prefill and read the device's peak memory (``memory_stats``).
+``--measure`` to also run each prefill and read the device's peak memory (``memory_stats``): each
+(method, length) runs in a process of its own, since the allocator's peak is a high-water mark of
+the whole process that jax cannot reset. The peak includes the weights (reported beside it).
 
 Prints and writes a Markdown table and JSON (``--out``), with the command that made them.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -30,7 +34,7 @@ def _analysis(compiled) -> dict:
                                             "alias_size_in_bytes") if hasattr(m, k)}
 
 
-def measure(model, method, length: int, chunk: int, artifact=None, run: bool = False) -> dict:
+def measure(model, method, length: int, chunk: int, artifact=None) -> dict:
     """Memory facts of ``method``'s prefill of a ``length``-token prompt in chunks of ``chunk`` (compiled, not run)."""
     from kvjax.cache import new_cache
     from kvjax.generate import compress_jit, prefill_jit
@@ -44,20 +48,37 @@ def measure(model, method, length: int, chunk: int, artifact=None, run: bool = F
         fin = compress_jit.lower(cache).compile()
     from kvjax.cache import bytes_by_memory_kind
 
-    row = {"method": method.name, "length": length, "cache_device_bytes_during_prefill": cache_bytes,
-           "artifact_device_bytes": bytes_by_memory_kind(cache.artifact)[0],
-           "prefill_step": _analysis(step), "compress_step": _analysis(fin)}
-    if run:
-        from kvjax.generate import compress, prefill_prompt
+    return {"method": method.name, "length": length, "cache_device_bytes_during_prefill": cache_bytes,
+            "artifact_device_bytes": bytes_by_memory_kind(cache.artifact)[0],
+            "prefill_step": _analysis(step), "compress_step": _analysis(fin)}
 
-        dev = jax.devices()[0]
-        ids = jnp.zeros((1, length), jnp.int32)
-        _, cache = prefill_prompt(model.graphdef, model.params, ids, cache, chunk_size=chunk)
-        cache = compress(cache)
-        jax.block_until_ready(cache)
-        stats = dev.memory_stats() or {}
-        row["peak_device_bytes_measured"] = stats.get("peak_bytes_in_use")
-    return row
+
+def run_and_read_peak(model, method, length: int, chunk: int) -> dict:
+    """Run ``method``'s chunked prefill and compression of a ``length``-token prompt; the device's peak bytes
+    in use (None where the backend keeps no statistics, e.g. CPU) and the weights' bytes. Meaningful only
+    as the first run of a fresh process (the peak is the process's high-water mark)."""
+    from kvjax.cache import new_cache
+    from kvjax.generate import compress, prefill_prompt
+
+    cache = new_cache(method, model.config, 1, length, 64, model.dtype)
+    _, cache = prefill_prompt(model.graphdef, model.params, jnp.zeros((1, length), jnp.int32), cache, chunk_size=chunk)
+    jax.block_until_ready(compress(cache))
+    stats = jax.devices()[0].memory_stats() or {}
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    return {"peak_device_bytes_measured": stats.get("peak_bytes_in_use"), "weights_device_bytes": weights}
+
+
+def _peak_in_a_fresh_process(args, method: str, length: int) -> dict:
+    """:func:`run_and_read_peak` in a child process (``--peak-of``), so no earlier run's peak counts."""
+    cmd = [sys.executable, "-m", "evals.locret_memory", "--peak-of", method, "--model", args.model, "--lengths", str(length),
+           "--budget", str(args.budget), "--chunk", str(args.chunk), "--heads", args.heads]
+    if args.random_weights:
+        cmd.append("--random-weights")
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # the parent holds the weights too
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"measuring {method} at {length} tokens failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
@@ -70,21 +91,30 @@ def main(argv=None) -> int:
     p.add_argument("--heads", default="trained", choices=["trained", "random"])
     p.add_argument("--measure", action="store_true", help="also run the prefills and read the device's peak memory")
     p.add_argument("--out", default=None, help="write <out>.md and <out>.json")
+    p.add_argument("--random-weights", action="store_true",
+                   help="the model's architecture with random weights (no weight files needed): bytes and times only")
+    p.add_argument("--peak-of", choices=["full", "locret"], help=argparse.SUPPRESS)  # the child of --measure
     args = p.parse_args(argv)
+    if args.measure:  # before jax starts its backend: the children of --measure need device memory too
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from kvjax.methods import FullCache, Locret
     from models import load_model
 
-    model = load_model(args.model, "float32", tokenizer=False)
+    model = load_model(args.model, "float32", tokenizer=False, random_weights=args.random_weights)
     lengths = [int(x) for x in args.lengths.split(",")]
+    methods = {"full": FullCache(), "locret": Locret(budget=args.budget, chunk=args.chunk, heads=args.heads)}
+    if args.peak_of:
+        print(json.dumps(run_and_read_peak(model, methods[args.peak_of], lengths[0], args.chunk)))
+        return 0
     too_long = [n for n in lengths if n > model.config.max_position_embeddings]
     if too_long:
         raise ValueError(f"{args.model} takes at most {model.config.max_position_embeddings} tokens; drop {too_long}")
     rows = []
     for n in lengths:
-        for method in (FullCache(), Locret(budget=args.budget, chunk=args.chunk, heads=args.heads)):
+        for name, method in methods.items():
+            rows.append(measure(model, method, n, args.chunk))
             if args.measure:
-                jax.clear_caches()
-            rows.append(measure(model, method, n, args.chunk, run=args.measure))
+                rows[-1].update(_peak_in_a_fresh_process(args, name, n))
             print(json.dumps(rows[-1]), flush=True)
     cmd = "kvjax bench locret-memory " + " ".join(argv if argv is not None else sys.argv[1:])
     md = table(rows, cmd, str(jax.devices()[0].device_kind))
@@ -113,6 +143,10 @@ def table(rows, cmd: str, device: str) -> str:
     heads = max((r.get("artifact_device_bytes", 0) for r in rows if r["method"] == "locret"), default=0)
     if heads:
         lines.insert(5, f"Locret's cache includes its retaining heads ({mib(heads)} MiB, the same at every length). ")
+    weights = max((r.get("weights_device_bytes") or 0 for r in rows), default=0)
+    if weights:
+        lines.insert(5, f"Measured peaks: the device's peak bytes in use of one process per (method, length) running "
+                        f"the chunked prefill and compression, the model's weights ({mib(weights)} MiB) included. ")
     by = {}
     for r in rows:
         by.setdefault(r["length"], {})[r["method"]] = r

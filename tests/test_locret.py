@@ -235,6 +235,11 @@ def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
     if loc[0]["prefill_step"]:  # memory_analysis() is available on this backend
         assert loc[0]["prefill_step"]["temp_size_in_bytes"] == loc[1]["prefill_step"]["temp_size_in_bytes"]
     assert "| 256 |" in table(rows, "cmd", "cpu")
+    from evals.locret_memory import run_and_read_peak
+
+    peak = run_and_read_peak(model, FullCache(block=16), 64, 16)  # --measure's child: runs the prefill
+    assert peak["weights_device_bytes"] == sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    assert peak["peak_device_bytes_measured"] is None or peak["peak_device_bytes_measured"] >= peak["weights_device_bytes"]
 
 
 def test_eviction_during_decoding_keeps_the_budget(tiny):

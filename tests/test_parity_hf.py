@@ -49,3 +49,37 @@ def test_bf16_logits_close_to_f32(tmp_path):
     tokens = np.arange(40, dtype=np.int32)[None] % 97
     a, b = kvjax_logits(f32, tokens), kvjax_logits(bf16, tokens)
     assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
+
+
+def test_random_weights_need_only_the_architecture(tmp_path, monkeypatch):
+    """``random_weights``: an HF directory without its safetensors, and a ready model without its packages,
+    give a model of the trained one's shapes and identity (timing on machines without the weight files)."""
+    import os
+
+    from kvjax.artifacts import model_identity
+    from models import READY_MODELS, _architecture
+    from models import registry
+
+    save_tiny("qwen2", str(tmp_path))
+    trained = load_model(str(tmp_path), tokenizer=False)
+    for f in os.listdir(tmp_path):
+        if f.endswith(".safetensors"):
+            os.remove(tmp_path / f)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(str(tmp_path), tokenizer=False)
+    rand = load_model(str(tmp_path), tokenizer=False, random_weights=True)
+    assert rand.config == trained.config and rand.path.startswith("random:")
+    rand_leaves, trained_leaves = jax.tree_util.tree_leaves(rand.params), jax.tree_util.tree_leaves(trained.params)
+    assert [(x.shape, x.dtype) for x in rand_leaves] == [(x.shape, x.dtype) for x in trained_leaves]
+    assert jax.tree_util.tree_structure(rand.params) == jax.tree_util.tree_structure(trained.params)
+    assert not np.allclose(np.asarray(rand_leaves[0]), np.asarray(trained_leaves[0]))
+    tokens = np.array([[1, 5, 7, 9]], np.int32)
+    assert np.isfinite(kvjax_logits(rand, tokens)).all()
+
+    monkeypatch.setattr(registry, "_package_file", lambda *a: None)  # no ready model's package installed
+    for name in READY_MODELS:
+        with pytest.raises(ModuleNotFoundError, match="install with"):
+            load_model(name, tokenizer=False)
+        config, path = _architecture(name)
+        assert config.name == name and path == f"random:{name}"
+        assert model_identity(config) == model_identity(registry.ready_model_config(name))

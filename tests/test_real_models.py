@@ -260,3 +260,17 @@ def test_shipped_locret_heads_match_the_ready_models(name):
     art = shipped_artifact("locret", model_identity(cfg))
     assert check_heads(art.arrays, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == 128
     assert art.meta_dict()["trained"] is True
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
+def test_ready_model_configs_without_weights_match_their_gguf(name):
+    """The registry's config of each ready model (used by ``random_weights`` where the packages are absent)
+    equals the one read from the GGUF metadata, so the artifacts shipped for the model load for it."""
+    path = ready_model_or_skip(name)
+    from kvjax.artifacts import model_identity
+    from models.registry import ready_model_config
+    from models.weights import gguf_config, open_gguf
+
+    from_gguf = gguf_config(open_gguf(path), name)
+    assert ready_model_config(name) == from_gguf
+    assert model_identity(ready_model_config(name)) == model_identity(from_gguf)

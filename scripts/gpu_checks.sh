@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The accelerator checks the open issues ask for, in stages that each fit one 10-minute call of a lent GPU
+# machine (docs/GPU.md). Run from the repository root. Every stage but `pack` runs on the accelerator
+# machine without installing kvjax (its image has jax, flax, optax, orbax, torch, transformers) and writes
+# to $OUT (default ./gpu-out).
+#
+#   scripts/gpu_checks.sh env             # versions and devices
+#   scripts/gpu_checks.sh kernels         # the Pallas kernel and host-tier tests, compiled for the GPU
+#   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall vs the full cache
+#   scripts/gpu_checks.sh locret-memory   # Locret vs the full cache: measured peak memory during prefill, 4K-32K
+#   scripts/gpu_checks.sh locret-bench    # Locret vs the full cache: chunked prefill and decode time, 8K and 32K
+#   scripts/gpu_checks.sh pack NAME       # HERE, not there: split a ready model's GGUF into .gpu/ for carrying
+#   scripts/gpu_checks.sh train NAME      # THERE, after the parts arrived: train NAME's Locret heads, timed
+#
+# The timing stages use the model's architecture with random weights (`--random-weights`): the weight files
+# (94 MiB SmolLM2, 469 MiB Qwen) do not fit one call's 64 MiB of carried files. LENGTHS overrides the lengths.
+set -euo pipefail
+stage=${1:?usage: scripts/gpu_checks.sh env|kernels|bench|locret-memory|locret-bench|pack NAME|train NAME}
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+model=qwen2.5-coder-0.5b
+
+case "$stage" in
+env)
+    { nvidia-smi || true; "$py" -c "import jax, flax, optax, orbax.checkpoint as oc, numpy
+print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'numpy', numpy.__version__)
+print(jax.devices())"; } 2>&1 | tee "$out/env.txt"
+    ;;
+kernels)
+    "$py" -m pytest -q -p no:cacheprovider tests/test_pallas_paged_attention.py tests/test_pallas_pq_attention.py \
+        tests/test_kernel_lowering.py tests/test_host_tier.py 2>&1 | tee "$out/kernels.txt"
+    ;;
+bench)
+    "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-32768}" \
+        --methods full,heterocache,heterocache:retrieval=false,synckv,synckv:anticipation=false \
+        --chunk-size 2048 --new-tokens 64 --repeats 3 --out "$out/bench_recall_gpu.md"
+    ;;
+locret-memory)
+    "$py" -m kvjax.cli bench locret-memory --model "$model" --random-weights --measure \
+        --lengths "${LENGTHS:-4096,8192,16384,32768}" --out "$out/locret_memory_gpu"
+    ;;
+locret-bench)
+    "$py" -m kvjax.cli bench --model "$model" --random-weights --methods full,locret --budget 0.1 \
+        --lengths "${LENGTHS:-8192,32768}" --chunk-size 1024 --new-tokens 32 --out "$out/bench_locret_gpu.md"
+    ;;
+pack)
+    name=${2:?usage: scripts/gpu_checks.sh pack NAME}
+    gguf=$("$py" -c "from models.registry import ready_model_path; print(ready_model_path('$name'))")
+    rm -rf .gpu && mkdir -p .gpu
+    # one part per call: a call carries at most 64 MiB with the working tree (~28 MiB) included
+    split -b "${PART_MIB:-32}M" -d "$gguf" ".gpu/$name.gguf.part"
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d .gpu "gguf==$("$py" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+    ls -l .gpu
+    ;;
+train)
+    name=${2:?usage: scripts/gpu_checks.sh train NAME}
+    cat .gpu/"$name".gguf.part* > "/tmp/$name.gguf"  # the file's name is the model's identity
+    "$py" -m pip install -q --no-index --no-deps --target /tmp/site .gpu/gguf-*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    start=$(date +%s)
+    "$py" -m kvjax.cli train-locret --model "/tmp/$name.gguf" --samples 72 --heldout 8 --tokens 1024 --hidden 128 \
+        --steps 1000 --out "/tmp/locret-train-$name" 2>&1 | tee "$out/train.txt"
+    echo "wall time $(( $(date +%s) - start )) s" | tee -a "$out/train.txt"
+    # what comes back (no checkpoints: too many files)
+    cp /tmp/locret-train-"$name"/{metrics.json,loss.png,heads.npz,report.md} "$out/" 2>/dev/null || true
+    ;;
+*)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac
