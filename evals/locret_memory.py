@@ -55,8 +55,8 @@ def measure(model, method, length: int, chunk: int, artifact=None) -> dict:
 
 def run_and_read_peak(model, method, length: int, chunk: int) -> dict:
     """Run ``method``'s chunked prefill and compression of a ``length``-token prompt; the device's peak bytes
-    in use (None where the backend keeps no statistics, e.g. CPU) and the weights' bytes. Meaningful only
-    as the first run of a fresh process (the peak is the process's high-water mark)."""
+    in use (None where the backend keeps no statistics, e.g. CPU) and the weights' bytes. The peak is a
+    high-water mark of the whole process: meaningful only as the first run of a fresh process."""
     from kvjax.cache import new_cache
     from kvjax.generate import compress, prefill_prompt
 
@@ -132,21 +132,24 @@ def table(rows, cmd: str, device: str) -> str:
     def mib(x):
         return "-" if x is None else f"{x / 2**20:.1f}"
 
+    measured = any("peak_device_bytes_measured" in r for r in rows)
+
     lines = [f"# Locret: prefill memory vs prompt length ({device})", "", f"Command: `{cmd}`", "",
              "Cache = the cache's device bytes while prefilling (the donated argument of every chunk step); "
              "temp = XLA's temporaries of the compiled chunk step / compression step (memory analysis, not a run). "
              "MiB.", "",
              "| tokens | full: cache | full: chunk temp | full: compress temp | Locret: cache | Locret: chunk temp | "
              "Locret: compress temp | Locret/full (cache + chunk temp) |"
-             + (" peak measured full / Locret |" if any("peak_device_bytes_measured" in r for r in rows) else ""),
-             "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if any("peak_device_bytes_measured" in r for r in rows) else "")]
+             + (" peak measured full / Locret |" if measured else ""),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if measured else "")]
     heads = max((r.get("artifact_device_bytes", 0) for r in rows if r["method"] == "locret"), default=0)
     if heads:
         lines.insert(5, f"Locret's cache includes its retaining heads ({mib(heads)} MiB, the same at every length). ")
     weights = max((r.get("weights_device_bytes") or 0 for r in rows), default=0)
     if weights:
-        lines.insert(5, f"Measured peaks: the device's peak bytes in use of one process per (method, length) running "
-                        f"the chunked prefill and compression, the model's weights ({mib(weights)} MiB) included. ")
+        lines.insert(5, f"Measured peaks (`--measure`): the device's peak bytes in use of one process per (method, length) "
+                        f"running the chunked prefill and compression, the model's weights ({mib(weights)} MiB) included "
+                        "(accelerators only: the CPU backend keeps no statistics). ")
     by = {}
     for r in rows:
         by.setdefault(r["length"], {})[r["method"]] = r
@@ -160,7 +163,7 @@ def table(rows, cmd: str, device: str) -> str:
                 f"{mib(f['compress_step'].get('temp_size_in_bytes'))} | {mib(lo['cache_device_bytes_during_prefill'])} | "
                 f"{mib(lo['prefill_step'].get('temp_size_in_bytes'))} | {mib(lo['compress_step'].get('temp_size_in_bytes'))} | "
                 f"{tot(lo) / tot(f):.2f} |")
-        if "peak_device_bytes_measured" in f:
+        if measured:
             line += f" {mib(f.get('peak_device_bytes_measured'))} / {mib(lo.get('peak_device_bytes_measured'))} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
