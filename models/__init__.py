@@ -68,7 +68,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer:
 
     dtype = resolve_dtype(dtype)
     if random_weights:
-        config, path = _architecture(name_or_path)
+        config, path = model_architecture(name_or_path)
         from flax import nnx
 
         from models.llama import random_model
@@ -92,7 +92,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer:
     return model
 
 
-def _architecture(name_or_path: str) -> tuple[ModelConfig, str]:
+def model_architecture(name_or_path: str) -> tuple[ModelConfig, str]:
     """(config, a ``random:`` path label) of a ready model, HF directory or GGUF file, reading no weights."""
     from models.config import load_hf_config
     from models.registry import ready_model_config
@@ -106,4 +106,5 @@ def _architecture(name_or_path: str) -> tuple[ModelConfig, str]:
     return gguf_config(open_gguf(path), os.path.splitext(os.path.basename(path))[0]), f"random:{path}"
 
 
-__all__ = ["ModelConfig", "LoadedModel", "load_model", "READY_MODELS", "DEFAULT_MODEL", "is_installed", "resolve_dtype"]
+__all__ = ["ModelConfig", "LoadedModel", "load_model", "model_architecture", "READY_MODELS", "DEFAULT_MODEL", "is_installed",
+           "resolve_dtype"]

@@ -57,7 +57,7 @@ def test_random_weights_need_only_the_architecture(tmp_path, monkeypatch):
     import os
 
     from kvjax.artifacts import model_identity
-    from models import READY_MODELS, _architecture
+    from models import READY_MODELS, model_architecture
     from models import registry
 
     save_tiny("qwen2", str(tmp_path))
@@ -80,6 +80,6 @@ def test_random_weights_need_only_the_architecture(tmp_path, monkeypatch):
     for name in READY_MODELS:
         with pytest.raises(ModuleNotFoundError, match="install with"):
             load_model(name, tokenizer=False)
-        config, path = _architecture(name)
+        config, path = model_architecture(name)
         assert config.name == name and path == f"random:{name}"
         assert model_identity(config) == model_identity(registry.ready_model_config(name))
