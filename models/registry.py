@@ -130,7 +130,7 @@ def ready_model_path(name: str) -> str:
     else:
         path = os.path.join(cache_dir(), f"{name}.gguf")
         if not _verified(path, model):
-            tmp = path + ".part"
+            tmp = f"{path}.{os.getpid()}.part"  # one per process: concurrent first uses (test workers) never share it
             with open(tmp, "wb") as out:
                 for f in files:
                     with open(f, "rb") as src:
