@@ -16,15 +16,15 @@ compressed cache, so it is an explanation, not a replay.
 import argparse
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
 from evals.tasks import make_samples
 from kvjax.artifacts import load_artifact, model_identity, shipped_artifact
-from kvjax.retaining_heads import KIND, apply_head
+from kvjax.retaining_heads import KIND
 from train.labels import collect
+from train.locret import predict
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -40,7 +40,7 @@ budgets = [float(b) for b in args.budgets.split(",")]
 model = models.load_model(args.model)
 tok = model.tokenizer
 art = load_artifact(args.heads) if args.heads else shipped_artifact(KIND, model_identity(model.config))
-w1, w2 = jnp.asarray(art.arrays["w1"]), jnp.asarray(art.arrays["w2"])
+heads = {"w1": jnp.asarray(art.arrays["w1"]), "w2": jnp.asarray(art.arrays["w2"])}
 NEEDLE = {"passkey": r"The pass key is (\d+)\.", "niah_single": r"special magic numbers for [\w-]+ is: (\d+)\.",
           "niah_multikey": r"special magic numbers for [\w-]+ is: (\d+)\."}[args.task]
 
@@ -67,7 +67,7 @@ for s in make_samples(args.task, tok, args.length, args.samples):
     feats, labels, pad, start = collect(model, ids, answer, length=len(ids) + 16, answer_max=16)
     n = len(ids)
     body = n - args.local
-    pred = np.asarray(jax.vmap(apply_head)(w1, w2, jnp.asarray(feats[:, pad:start]))).transpose(0, 2, 1)
+    pred = np.asarray(predict(heads, jnp.asarray(feats[:, pad:start]))).transpose(0, 2, 1)
     rp, rl = ranks(pred, body), ranks(labels[:, :, pad:start], body)
     for m in re.finditer(NEEDLE, text):
         v0 = int(np.searchsorted(offs, m.start(1), side="right") - 1)
