@@ -131,11 +131,16 @@ def ready_model_path(name: str) -> str:
         path = os.path.join(cache_dir(), f"{name}.gguf")
         if not _verified(path, model):
             tmp = f"{path}.{os.getpid()}.part"  # one per process: concurrent first uses (test workers) never share it
-            with open(tmp, "wb") as out:
-                for f in files:
-                    with open(f, "rb") as src:
-                        shutil.copyfileobj(src, out, 1 << 24)
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as out:
+                    for f in files:
+                        with open(f, "rb") as src:
+                            shutil.copyfileobj(src, out, 1 << 24)
+                os.replace(tmp, path)
+            except BaseException:  # interrupted: leave no partial copy behind (its name is never reused)
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
     if not _verified(path, model):
         raise ValueError(
             f"{path!r} does not match model {name!r} (expected {model.size} bytes, sha256 {model.sha256}); "

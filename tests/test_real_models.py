@@ -274,3 +274,30 @@ def test_ready_model_configs_without_weights_match_their_gguf(name):
     from_gguf = gguf_config(open_gguf(path), name)
     assert ready_model_config(name) == from_gguf
     assert model_identity(ready_model_config(name)) == model_identity(from_gguf)
+
+
+def test_an_interrupted_assembly_leaves_no_partial_file_and_the_next_one_succeeds(tmp_path, monkeypatch):
+    """The multi-part ready model is assembled into the cache directory through a temporary file: an
+    interruption removes it, and a later first use assembles the verified file with nothing left over."""
+    from models import registry
+
+    ready_model_or_skip("qwen2.5-coder-0.5b")
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    copy = registry.shutil.copyfileobj
+    calls = []
+
+    def interrupted(src, dst, length=0):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        copy(src, dst, length)
+
+    monkeypatch.setattr(registry.shutil, "copyfileobj", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        registry.ready_model_path("qwen2.5-coder-0.5b")
+    assert sorted(os.listdir(tmp_path)) == []
+    monkeypatch.setattr(registry.shutil, "copyfileobj", copy)
+    path = registry.ready_model_path("qwen2.5-coder-0.5b")
+    assert path == os.path.join(str(tmp_path), "qwen2.5-coder-0.5b.gguf")
+    assert os.path.getsize(path) == registry.READY_MODELS["qwen2.5-coder-0.5b"].size
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".part")]
