@@ -15,6 +15,13 @@ Locret's Algorithm 1 with the scorer left open. Per layer, a bounded working buf
 3. local-window queries of the piece that ends the evictable part attend to the evicted cache
    (Algorithm 1 prefills the last ``n_loc`` tokens after the last eviction).
 
+Positions (``positions``): ``"original"`` leaves every key RoPE'd at its own position (gaps where
+tokens were evicted). ``"contiguous"`` is the reference code's: after every eviction the survivors'
+keys are moved (:func:`kvjax.rope.shift_rope`) to consecutive positions ending just before the next
+token, so later tokens, at their own positions, see the compacted cache as one gap-free context.
+Attention depends only on relative positions, so this equals the reference's re-application of
+RoPE at positions ``0 .. n-1`` of a pre-RoPE cache with the next chunk at ``n ..``.
+
 Each prefill call is split into pieces of ``chunk`` tokens from its start, so one call or calls of
 any multiple of ``chunk`` tokens give the same cache; calls shorter than ``chunk`` evict after each
 call. A row keeps ``b_r = row budget - n_loc`` tokens outside its local window (its own length
@@ -33,6 +40,7 @@ from kvjax.attention import attention_probs_by_slots, blocked_attention_by_slots
 from kvjax.budgets import tokens_per_head
 from kvjax.cache import AttendContext, Cache, CacheSpec
 from kvjax.paged import PagedKV, build_paged, paged_device_bytes, paged_partition, paged_read_bytes
+from kvjax.rope import shift_rope
 from kvjax.selection import keep_top, row_capacities
 from kvjax.working_buffer import WorkingKV, buffer_chunk, compact, init_working, kept_indices
 
@@ -43,7 +51,8 @@ class BoundedPrefill:
 
     ``buffer`` holds at most ``b + local + chunk`` tokens per (row, KV head); ``spec`` is the
     cache's spec; ``b``, ``n_s``, ``local``, ``sinks`` the sizes of :func:`bounded_sizes`; ``budget``
-    the method's budget (row capacities of a ragged batch).
+    the method's budget (row capacities of a ragged batch); ``positions`` ``"original"`` or
+    ``"contiguous"`` (module docstring).
     """
 
     buffer: WorkingKV
@@ -53,6 +62,10 @@ class BoundedPrefill:
     n_s: int = struct.field(pytree_node=False, default=0)
     local: int = struct.field(pytree_node=False, default=0)
     sinks: int = struct.field(pytree_node=False, default=0)
+    positions: str = struct.field(pytree_node=False, default="original")
+
+
+POSITIONS = ("original", "contiguous")
 
 
 def bounded_sizes(name: str, budget, local: int, stabilizers, spec: CacheSpec) -> tuple[int, int]:
@@ -72,8 +85,10 @@ def bounded_sizes(name: str, budget, local: int, stabilizers, spec: CacheSpec) -
     return b, n_s
 
 
-def check_schedule(name: str, chunk, local, stabilizers) -> None:
+def check_schedule(name: str, chunk, local, stabilizers, positions: str = "original") -> None:
     """Validate the schedule's hyper-parameters (clear errors)."""
+    if positions not in POSITIONS:
+        raise ValueError(f"{name}: positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"{name}: chunk (B) must be an int >= 1, got {chunk!r}")
     if isinstance(local, bool) or not isinstance(local, int) or local < 0:
@@ -83,11 +98,31 @@ def check_schedule(name: str, chunk, local, stabilizers) -> None:
         raise ValueError(f"{name}: stabilizers (n_s) must be an int >= 0 or a fraction of b in [0, 1), got {s!r}")
 
 
-def init_bounded(spec: CacheSpec, name: str, budget, chunk: int, local: int, stabilizers, sinks: int = 0):
+def init_bounded(spec: CacheSpec, name: str, budget, chunk: int, local: int, stabilizers, sinks: int = 0,
+                 positions: str = "original"):
     """Empty bounded buffers of ``b + local + chunk`` tokens per KV head for every layer."""
     b, n_s = bounded_sizes(name, budget, local, stabilizers, spec)
-    return tuple(BoundedPrefill(buf, spec=spec, budget=budget, b=b, n_s=n_s, local=local, sinks=sinks)
+    return tuple(BoundedPrefill(buf, spec=spec, budget=budget, b=b, n_s=n_s, local=local, sinks=sinks, positions=positions)
                  for buf in init_working(spec, b + local, chunk))
+
+
+def pack_positions(buf: WorkingKV, keep, start, end, inv_freq) -> WorkingKV:
+    """Move the keys that ``keep`` keeps to consecutive positions ending at slot ``end - 1`` (before compaction).
+
+    Entries ``< capacity`` are the previous survivors, already packed to end at ``start - 1``; later
+    entries are the tokens stored by this call, at their own slots. Held entries are in slot order, so
+    the ``j``-th kept of ``n`` goes to ``end - n + j``. Padding offsets cancel (only differences count).
+    """
+    held = buf.slots >= 0
+    idx = jnp.arange(buf.slots.shape[-1], dtype=jnp.int32)
+    old = idx < buf.capacity
+    n_prev = (held & old).sum(axis=-1, keepdims=True)
+    current = jnp.where(old, start - n_prev + idx, buf.slots)
+    keep = keep & held
+    n = keep.sum(axis=-1, keepdims=True)
+    target = end - n + jnp.cumsum(keep, axis=-1) - 1
+    delta = jnp.where(keep, target - current, 0)
+    return buf.replace(k=shift_rope(buf.k, delta, inv_freq))
 
 
 # rescore(buffer after storing the piece, probabilities [B, Hkv, G, P, C] or None, piece start) -> priority [B, Hkv, C]
@@ -151,6 +186,8 @@ def evict_piece(state: BoundedPrefill, q, k, v, token_scores, start, ctx: Attend
     caps = row_capacities((state.b + state.local,), state.budget, spec, ctx.pad)  # [B, 1]
     b_rows = jnp.maximum(caps - state.local - jnp.minimum(state.sinks, caps), 0)
     keep = held & (local | sink | keep_top(buf.scores, forced, evictable, b_rows))
+    if state.positions == "contiguous":
+        buf = pack_positions(buf, keep, start, end, ctx.rope_inv_freq)
     evicted = compact(buf, keep)
 
     def local_queries_see_the_evicted_cache():
@@ -180,6 +217,8 @@ def evict_decoding(state: BoundedPrefill, q, k, v, ctx: AttendContext, token_sco
     b_rows = jnp.maximum(caps - state.local - jnp.minimum(state.sinks, caps), 0)
     none = jnp.zeros_like(held)
     keep = held & (local | sink | keep_top(buf.scores, none, evictable, b_rows))
+    if state.positions == "contiguous":
+        buf = pack_positions(buf, keep, ctx.start, end, ctx.rope_inv_freq)
     return out, state.replace(buffer=compact(buf, keep))
 
 
@@ -219,4 +258,4 @@ def paged_cache_read_bytes(cache: Cache) -> int:
     return sum(paged_read_bytes(st) for st in cache.layers) if cache.stage == "compressed" else 0
 
 
-__all__ = ["evict_decoding", "buffer_read_bytes", "to_pages", "paged_facts", "paged_cache_read_bytes", "BoundedPrefill", "bounded_sizes", "check_schedule", "init_bounded", "prefill_in_pieces", "evict_piece"]
+__all__ = ["POSITIONS", "pack_positions", "evict_decoding", "buffer_read_bytes", "to_pages", "paged_facts", "paged_cache_read_bytes", "BoundedPrefill", "bounded_sizes", "check_schedule", "init_bounded", "prefill_in_pieces", "evict_piece"]

@@ -100,6 +100,8 @@ class AttendContext:
       pad: int32 [B], left-padding slots per row (never attended).
       positions: int32 [B, T], RoPE positions of the query tokens.
       q_pre_rope, k_pre_rope: [B, T, H, D] projections before RoPE (Locret scores these).
+      rope_inv_freq: f32 [D/2], the model's RoPE inverse frequencies (methods that move cached keys to
+        other positions, :func:`kvjax.rope.shift_rope`), or None.
       artifact: the cache's artifact pytree (or None).
       layers: every layer's state as of this call: layers before ``layer`` already updated by this
         call, later ones as of the previous call (set by :meth:`Cache.attend`; heads that follow
@@ -114,6 +116,7 @@ class AttendContext:
     positions: jax.Array
     q_pre_rope: jax.Array | None = None
     k_pre_rope: jax.Array | None = None
+    rope_inv_freq: jax.Array | None = None
     artifact: Any = None
     layers: tuple | None = None
     layer: int = struct.field(pytree_node=False, default=0)

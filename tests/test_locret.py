@@ -19,7 +19,7 @@ from kvjax.generate import TRACE_COUNTS, compress, decode_loop, prefill_prompt
 from kvjax.methods import FullCache, Locret, get_method
 from kvjax.retaining_heads import random_heads_artifact
 from models import load_model
-from tests.tiny import save_tiny
+from tests.tiny import CONFIGS, save_tiny
 
 HIDDEN = 16
 
@@ -98,6 +98,65 @@ def test_layer0_survivors_match_a_numpy_simulation(tiny, L, chunk, budget, n_s, 
         assert len(got) == budget
 
 
+def rope_np(x, positions, theta):
+    """RoPE of ``x[N, H, D]`` at ``positions[N]`` (numpy float64, rotate-half layout as HF)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    ang = np.asarray(positions, np.float64)[:, None, None] * inv_freq
+    cos, sin = np.concatenate([np.cos(ang)] * 2, -1), np.concatenate([np.sin(ang)] * 2, -1)
+    rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos + rot * sin
+
+
+def test_shift_rope_moves_a_key_to_another_position():
+    from kvjax.rope import shift_rope
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 2, 8))
+    p = np.array([0, 3, 7, 100, 4000])
+    delta = np.array([5, -3, 0, 900, -3999])
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)
+    got = shift_rope(jnp.asarray(rope_np(x, p, 10000.0), jnp.float32), jnp.asarray(delta)[:, None],
+                     jnp.asarray(inv_freq, jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), rope_np(x, p + delta, 10000.0), atol=2e-5)
+    with pytest.raises(ValueError, match="inverse frequencies"):
+        shift_rope(jnp.ones((2, 8)), jnp.zeros((2,), jnp.int32), None)
+
+
+@pytest.mark.parametrize("positions", ["original", "contiguous"])
+@pytest.mark.parametrize("new_tokens", [1, 4])
+def test_kept_keys_sit_at_the_chosen_positions(tiny, positions, new_tokens):
+    """Layer 0, left-padded batch, after the prompt (1 token: no decode step) and after 3 decode steps that
+    evict: each kept key equals HF's pre-RoPE key of its token, RoPE'd at its own position ("original") or
+    at consecutive positions ending at the last stored token ("contiguous", the reference code's
+    re-application of RoPE to the compacted cache)."""
+    model, hf = tiny
+    rng = np.random.default_rng(5)
+    rows = [list(rng.integers(0, 97, size=45)), list(rng.integers(0, 97, size=30))]
+    method = Locret(budget=14, chunk=8, local=4, stabilizers=2, positions=positions, evict_during_decode=True)
+    got, _, cache, _ = generate_tokens(model, rows, method=method, max_new_tokens=new_tokens, artifact=heads_for(model))
+    buf = cache.layers[0].buffer
+    P = 45
+    last = P + new_tokens - 2  # slot of the last stored token (the last generated token is not fed back)
+    D, Hkv = model.config.head_dim, model.config.num_kv_heads
+    for r, row in enumerate(rows):
+        pad = P - len(row)
+        seq = row + [int(t) for t in np.asarray(got)[r, : new_tokens - 1]]
+        with torch.no_grad():
+            attn = hf.model.layers[0]
+            x = attn.input_layernorm(hf.model.embed_tokens(torch.as_tensor([seq])))
+            k_pre = attn.self_attn.k_proj(x)[0].numpy().astype(np.float64).reshape(len(seq), Hkv, D)
+        for h in range(Hkv):
+            slots = np.asarray(buf.slots)[r, h]
+            held = slots[slots >= 0]
+            assert held.max() == last and len(held) <= 14
+            assert (np.diff(held) > 1).any()  # evicted tokens left gaps: the two conventions differ here
+            n = len(held)
+            pos = held - pad if positions == "original" else last - pad - n + 1 + np.arange(n)
+            want = rope_np(k_pre[held - pad][:, h:h + 1], pos, CONFIGS["qwen2"][2]["rope_theta"])[:, 0]
+            np.testing.assert_allclose(np.asarray(buf.k)[r, h, :n], want, atol=2e-4)
+
+
 def test_stabilizers_are_kept_after_every_chunk_but_the_last(tiny):
     """With scores that rank the newest tokens last, only the stabilizers can keep them."""
     model, _ = tiny
@@ -162,6 +221,7 @@ def test_cli_spec_and_stats(tiny):
     model, _ = tiny
     method = get_method("locret:budget=16:chunk=8:local=4:stabilizers=0.5")
     assert method == Locret(budget=16, chunk=8, local=4, stabilizers=0.5)
+    assert get_method("locret:positions=contiguous") == Locret(positions="contiguous")
     _, _, cache, _ = generate_tokens(model, [[1, 2, 3] * 10], method=method, max_new_tokens=2, artifact=heads_for(model))
     st = cache.stats()
     assert (st["b"], st["stabilizers"], st["local"], st["prefill_buffer_tokens_per_head"]) == (12, 6, 4, 24)
@@ -176,6 +236,8 @@ def test_bad_input_is_a_clear_error(tiny):
         Locret(chunk=0)
     with pytest.raises(ValueError, match="stabilizers"):
         Locret(stabilizers=1.5)
+    with pytest.raises(ValueError, match="positions must be one of original, contiguous"):
+        Locret(positions="packed")
     with pytest.raises(ValueError, match="n_s=12 must be smaller than b=12"):
         new_cache(Locret(budget=16, local=4, stabilizers=12), c, 1, 40, 2, model.dtype, artifact=art)
     with pytest.raises(ValueError, match="longer than the local window"):

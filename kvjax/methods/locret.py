@@ -23,9 +23,14 @@ Deviations and choices (documented, measured where they change results):
 * **Stabilizers.** ``stabilizers`` may be a fraction of ``b`` (default 0.25): the paper's 2500 tokens
   are 42% of Phi-3's b = 6000 and 15% of Llama's b = 16384, which cannot be used at the budgets of a
   4K prompt. An int is a token count as in the paper.
-* **Positions.** Keys stay post-RoPE at their original positions (kvjax's cache convention, no
-  per-step re-rotation). The reference caches pre-RoPE keys and re-applies RoPE at contiguous
-  positions of the compacted cache on every step.
+* **Positions.** ``positions="original"`` (default): keys stay post-RoPE at their original
+  positions (kvjax's cache convention; evicted tokens leave gaps). The reference caches pre-RoPE
+  keys and re-applies RoPE at contiguous positions of the compacted cache on every step;
+  ``positions="contiguous"`` gives the same attention (relative positions) by moving the survivors'
+  keys after every eviction (:func:`kvjax.bounded_prefill.pack_positions`); later tokens keep their
+  own positions. Cost: one rotation of the buffer per eviction. In a bfloat16 cache a kept key is
+  rounded once per rotation (the reference rotates its pre-RoPE copy afresh). Measured in the README's
+  Locret results.
 * **Chunk grid.** Each prefill call is split into pieces of ``chunk`` tokens from its start, so one
   call, or calls of any multiple of ``chunk`` tokens, give the same cache. In a left-padded batch
   the grid counts padding slots (rows share slots); the paper's grid starts at the first token.
@@ -70,6 +75,8 @@ class Locret:
         of a heads file (``heads.npz`` of ``kvjax train-locret --out``), e.g. ``locret:heads=run/heads.npz``.
       seed: seed of the random heads.
       evict_during_decode: keep ``budget`` tokens per head while decoding too (module docstring, step 3).
+      positions: "original" (keys at their own positions) or "contiguous" (the reference's: the
+        compacted cache moved to consecutive positions after every eviction; module docstring).
       page_size: tokens per page of the compressed pools.
       implementation: decode attention implementation, auto | xla | pallas | pallas_interpret.
     """
@@ -81,13 +88,14 @@ class Locret:
     heads: str = "trained"
     seed: int = 0
     evict_during_decode: bool = False
+    positions: str = "original"
     page_size: int = 16
     implementation: str = "auto"
     name = "locret"
 
     def __post_init__(self):
         check_budget(self.budget)
-        check_schedule(self.name, self.chunk, self.local, self.stabilizers)
+        check_schedule(self.name, self.chunk, self.local, self.stabilizers, self.positions)
         if not isinstance(self.heads, str) or (self.heads not in HEADS and not self.heads.endswith(".npz")):
             raise ValueError(f"locret: heads must be one of {', '.join(HEADS)} or a heads .npz file, got {self.heads!r}")
         if self.page_size <= 0:
@@ -131,7 +139,8 @@ class Locret:
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Bounded working buffers of ``budget + chunk`` tokens per KV head; the heads travel as the artifact."""
         art = self.artifact_for(spec, artifact)
-        layers = init_bounded(spec, self.name, self.budget, self.chunk, self.local, self.stabilizers)
+        layers = init_bounded(spec, self.name, self.budget, self.chunk, self.local, self.stabilizers,
+                              positions=self.positions)
         return Cache.create(layers, self, spec, artifact=art)
 
     @staticmethod
@@ -173,7 +182,7 @@ class Locret:
         facts = {"b": b, "stabilizers": n_s, "local": self.local, "chunk": self.chunk, "heads": self.heads,
                  "head_hidden": int(cache.artifact.arrays["w1"].shape[2]),
                  "prefill_buffer_tokens_per_head": b + self.local + self.chunk,
-                 "evicts_during_decode": self.evict_during_decode}
+                 "evicts_during_decode": self.evict_during_decode, "positions": self.positions}
         if self.evict_during_decode:
             held = [int(x) for x in (cache.layers[0].buffer.slots >= 0).sum(axis=-1).max(axis=0)]
             return {**facts, "held_tokens_per_head_layer0": held}
