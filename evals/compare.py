@@ -1,8 +1,10 @@
-"""Compare two evaluation runs record by record: ``python -m evals.compare OLD_DIR NEW_DIR [--out FILE]``.
+"""Compare two evaluation runs record by record: ``python -m evals.compare OLD_DIR NEW_DIR [--same-method NEW OLD] [--out FILE]``.
 
 Matches ``samples.jsonl`` records by (task, length, sample index, method, budget) and writes a
 Markdown report: per (method, budget) the mean accuracy of both runs over the records they share,
 and every shared record whose answer changed (old and new output, score and device bytes).
+``--same-method NEW OLD`` (repeatable) matches the new run's method ``NEW`` with the old run's ``OLD``
+(the same method under other options, e.g. ``locret:positions=contiguous`` against ``locret``).
 """
 
 from __future__ import annotations
@@ -14,16 +16,21 @@ import sys
 from typing import Sequence
 
 
-def _key(r: dict) -> tuple:
-    return (r["task"], r["length"], r["index"], r["method"], r["budget"])
+def _key(r: dict, rename: dict | None = None) -> tuple:
+    method = (rename or {}).get(r["method"], r["method"])
+    return (r["task"], r["length"], r["index"], method, r["budget"])
 
 
-def compare_runs(old_dir: str, new_dir: str) -> str:
-    """The Markdown comparison of two run directories (see module docstring)."""
+def compare_runs(old_dir: str, new_dir: str, same_method: Sequence[tuple[str, str]] = ()) -> str:
+    """The Markdown comparison of two run directories (see module docstring).
+
+    ``same_method``: ``(new run's method, old run's method)`` pairs matched as one method (shown by the old name).
+    """
     from evals.runner import _read_jsonl as read_jsonl
 
+    rename = dict(same_method)
     old = {_key(r): r for r in read_jsonl(os.path.join(old_dir, "samples.jsonl"))}
-    new = {_key(r): r for r in read_jsonl(os.path.join(new_dir, "samples.jsonl"))}
+    new = {_key(r, rename): r for r in read_jsonl(os.path.join(new_dir, "samples.jsonl"))}
     shared = [k for k in new if k in old]
     acc = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for k in shared:
@@ -33,6 +40,8 @@ def compare_runs(old_dir: str, new_dir: str) -> str:
         cell[2] += 1
     lines = [f"# `{os.path.basename(os.path.normpath(new_dir))}` vs `{os.path.basename(os.path.normpath(old_dir))}`", "",
              f"{len(shared)} shared records ({len(new)} in the new run, {len(old)} in the old one).", "",
+             *[f"Matched as one method: `{n}` (new run) with `{o}` (old run), shown as `{o}`." for n, o in same_method],
+             *([""] if same_method else []),
              "| method | budget | records | old accuracy % | new accuracy % |", "|---|---|---:|---:|---:|"]
     for (m, b), (o, n, c) in sorted(acc.items(), key=lambda x: (x[0][0] != "full", x[0])):
         lines.append(f"| {m} | {b} | {c} | {100 * o / c:.1f} | {100 * n / c:.1f} |")
@@ -53,9 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m evals.compare", description=__doc__.splitlines()[0])
     p.add_argument("old")
     p.add_argument("new")
+    p.add_argument("--same-method", nargs=2, action="append", default=[], metavar=("NEW", "OLD"),
+                   help="match the new run's method NEW with the old run's method OLD (repeatable)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    text = compare_runs(args.old, args.new)
+    text = compare_runs(args.old, args.new, [tuple(pair) for pair in args.same_method])
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)

@@ -52,6 +52,15 @@ def test_compare_runs_hand_made(tmp_path):
     assert "2 shared records (3 in the new run, 2 in the old one)" in md
     assert "| snapkv | 0.1 | 2 | 50.0 | 0.0 |" in md
     assert "## Changed answers (1)" in md and "'123'" in md and "'12'" in md
+    # the same method under other options in the new run: unmatched unless named, then matched by the old name
+    write(tmp_path / "renamed", [dict(base, index=0, method="snapkv:window=8", budget="0.1", score=1.0, output="123"),
+                                 dict(base, index=1, method="snapkv:window=8", budget="0.1", score=1.0, output="7")])
+    assert "0 shared records" in compare_runs(str(tmp_path / "old"), str(tmp_path / "renamed"))
+    md = compare_runs(str(tmp_path / "old"), str(tmp_path / "renamed"), [("snapkv:window=8", "snapkv")])
+    assert "2 shared records (2 in the new run, 2 in the old one)" in md
+    assert "Matched as one method: `snapkv:window=8` (new run) with `snapkv` (old run)" in md
+    assert "| snapkv | 0.1 | 2 | 50.0 | 100.0 |" in md
+    assert "## Changed answers (1)" in md and "'9'" in md and "'7'" in md
 
 
 def test_side_by_side_orders_by_device_bytes_counts_common_samples_and_refuses_other_prompts(tmp_path):
