@@ -107,7 +107,8 @@ def init_bounded(spec: CacheSpec, name: str, budget, chunk: int, local: int, sta
 
 
 def pack_positions(buf: WorkingKV, keep, start, end, inv_freq) -> WorkingKV:
-    """Move the keys that ``keep`` keeps to consecutive positions ending at slot ``end - 1`` (before compaction).
+    """Move the keys that ``keep`` (held entries only) keeps to consecutive positions ending at slot ``end - 1``
+    (before compaction).
 
     Entries ``< capacity`` are the previous survivors, already packed to end at ``start - 1``; later
     entries are the tokens stored by this call, at their own slots. Held entries are in slot order, so
@@ -118,7 +119,6 @@ def pack_positions(buf: WorkingKV, keep, start, end, inv_freq) -> WorkingKV:
     old = idx < buf.capacity
     n_prev = (held & old).sum(axis=-1, keepdims=True)
     current = jnp.where(old, start - n_prev + idx, buf.slots)
-    keep = keep & held
     n = keep.sum(axis=-1, keepdims=True)
     target = end - n + jnp.cumsum(keep, axis=-1) - 1
     delta = jnp.where(keep, target - current, 0)

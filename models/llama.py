@@ -205,11 +205,10 @@ class CausalLM(nnx.Module):
         """Logits [B, T or 1, V] (float32) and the updated cache; see :func:`forward`."""
         B, T = tokens.shape
         x = self.embed_tokens(tokens)
-        inv_freq = rope_inv_freq(self.config)
+        inv_freq = jnp.asarray(rope_inv_freq(self.config))
         cos, sin = rope_cos_sin(positions, inv_freq)
         for i, layer in enumerate(self.layers):
-            ctx = AttendContext(start=cache.length, pad=cache.pad, positions=positions, rope_inv_freq=jnp.asarray(inv_freq),
-                                layer=i)
+            ctx = AttendContext(start=cache.length, pad=cache.pad, positions=positions, rope_inv_freq=inv_freq, layer=i)
             x, state = layer(x, cos, sin, cache, ctx)
             # later layers see this layer's new state (methods whose heads follow another layer's heads)
             cache = cache.replace(layers=cache.layers[:i] + (state,) + cache.layers[i + 1:])
