@@ -41,9 +41,10 @@ def test_budget_covering_the_prompt_equals_the_full_cache(tiny):
     rng = np.random.default_rng(0)
     rows = [list(rng.integers(0, 97, size=45)), list(rng.integers(0, 97, size=23))]
     full, *_ = generate_tokens(model, rows, method=FullCache(block=16), max_new_tokens=6)
-    for chunk_size in (None, 8, 16):
-        got, _, cache, _ = generate_tokens(model, rows, method=Locret(budget=45, chunk=8, local=4, stabilizers=2),
-                                           max_new_tokens=6, chunk_size=chunk_size, artifact=heads_for(model))
+    for chunk_size, pool in ((None, 1), (8, 1), (16, 1), (8, 5)):
+        method = Locret(budget=45, chunk=8, local=4, stabilizers=2, pool=pool)
+        got, _, cache, _ = generate_tokens(model, rows, method=method, max_new_tokens=6, chunk_size=chunk_size,
+                                           artifact=heads_for(model))
         np.testing.assert_array_equal(got, full)
         # every real token kept (the short row's budget above its length), then 5 decoded tokens appended
         assert np.asarray(cache.layers[0].lengths).tolist() == [[45 + 5] * 2, [23 + 5] * 2]
@@ -79,15 +80,38 @@ def simulate(scores, L, chunk, b, n_s, local):
     return held
 
 
-@pytest.mark.parametrize("L,chunk,budget,n_s,local", [(48, 8, 16, 3, 5), (61, 16, 20, 4, 7), (40, 8, 12, 0, 0)])
-def test_layer0_survivors_match_a_numpy_simulation(tiny, L, chunk, budget, n_s, local):
-    """Layer 0's scores depend only on each token itself: Algorithm 1 simulated on HF's projections."""
+def max_pool_in_pieces(scores, chunk, kernel):
+    """Each token's score ``[T, H]`` -> the max over the ``kernel`` tokens centred on it inside its piece of ``chunk``."""
+    T, r = len(scores), kernel // 2
+    out = np.empty_like(scores)
+    for t in range(T):
+        lo, hi = max(t - r, t // chunk * chunk), min(t + r + 1, (t // chunk + 1) * chunk, T)
+        out[t] = scores[lo:hi].max(axis=0)
+    return out
+
+
+def test_pooling_within_pieces_on_a_hand_computed_case():
+    """Kernel 3 over pieces of 4 tokens, slot 0 padding: neither padding (9) nor the next piece (t=3/t=4) lends its score."""
+    from kvjax.methods.locret import pool_within_pieces
+
+    scores = jnp.asarray([9.0, 1, 5, 7, 0, 3, 8])[None, :, None]
+    real = jnp.asarray([[False] + [True] * 6])
+    got = np.asarray(pool_within_pieces(scores, real, chunk=4, kernel=3))[0, 1:, 0]
+    assert got.tolist() == [5, 7, 7, 3, 8, 8]
+    assert np.asarray(pool_within_pieces(scores, real, chunk=4, kernel=1)).tolist() == np.asarray(scores).tolist()
+
+
+@pytest.mark.parametrize("L,chunk,budget,n_s,local,pool", [(48, 8, 16, 3, 5, 1), (61, 16, 20, 4, 7, 1), (40, 8, 12, 0, 0, 1),
+                                                           (61, 16, 20, 4, 7, 5), (48, 8, 16, 3, 5, 3)])
+def test_layer0_survivors_match_a_numpy_simulation(tiny, L, chunk, budget, n_s, local, pool):
+    """Layer 0's scores depend only on each token itself: Algorithm 1 simulated on HF's projections
+    (max-pooled within each chunk in numpy for ``pool > 1``)."""
     model, hf = tiny
     tokens = np.random.default_rng(L).integers(0, 97, size=(1, L)).astype(np.int32)
     art = heads_for(model, seed=L)
-    method = Locret(budget=budget, chunk=chunk, local=local, stabilizers=n_s)
+    method = Locret(budget=budget, chunk=chunk, local=local, stabilizers=n_s, pool=pool)
     cache = prefilled(model, method, tokens, None, art)
-    scores = layer0_scores(hf, art.arrays["w1"][0], art.arrays["w2"][0], tokens)
+    scores = max_pool_in_pieces(layer0_scores(hf, art.arrays["w1"][0], art.arrays["w2"][0], tokens), chunk, pool)
     b = budget - local
     for h in range(model.config.num_kv_heads):
         want = simulate(scores[:, h], L, chunk, b, n_s, local)
@@ -181,13 +205,13 @@ def test_schedule_is_independent_of_the_prefill_call_size(tiny):
     model, _ = tiny
     tokens = np.random.default_rng(7).integers(0, 97, size=(1, 64)).astype(np.int32)
     art = heads_for(model, seed=1)
-    method = Locret(budget=20, chunk=8, local=6, stabilizers=3)
-    ref = prefilled(model, method, tokens, 8, art)
-    for chunk_size in (None, 16, 32):
-        got = prefilled(model, method, tokens, chunk_size, art)
-        for a, b in zip(ref.layers, got.layers):
-            np.testing.assert_array_equal(np.asarray(a.buffer.slots), np.asarray(b.buffer.slots))
-            np.testing.assert_allclose(np.asarray(a.buffer.k), np.asarray(b.buffer.k), atol=1e-5)
+    for method in (Locret(budget=20, chunk=8, local=6, stabilizers=3), Locret(budget=20, chunk=8, local=6, stabilizers=3, pool=5)):
+        ref = prefilled(model, method, tokens, 8, art)
+        for chunk_size in (None, 16, 32):
+            got = prefilled(model, method, tokens, chunk_size, art)
+            for a, b in zip(ref.layers, got.layers):
+                np.testing.assert_array_equal(np.asarray(a.buffer.slots), np.asarray(b.buffer.slots))
+                np.testing.assert_allclose(np.asarray(a.buffer.k), np.asarray(b.buffer.k), atol=1e-5)
 
 
 def test_memory_is_bounded_by_budget_plus_chunk(tiny):
@@ -238,6 +262,9 @@ def test_bad_input_is_a_clear_error(tiny):
         Locret(stabilizers=1.5)
     with pytest.raises(ValueError, match="positions must be one of original, contiguous"):
         Locret(positions="packed")
+    for bad in (0, 2, 3.0, True):
+        with pytest.raises(ValueError, match="pool must be an odd int >= 1"):
+            Locret(pool=bad)
     with pytest.raises(ValueError, match="n_s=12 must be smaller than b=12"):
         new_cache(Locret(budget=16, local=4, stabilizers=12), c, 1, 40, 2, model.dtype, artifact=art)
     with pytest.raises(ValueError, match="longer than the local window"):

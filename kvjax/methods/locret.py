@@ -35,6 +35,13 @@ Deviations and choices (documented, measured where they change results):
   call, or calls of any multiple of ``chunk`` tokens, give the same cache. In a left-padded batch
   the grid counts padding slots (rows share slots); the paper's grid starts at the first token.
 * **Ragged batches.** A row keeps ``b_r = row budget - local`` tokens outside its local window.
+* **Score pooling** (``pool``, off by default: the paper's method). ``pool=k`` (odd) replaces each
+  token's head score by the maximum over the ``k`` tokens centred on it, within the same piece of
+  ``B`` tokens (padding excluded), once, when the piece is first scored; the pooled score is the one
+  stored. The paper asks for adjacent important tokens through its smoothness loss only; SnapKV
+  (kernel 7, max) and HeteroCache's reference (kernel 5) pool their scores so that a kept token keeps
+  its neighbours, and the ready models' tokenizers split a number into single digits, each of which
+  must survive. Measured in the README's Locret results.
 * **Training.** Heads shipped with kvjax are smaller and trained on less data than the paper's
   (``kvjax train-locret``; the report in ``docs/results/`` states size, data and wall time), on labels
   standardised per head (:mod:`train.locret`: a deviation that raised Qwen's held-out overlap from
@@ -47,6 +54,8 @@ import dataclasses
 import os
 from typing import Any
 
+import jax.numpy as jnp
+
 from kvjax.artifacts import load_artifact, require_artifact, shipped_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
@@ -55,8 +64,26 @@ from kvjax.budgets import check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
 from kvjax.paged import PagedKV, append_and_attend
 from kvjax.retaining_heads import KIND, apply_head, check_heads, head_features, random_heads_artifact
+from kvjax.selection import pool1d
 
 HEADS = ("trained", "random")
+
+
+def pool_within_pieces(scores, real, chunk: int, kernel: int):
+    """Max-pool ``scores[B, T, H]`` over ``kernel`` tokens within pieces of ``chunk`` tokens from the call's start.
+
+    ``real[B, T]`` marks the tokens that are not padding: padding never lends its score to a neighbour
+    (padding's own entries are meaningless: padding is never stored). The pieces are those
+    :func:`kvjax.bounded_prefill.prefill_in_pieces` evicts after, so a call of any multiple of
+    ``chunk`` tokens pools the same way.
+    """
+    B, T, H = scores.shape
+    n = -(-T // chunk)
+    extra = n * chunk - T
+    x = jnp.pad(scores, ((0, 0), (0, extra), (0, 0))).reshape(B, n, chunk, H).transpose(0, 1, 3, 2)
+    ok = jnp.pad(real, ((0, 0), (0, extra))).reshape(B, n, 1, chunk)
+    pooled = pool1d(x, ok, kernel, "max").transpose(0, 1, 3, 2).reshape(B, n * chunk, H)
+    return pooled[:, :T]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +104,8 @@ class Locret:
       evict_during_decode: keep ``budget`` tokens per head while decoding too (module docstring, step 3).
       positions: "original" (keys at their own positions) or "contiguous" (the reference's: the
         compacted cache moved to consecutive positions after every eviction; module docstring).
+      pool: odd kernel of the max-pooling of the head scores within each piece of ``chunk`` tokens
+        (1: none, the paper's; a deviation, module docstring).
       page_size: tokens per page of the compressed pools.
       implementation: decode attention implementation, auto | xla | pallas | pallas_interpret.
     """
@@ -89,6 +118,7 @@ class Locret:
     seed: int = 0
     evict_during_decode: bool = False
     positions: str = "original"
+    pool: int = 1
     page_size: int = 16
     implementation: str = "auto"
     name = "locret"
@@ -98,6 +128,8 @@ class Locret:
         check_schedule(self.name, self.chunk, self.local, self.stabilizers, self.positions)
         if not isinstance(self.heads, str) or (self.heads not in HEADS and not self.heads.endswith(".npz")):
             raise ValueError(f"locret: heads must be one of {', '.join(HEADS)} or a heads .npz file, got {self.heads!r}")
+        if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 1 or self.pool % 2 == 0:
+            raise ValueError(f"locret: pool must be an odd int >= 1 (1: no pooling), got {self.pool!r}")
         if self.page_size <= 0:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
         resolve_implementation(self.implementation)
@@ -143,11 +175,15 @@ class Locret:
                               positions=self.positions)
         return Cache.create(layers, self, spec, artifact=art)
 
-    @staticmethod
-    def token_scores(v, ctx: AttendContext):
-        """Each new token's score ``[B, T, Hkv]`` from the layer's retaining head (its own pre-RoPE q, k and v)."""
+    def token_scores(self, v, ctx: AttendContext):
+        """Each new token's score ``[B, T, Hkv]`` from the layer's retaining head (its own pre-RoPE q, k and v),
+        max-pooled within pieces of ``chunk`` tokens when ``pool > 1``."""
         heads = ctx.artifact.arrays
-        return apply_head(heads["w1"][ctx.layer], heads["w2"][ctx.layer], head_features(ctx.q_pre_rope, ctx.k_pre_rope, v))
+        scores = apply_head(heads["w1"][ctx.layer], heads["w2"][ctx.layer], head_features(ctx.q_pre_rope, ctx.k_pre_rope, v))
+        if self.pool == 1:
+            return scores
+        real = ctx.start + jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :] >= ctx.pad[:, None]  # [B, T]
+        return pool_within_pieces(scores, real, self.chunk, self.pool)
 
     def prefill_chunk(self, state: BoundedPrefill, q, k, v, ctx: AttendContext):
         """Score the call's tokens once with the layer's retaining head, then the bounded schedule (:mod:`kvjax.bounded_prefill`)."""
@@ -182,7 +218,7 @@ class Locret:
         facts = {"b": b, "stabilizers": n_s, "local": self.local, "chunk": self.chunk, "heads": self.heads,
                  "head_hidden": int(cache.artifact.arrays["w1"].shape[2]),
                  "prefill_buffer_tokens_per_head": b + self.local + self.chunk,
-                 "evicts_during_decode": self.evict_during_decode, "positions": self.positions}
+                 "evicts_during_decode": self.evict_during_decode, "positions": self.positions, "pool": self.pool}
         if self.evict_during_decode:
             held = [int(x) for x in (cache.layers[0].buffer.slots >= 0).sum(axis=-1).max(axis=0)]
             return {**facts, "held_tokens_per_head_layer0": held}
