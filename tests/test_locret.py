@@ -99,6 +99,9 @@ def test_pooling_within_pieces_on_a_hand_computed_case():
     got = np.asarray(pool_within_pieces(scores, real, chunk=4, kernel=3))[0, 1:, 0]
     assert got.tolist() == [5, 7, 7, 3, 8, 8]
     assert np.asarray(pool_within_pieces(scores, real, chunk=4, kernel=1)).tolist() == np.asarray(scores).tolist()
+    # a call shorter than a chunk (a question, a decoded token) is one piece
+    assert np.asarray(pool_within_pieces(scores[:, 1:4], real[:, 1:4], chunk=8, kernel=3))[0, :, 0].tolist() == [5, 7, 7]
+    assert np.asarray(pool_within_pieces(scores[:, 4:5], real[:, 4:5], chunk=8, kernel=3)).tolist() == [[[0.0]]]
 
 
 @pytest.mark.parametrize("L,chunk,budget,n_s,local,pool", [(48, 8, 16, 3, 5, 1), (61, 16, 20, 4, 7, 1), (40, 8, 12, 0, 0, 1),

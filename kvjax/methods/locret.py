@@ -78,11 +78,12 @@ def pool_within_pieces(scores, real, chunk: int, kernel: int):
     ``chunk`` tokens pools the same way.
     """
     B, T, H = scores.shape
-    n = -(-T // chunk)
-    extra = n * chunk - T
-    x = jnp.pad(scores, ((0, 0), (0, extra), (0, 0))).reshape(B, n, chunk, H).transpose(0, 1, 3, 2)
-    ok = jnp.pad(real, ((0, 0), (0, extra))).reshape(B, n, 1, chunk)
-    pooled = pool1d(x, ok, kernel, "max").transpose(0, 1, 3, 2).reshape(B, n * chunk, H)
+    piece = min(chunk, T)  # a call shorter than a chunk is one piece (no padding to a whole chunk)
+    n = -(-T // piece)
+    extra = n * piece - T
+    x = jnp.pad(scores, ((0, 0), (0, extra), (0, 0))).reshape(B, n, piece, H).transpose(0, 1, 3, 2)
+    ok = jnp.pad(real, ((0, 0), (0, extra))).reshape(B, n, 1, piece)
+    pooled = pool1d(x, ok, kernel, "max").transpose(0, 1, 3, 2).reshape(B, n * piece, H)
     return pooled[:, :T]
 
 
