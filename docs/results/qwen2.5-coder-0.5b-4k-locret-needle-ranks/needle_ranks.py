@@ -10,7 +10,10 @@ whole prompt: Locret's chunked schedule also forces stabilizers and scores token
 compressed cache, so it is an explanation, not a replay.
 
     python docs/results/qwen2.5-coder-0.5b-4k-locret-needle-ranks/needle_ranks.py \
-        --task niah_multikey --length 4096 [--heads runs/x/heads.npz]
+        --task niah_multikey --length 4096 [--heads runs/x/heads.npz] [--pool 7]
+
+``--pool k`` ranks the predicted scores after Locret's ``pool=k`` (max over ``k`` neighbours within each
+chunk of ``--chunk`` tokens, :func:`kvjax.methods.locret.pool_within_pieces`); the labels stay unpooled.
 """
 
 import argparse
@@ -22,6 +25,7 @@ import numpy as np
 import models
 from evals.tasks import make_samples
 from kvjax.artifacts import load_artifact, model_identity, shipped_artifact
+from kvjax.methods.locret import pool_within_pieces
 from kvjax.retaining_heads import KIND
 from train.labels import collect
 from train.locret import predict
@@ -34,6 +38,8 @@ p.add_argument("--samples", type=int, default=4)
 p.add_argument("--budgets", default="0.1,0.25")
 p.add_argument("--local", type=int, default=100)
 p.add_argument("--heads", default=None, help="heads .npz (default: the shipped heads)")
+p.add_argument("--pool", type=int, default=1, help="max-pool the predicted scores as locret:pool=K (1: none)")
+p.add_argument("--chunk", type=int, default=1024, help="chunk (B) of the pooling's pieces")
 args = p.parse_args()
 budgets = [float(b) for b in args.budgets.split(",")]
 
@@ -53,7 +59,7 @@ def ranks(scores, body):
     return r
 
 
-print(f"model {args.model}, task {args.task} @ {args.length}, heads {args.heads or 'shipped'}\n")
+print(f"model {args.model}, task {args.task} @ {args.length}, heads {args.heads or 'shipped'}, pool {args.pool}\n")
 print("| prompt (depth) | needle | value tokens | " + " | ".join(
     f"heads keeping it at {b:g}: predicted / labels" for b in budgets) + " | median worst rank: predicted / labels |")
 print("|---|---|---|" + "---:|" * (len(budgets) + 1))
@@ -67,7 +73,10 @@ for s in make_samples(args.task, tok, args.length, args.samples):
     feats, labels, pad, start = collect(model, ids, answer, length=len(ids) + 16, answer_max=16)
     n = len(ids)
     body = n - args.local
-    pred = np.asarray(predict(heads, jnp.asarray(feats[:, pad:start]))).transpose(0, 2, 1)
+    pred = predict(heads, jnp.asarray(feats[:, pad:start]))  # [L, n, Hkv]
+    if args.pool > 1:
+        pred = pool_within_pieces(pred, jnp.ones(pred.shape[:2], bool), args.chunk, args.pool)
+    pred = np.asarray(pred).transpose(0, 2, 1)
     rp, rl = ranks(pred, body), ranks(labels[:, :, pad:start], body)
     for m in re.finditer(NEEDLE, text):
         v0 = int(np.searchsorted(offs, m.start(1), side="right") - 1)
