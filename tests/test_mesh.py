@@ -85,7 +85,7 @@ def test_tensor_parallel_row_order_gives_the_same_logits_on_one_device():
 
 @pytest.fixture(scope="module")
 def mesh_run():
-    """Generations of every method on one device (the unsharded model) and on meshes (2,4), (8,1), (1,8) of 8
+    """Generations of every method on one device (the unsharded model) and on meshes (2,4) and (1,8) of 8
     simulated CPU devices."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.mesh_worker", str(DEVICES), str(part)], cwd=ROOT, env=env,
@@ -134,7 +134,6 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
     # hand-computed: the full cache's K is [8 rows, 8 KV heads, 160 slots, 8]
     assert one["full"]["layout"][".k"] == [[8, 8, 160, 8]]
     assert meshes["data=2,model=4"]["full"]["layout"][".k"] == [[4, 2, 160, 8]] * DEVICES
-    assert meshes["data=8,model=1"]["full"]["layout"][".k"] == [[1, 8, 160, 8]] * DEVICES
     assert meshes["data=1,model=8"]["full"]["layout"][".k"] == [[8, 1, 160, 8]] * DEVICES
     assert meshes["data=2,model=4"]["full"]["layout"]["pad"] == [[4]] * DEVICES
     # SnapKV: 40 + 6 slots per head -> 3 pages of 16; 8 rows x 8 heads x 3 = 192 pages, 24 per device
@@ -151,7 +150,7 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
                    ".tracker.static", ".tracker.static_rows", ".tracker.keep_rows"}
     # padded per device block: pools of unequal capacities, follower slots (host copies and per-slot arrays)
     padded = {".paged.k_pages", ".paged.v_pages", ".host.k", ".host.v", ".region_start", ".region_count", ".applied"}
-    for mesh in ("data=2,model=4", "data=8,model=1", "data=1,model=8"):
+    for mesh in ("data=2,model=4", "data=1,model=8"):
         rows = parse_mesh(mesh)["data"]
         for name, run in meshes[mesh].items():
             for key, shards in run["layout"].items():
@@ -186,9 +185,9 @@ def test_host_memory_stays_host_memory_on_every_mesh(mesh_run):
         assert runs["full"]["layout"]["memory_kinds"] == ["device"], mesh
     # HCAttention's prompt values [8 rows x 8 heads, 128 slots, 8] in pinned_host, 8 (row, head) pairs per device
     assert mesh_run["meshes"]["data=2,model=4"]["hcattention"]["layout"][".values"] == [[8, 128, 8]] * DEVICES
-    # HeteroCache's layer 0 satellites are heads 1, 4 and 6: one host head per row on one device (no padding),
-    # one slot per head block of 2 (4 slots, one of them padding) or of 1 (8 slots, 5 of them padding)
-    for mesh, shape in [("data=8,model=1", [3, 128, 8]), ("data=2,model=4", [4, 128, 8]), ("data=1,model=8", [8, 128, 8])]:
+    # HeteroCache's layer 0 satellites are heads 1, 4 and 6: one slot per head block of 2 (4 slots, one of them
+    # padding) or of 1 (8 slots, 5 of them padding)
+    for mesh, shape in [("data=2,model=4", [4, 128, 8]), ("data=1,model=8", [8, 128, 8])]:
         run = mesh_run["meshes"][mesh]["heterocache"]
         assert run["layout"]["memory_kinds"] == ["device", "pinned_host"]
         assert run["layout"][".host.k"] == [shape] * DEVICES, mesh
@@ -233,11 +232,10 @@ def test_weights_are_tensor_parallel_on_the_model_axis(mesh_run):
     assert params[ONE_DEVICE] == {"qkv_proj": [[256, 64]], "down_proj": [[64, 64]]}
     assert params["data=2,model=4"] == {"qkv_proj": [[64, 64]] * DEVICES, "down_proj": [[64, 16]] * DEVICES}
     assert params["data=1,model=8"] == {"qkv_proj": [[32, 64]] * DEVICES, "down_proj": [[64, 8]] * DEVICES}
-    assert params["data=8,model=1"] == {"qkv_proj": [[256, 64]] * DEVICES, "down_proj": [[64, 64]] * DEVICES}
 
 
 def test_decode_loop_compiles_once_per_mesh(mesh_run):
-    assert len(mesh_run["meshes"]) == 4  # one device and three meshes
+    assert len(mesh_run["meshes"]) == 3  # one device and two meshes
     assert mesh_run["compiles"] == {mesh: 1 for mesh in mesh_run["meshes"]}
 
 
