@@ -47,6 +47,27 @@ def tiny_llama3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """Path of a 2-layer random Llama with SmolLM2's tokenizer (and chat template) saved next to it."""
+    import torch
+    import transformers
+
+    from models.registry import ready_model_path
+    from models.tokenizer import load_tokenizer
+
+    ready_model_or_skip("smollm2-135m")
+    tok = load_tokenizer(ready_model_path("smollm2-135m"))
+    path = str(tmp_path_factory.mktemp("tiny_chat"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                      tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The SmolLM2-135M ready model, loaded by kvjax in float32."""
     ready_model_or_skip("smollm2-135m")

@@ -18,27 +18,6 @@ from tests.conftest import ready_model_or_skip
 from kvjax.cache import new_cache
 
 
-@pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory):
-    """A 2-layer random Llama with SmolLM2's tokenizer (and chat template) saved next to it."""
-    import torch
-    import transformers
-
-    from models.registry import ready_model_path
-    from models.tokenizer import load_tokenizer
-
-    ready_model_or_skip("smollm2-135m")
-    tok = load_tokenizer(ready_model_path("smollm2-135m"))
-    path = str(tmp_path_factory.mktemp("tiny_chat"))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                      tie_word_embeddings=True)
-    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
-
-
 def _lines(path):
     with open(path) as f:
         return [json.loads(x) for x in f if x.strip()]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,3 +134,26 @@ def test_sampling_is_deterministic_per_seed(tiny):
     c = generate_tokens(tiny, [row], max_new_tokens=8, sampling=s, seed=4)[0]
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
+
+
+def test_ask_several_questions_over_one_compressed_context(tiny_chat_model):
+    """kvjax.ask compresses the context once; at budget 1.0 each answer equals generate() with the full cache
+    and the question after the context; at a small budget the cache holds the budget, not the context."""
+    import kvjax
+    from kvjax.methods import SnapKV
+
+    model = load_model(tiny_chat_model, "float32")
+    # the layers' weights scaled up so attention is peaked and the greedy answer depends on the question
+    layers = jax.tree_util.tree_map(lambda x: x * 50 if x.ndim == 2 else x, model.params["layers"])
+    model = dataclasses.replace(model, params={**model.params, "layers": layers})
+    context = ("Ada keeps three cats named Pixel, Byte and Nibble. Her brother Alan keeps a parrot called Turing. "
+               "The cats sleep in the kitchen and the parrot sleeps in the study. ") * 3
+    questions = ["How many cats does Ada keep?", "What is the parrot called?"]
+    answers = kvjax.ask(model, context, questions, method=SnapKV(budget=1.0, window=8), chat=True, max_new_tokens=12)
+    for q, got in zip(questions, answers):
+        ref = kvjax.generate(model, context, question=q, chat=True, max_new_tokens=12)
+        assert got.tokens == ref.tokens and got.text == ref.text, q
+        assert got.prompt_tokens == ref.prompt_tokens
+    assert answers[0].tokens != answers[1].tokens  # the questions lead to different answers
+    small = kvjax.ask(model, context, questions[:1], method=SnapKV(budget=32, window=8), chat=True, max_new_tokens=4)
+    assert small[0].cache_stats["kept_tokens_per_head"][0] == [32, 32]
