@@ -48,7 +48,9 @@ def tiny_llama3(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory):
-    """Path of a 2-layer random Llama with SmolLM2's tokenizer (and chat template) saved next to it."""
+    """Path of a 2-layer random Llama with SmolLM2's tokenizer (and chat template) saved next to it. The layers'
+    weights are scaled up (x50) so attention is peaked and greedy answers depend on the prompt (at the default
+    initialisation every answer is a run of newlines, and comparing answers would prove nothing)."""
     import torch
     import transformers
 
@@ -62,7 +64,12 @@ def tiny_chat_model(tmp_path_factory):
     config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                                       tie_word_embeddings=True)
-    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.startswith("model.layers.") and weight.ndim == 2:
+                weight.mul_(50)
+    model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
 

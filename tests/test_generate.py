@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,9 +141,6 @@ def test_ask_several_questions_over_one_compressed_context(tiny_chat_model):
     from kvjax.methods import SnapKV
 
     model = load_model(tiny_chat_model, "float32")
-    # the layers' weights scaled up so attention is peaked and the greedy answer depends on the question
-    layers = jax.tree_util.tree_map(lambda x: x * 50 if x.ndim == 2 else x, model.params["layers"])
-    model = dataclasses.replace(model, params={**model.params, "layers": layers})
     context = ("Ada keeps three cats named Pixel, Byte and Nibble. Her brother Alan keeps a parrot called Turing. "
                "The cats sleep in the kitchen and the parrot sleeps in the study. ") * 3
     questions = ["How many cats does Ada keep?", "What is the parrot called?"]
