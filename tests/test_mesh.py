@@ -28,6 +28,9 @@ from tests.mesh_worker import ONE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
+# The worker processes run tiny models, where compiling dominates: XLA's CPU backend without LLVM optimisation
+# compiles ~25% faster here and generates the same tokens (measured on the mesh worker's part 1).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 def test_parse_mesh_and_its_errors():
@@ -87,7 +90,7 @@ def test_tensor_parallel_row_order_gives_the_same_logits_on_one_device():
 def mesh_run():
     """Generations of every method on one device (the unsharded model) and on meshes (2,4) and (1,8) of 8
     simulated CPU devices."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES} {FAST_COMPILE}", JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.mesh_worker", str(DEVICES), str(part)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for part in (0, 1)]
     parts = []
@@ -258,8 +261,7 @@ def _free_port() -> int:
 def test_two_processes_generate_together_like_one():
     """Two processes joined by ``kvjax.distributed`` (localhost coordinator, gloo) split one model over a
     mesh spanning both and generate what a single process does."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
     port = str(_free_port())
     cmd = [sys.executable, "-m", "tests.distributed_worker"]
     procs = [subprocess.Popen(cmd + [str(i), port], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
