@@ -12,11 +12,21 @@ from tests.conftest import ready_model_or_skip
 pytestmark = pytest.mark.real_model
 
 
-def test_bench_methods_report_has_a_row_per_length_and_method(tmp_path):
-    ready_model_or_skip("smollm2-135m")
+def test_bench_methods_report_has_a_row_per_length_and_method(tiny_chat_model, tmp_path):
+    """The report's structure on a 2-layer model (2 KV heads of 8; the bench's mechanics do not depend on the
+    model, and a 30-layer one compiled every method for two minutes); Locret runs random heads from a file."""
+    from kvjax.artifacts import model_identity, save_artifact
+    from kvjax.retaining_heads import random_heads_artifact
+    from models import load_model
+
+    config = load_model(tiny_chat_model, "float32", tokenizer=False).config
+    heads = tmp_path / "heads.npz"
+    save_artifact(random_heads_artifact(model_identity(config), config.num_layers, config.num_heads,
+                                        config.num_kv_heads, config.head_dim, 16), heads)
+    quest, locret = "quest:dense_layers=1", f"locret:local=16:chunk=128:heads={heads}"
     out = tmp_path / "x.md"
     code = bench_methods.main([
-        "--model", "smollm2-135m", "--lengths", "256", "--methods", "snapkv,quest,locret:local=16:chunk=128", "--new-tokens", "4",
+        "--model", tiny_chat_model, "--lengths", "256", "--methods", f"snapkv,{quest},{locret}", "--new-tokens", "4",
         "--budget", "0.25", "--chunk-size", "256", "--bandwidth-mib", "64", "--bandwidth-repeats", "2",
         "--out", str(out),
     ])
@@ -25,15 +35,15 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tmp_path):
     report = json.loads((tmp_path / "x.json").read_text())
     assert (tmp_path / "x.png").stat().st_size > 0
 
-    assert report["command"].startswith("kvjax bench --model smollm2-135m")
-    assert "`kvjax bench --model smollm2-135m" in md
+    assert report["command"].startswith(f"kvjax bench --model {tiny_chat_model}")
+    assert f"`kvjax bench --model {tiny_chat_model}" in md
     assert report["machine"]["cpu"] and report["versions"]["jax"]
     assert report["bandwidth"]["machine"] > 0
-    assert report["args"]["methods"] == ["full", "snapkv", "quest", "locret:local=16:chunk=128"]
+    assert report["args"]["methods"] == ["full", "snapkv", quest, locret]
 
     rows = report["rows"]
     assert [(r["prompt_tokens"], r["method"]) for r in rows] == [
-        (L, m) for L in (256,) for m in ("full", "snapkv", "quest", "locret:local=16:chunk=128")]
+        (L, m) for L in (256,) for m in ("full", "snapkv", quest, locret)]
     assert not [r for r in rows if "error" in r]
     by = {(r["prompt_tokens"], r["method"]): r for r in rows}
     header = next(line for line in md.splitlines() if line.startswith("| L | method |"))
@@ -43,11 +53,11 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tmp_path):
     table = [line for line in md.splitlines() if line.startswith("| 256 |")]
     assert len(table) == 4 and all(len(line.split("|")) == len(header.split("|")) for line in table)
 
-    kv_per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads of 64, float32
+    kv_per_token = 2 * 2 * 2 * 8 * 4  # 2 layers, 2 KV heads of 8, float32
     for L in (256,):
-        full, snap, quest = by[L, "full"], by[L, "snapkv"], by[L, "quest"]
+        full, snap, qst = by[L, "full"], by[L, "snapkv"], by[L, quest]
         assert full["decode_speedup"] == 1 and full["device_bytes_ratio"] == 1 and full["prefill_ratio"] == 1
-        for r in (full, snap, quest):
+        for r in (full, snap, qst):
             assert r["prefill_s"] >= r["compress_s"] > 0 and r["decode_ms_per_token"] > 0
             assert r["limit_ms_per_token"] > 0 and r["over_limit"] > 0
             assert r["compile_s"]["prefill"] > 0 and r["compile_s"]["decode"] > 0
@@ -56,19 +66,19 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tmp_path):
         assert full["device_bytes"] >= kv_per_token * (L + 4)
         # SnapKV evicts: a quarter of the prompt (+ room for the new tokens) per head
         assert snap["device_bytes"] < full["device_bytes"]
-        assert snap["cache_stats"]["kept_tokens_per_head"] == [[L // 4] * 3] * 30
+        assert snap["cache_stats"]["kept_tokens_per_head"] == [[L // 4] * 2] * 2
         assert snap["kv_read_bytes_per_step"] < full["kv_read_bytes_per_step"]
         # Quest keeps every prompt token on the device (its pools hold at least the prompt's K/V; the full cache is
         # larger here only because its buffer is rounded up to 256 slots) and saves reads, not memory
-        assert quest["cache_stats"]["page_pool_bytes"] >= kv_per_token * (L + 4)
-        assert quest["device_bytes"] > snap["device_bytes"]
-        assert snap["kv_read_bytes_per_step"] < quest["kv_read_bytes_per_step"] < full["kv_read_bytes_per_step"]
-        assert quest["staging"]["shared_by"] == ["quest"] and snap["staging"]["window"] == 32
+        assert qst["cache_stats"]["page_pool_bytes"] >= kv_per_token * (L + 4)
+        assert qst["device_bytes"] > snap["device_bytes"]
+        assert snap["kv_read_bytes_per_step"] < qst["kv_read_bytes_per_step"] < full["kv_read_bytes_per_step"]
+        assert qst["staging"]["shared_by"] == [quest] and snap["staging"]["window"] == 32
         # Locret prefills on its own, evicting while it goes: the budget's tokens per head, no host tier
-        loc = by[L, "locret:local=16:chunk=128"]
+        loc = by[L, locret]
         assert loc["staging"] == "own prefill" and loc["host_bytes"] == 0 and loc["decode_ms_per_token"] > 0
-        assert loc["cache_stats"]["kept_tokens_per_head"] == [[L // 4] * 3] * 30
-    assert "- its own prefill (evicting while prefilling): locret:local=16:chunk=128" in md
+        assert loc["cache_stats"]["kept_tokens_per_head"] == [[L // 4] * 2] * 2
+    assert f"- its own prefill (evicting while prefilling): {locret}" in md
 
 
 @pytest.mark.parametrize("argv, match", [
