@@ -7,7 +7,6 @@ import json
 import pytest
 
 from evals import bench_methods
-from tests.conftest import ready_model_or_skip
 
 pytestmark = pytest.mark.real_model
 

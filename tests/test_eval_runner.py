@@ -14,7 +14,6 @@ from evals.fidelity import compare_logprobs, teacher_forced_logprobs
 from kvjax.cli import main as cli_main
 from kvjax.generate import compress, decode_step, prefill
 from kvjax.methods import FullCache, SnapKV
-from tests.conftest import ready_model_or_skip
 from kvjax.cache import new_cache
 
 
