@@ -15,13 +15,13 @@ from kvjax.generate import prefill_prompt
 from kvjax.methods import ChunkedEviction, FullCache, get_method
 from models import load_model
 from tests.test_locret_train import hf_projections
-from tests.tiny import save_tiny
+from tests.tiny import PEAKED, save_tiny
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2_chunked")
-    hf = save_tiny("qwen2", str(path), seed=5)
+    hf = save_tiny("qwen2", str(path), seed=5, scale=PEAKED)
     return load_model(str(path), "float32", tokenizer=False), hf
 
 

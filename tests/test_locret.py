@@ -19,7 +19,7 @@ from kvjax.generate import TRACE_COUNTS, compress, decode_loop, prefill_prompt
 from kvjax.methods import FullCache, Locret, get_method
 from kvjax.retaining_heads import random_heads_artifact
 from models import load_model
-from tests.tiny import CONFIGS, save_tiny
+from tests.tiny import CONFIGS, PEAKED, save_tiny
 
 HIDDEN = 16
 
@@ -27,7 +27,7 @@ HIDDEN = 16
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2_locret")
-    hf = save_tiny("qwen2", str(path), seed=9)
+    hf = save_tiny("qwen2", str(path), seed=9, scale=PEAKED)
     return load_model(str(path), "float32", tokenizer=False), hf
 
 

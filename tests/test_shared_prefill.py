@@ -13,7 +13,7 @@ from kvjax.methods import H2O, HBW, FullCache, HeteroCache, PyramidKV, Quest, Sn
 from kvjax.cache import CacheSpec
 from kvjax.shared_prefill import cache_for, init_shared_cache
 from models import load_model
-from tests.tiny import save_tiny
+from tests.tiny import PEAKED, save_tiny
 from kvjax.cache import new_cache
 
 L, STEPS = 48, 5
@@ -43,7 +43,7 @@ def artifact_for(method, model):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2")
-    save_tiny("qwen2", str(path), seed=5)
+    save_tiny("qwen2", str(path), seed=5, scale=PEAKED)
     return load_model(str(path), "float32", tokenizer=False)
 
 

@@ -21,7 +21,7 @@ from kvjax.methods import FullCache
 from kvjax.paged import append_and_attend, build_paged
 from kvjax.working_buffer import buffer_chunk, evict_to, init_working, kept_indices
 from models import load_model
-from tests.tiny import save_tiny
+from tests.tiny import PEAKED, save_tiny
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ class EvictEveryChunk:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2_buffer")
-    save_tiny("qwen2", str(path), seed=9)
+    save_tiny("qwen2", str(path), seed=9, scale=PEAKED)
     return load_model(str(path), "float32", tokenizer=False)
 
 

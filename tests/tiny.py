@@ -27,8 +27,16 @@ CONFIGS = {
 }
 
 
-def save_tiny(kind: str, path: str, seed: int = 0):
-    """Create a random tiny HF model of ``kind``, save it to ``path`` and return the torch model."""
+PEAKED = 10.0  # scale of the layers' matrices that makes greedy tokens depend on the prompt (see save_tiny)
+
+
+def save_tiny(kind: str, path: str, seed: int = 0, scale: float = 1.0):
+    """Create a random tiny HF model of ``kind``, save it to ``path`` and return the torch model.
+
+    ``scale`` multiplies the decoder layers' weight matrices. At HF's default initialisation (1.0) a tied-embedding
+    model's greedy token hardly depends on the context (every compressed cache generates the full cache's tokens),
+    so tests that compare generated tokens use ``PEAKED``: attention is peaked and dropping context changes tokens.
+    """
     config_cls, model_cls, extra = CONFIGS[kind]
     torch.manual_seed(seed)
     config = config_cls(**{**BASE, **extra})
@@ -37,5 +45,7 @@ def save_tiny(kind: str, path: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.startswith("model.layers.") and p.ndim == 2:
+                p.mul_(scale)
     model.save_pretrained(path, safe_serialization=True)
     return model
