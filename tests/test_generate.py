@@ -12,14 +12,14 @@ from kvjax.generate import TRACE_COUNTS, Sampling, compress, decode_step, prefil
 from kvjax.methods import FullCache
 from models import load_model
 from models.llama import forward
-from tests.tiny import save_tiny
+from tests.tiny import PEAKED, save_tiny
 from kvjax.cache import new_cache
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2")
-    save_tiny("qwen2", str(path), seed=1)
+    save_tiny("qwen2", str(path), seed=1, scale=PEAKED)
     return load_model(str(path), "float32", tokenizer=False)
 
 
