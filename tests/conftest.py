@@ -56,6 +56,7 @@ def tiny_chat_model(tmp_path_factory):
 
     from models.registry import ready_model_path
     from models.tokenizer import load_tokenizer
+    from tests.tiny import scale_layer_matrices
 
     ready_model_or_skip("smollm2-135m")
     tok = load_tokenizer(ready_model_path("smollm2-135m"))
@@ -65,10 +66,7 @@ def tiny_chat_model(tmp_path_factory):
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                                       tie_word_embeddings=True)
     model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if name.startswith("model.layers.") and weight.ndim == 2:
-                weight.mul_(50)
+    scale_layer_matrices(model, 50)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path

@@ -30,6 +30,14 @@ CONFIGS = {
 PEAKED = 10.0  # scale of the layers' matrices that makes greedy tokens depend on the prompt (see save_tiny)
 
 
+def scale_layer_matrices(model, scale: float) -> None:
+    """Multiply a HF causal LM's decoder-layer weight matrices by ``scale`` in place (norms and biases unchanged)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("model.layers.") and p.ndim == 2:
+                p.mul_(scale)
+
+
 def save_tiny(kind: str, path: str, seed: int = 0, scale: float = 1.0):
     """Create a random tiny HF model of ``kind``, save it to ``path`` and return the torch model.
 
@@ -45,7 +53,6 @@ def save_tiny(kind: str, path: str, seed: int = 0, scale: float = 1.0):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-            elif name.startswith("model.layers.") and p.ndim == 2:
-                p.mul_(scale)
+    scale_layer_matrices(model, scale)
     model.save_pretrained(path, safe_serialization=True)
     return model
