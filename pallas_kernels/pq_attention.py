@@ -33,7 +33,9 @@ table on chip.  Two kernel forms, because arbitrary-index gathers lower very dif
   Compiled, ``block_s`` must be a multiple of 128 (the ``[G, block_s]`` score tile puts it on
   the 128-wide lane axis); other values raise ``ValueError`` (interpret mode accepts them).
 * ``backend="gpu"`` (Triton): *gather*.  The table row of each query head (``g * c`` f32, at
-  most 1 MiB) stays in L1/L2; each program loads a ``[block_s, g]`` tile of codes, forms flat
+  most 1 MiB) stays in L1/L2; each program takes up to ``ROWS_PER_PROGRAM`` (8) query rows of one
+  KV head (a decode step's GQA group; more rows, e.g. a question's tokens prefilled onto the cache,
+  take more programs rather than a longer unrolled loop), loads a ``[block_s, g]`` tile of codes, forms flat
   indices ``g_idx * c + code`` and gathers ``T`` with one vectorised load (``t_ref[h, flat]``:
   Triton lowering takes a single indexer per ref access), then reduces over ``g``.  Edge tiles
   use masked loads/stores (Triton does not bounds-check blocks).  ``block_s`` and ``g`` must be
@@ -254,14 +256,17 @@ def _pq_tpu(table, codes, lengths, *, block_s, interpret):
 # --------------------------------------------------------------------------------------------
 
 
+ROWS_PER_PROGRAM = 8  # query rows one GPU program scores (a static unroll): a decode step's GQA group fits
+
+
 def _gpu_kernel(t_ref, codes_ref, len_ref,  # inputs: [G, g*c] f32, [S, g] uint, [1] int32
                 z_ref, m_ref, l_ref,  # outputs: [G, S], [G], [G]
                 *, block_s, num_centroids):
     from jax.experimental.pallas import triton as pltriton
 
-    s = pl.program_id(2)
+    s = pl.program_id(3)
     seq, groups = codes_ref.shape
-    group = t_ref.shape[0]
+    rows = t_ref.shape[0]
     length = len_ref[0]
     pos = s * block_s + jnp.arange(block_s)
     in_seq = pos < seq
@@ -269,7 +274,7 @@ def _gpu_kernel(t_ref, codes_ref, len_ref,  # inputs: [G, g*c] f32, [S, g] uint,
                           mask=in_seq[:, None], other=0).astype(jnp.int32)
     flat = codes + (jnp.arange(groups) * num_centroids)[None, :]  # [bs, g]
     valid = pos < length
-    for gq in range(group):  # static unroll over the query heads of the group
+    for gq in range(rows):  # static unroll over this program's query rows (at most ROWS_PER_PROGRAM)
         # One indexer (row gq, gather columns flat): Triton lowers a single NDIndexer per ref
         # access only ("No support for multiple indexers yet" for t_ref.at[gq][flat]).
         z = jnp.sum(t_ref[gq, flat], axis=1)  # gather [bs, g] -> [bs]
@@ -284,6 +289,10 @@ def _gpu_kernel(t_ref, codes_ref, len_ref,  # inputs: [G, g*c] f32, [S, g] uint,
 
 
 def _pq_gpu(table, codes, lengths, *, block_s, interpret):
+    """The gather form: one program per (row, KV head, block of ``ROWS_PER_PROGRAM`` query rows, tile of
+    ``block_s`` tokens). A decode step's query heads of a KV head (``G <= 8``) share one program and one load
+    of the codes; more rows (a question prefilled onto the cache: ``G`` x its tokens) take more programs
+    instead of a longer unrolled loop."""
     from jax.experimental.pallas import triton as pltriton
 
     batch, num_kv_heads, group, groups, num_centroids = table.shape
@@ -293,32 +302,36 @@ def _pq_gpu(table, codes, lengths, *, block_s, interpret):
             f"GPU (Triton) form needs block_s and g to be powers of two, got block_s={block_s}, "
             f"g={groups}")
     num_blocks = pl.cdiv(seq, block_s)
+    rows = min(group, ROWS_PER_PROGRAM)
+    row_blocks = pl.cdiv(group, rows)
+    padded = row_blocks * rows  # zero rows of the table past ``group``: their outputs are dropped
     t = table.reshape(batch, num_kv_heads, group, groups * num_centroids)
+    t = jnp.pad(t, ((0, 0), (0, 0), (0, padded - group), (0, 0)))
     kernel = functools.partial(_gpu_kernel, block_s=block_s, num_centroids=num_centroids)
     z, m, l = pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, num_blocks),
+        grid=(batch, num_kv_heads, row_blocks, num_blocks),
         in_specs=[
-            pl.BlockSpec((None, None, group, groups * num_centroids),
-                         lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, seq, groups), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0)),
+            pl.BlockSpec((None, None, rows, groups * num_centroids),
+                         lambda b, h, r, s: (b, h, r, 0)),
+            pl.BlockSpec((None, None, seq, groups), lambda b, h, r, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, 1), lambda b, h, r, s: (b, h, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, group, seq), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, rows, seq), lambda b, h, r, s: (b, h, r, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, r, s: (b, h, s, r)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, r, s: (b, h, s, r)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, group, seq), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_blocks, group), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_blocks, group), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, padded, seq), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_blocks, padded), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_blocks, padded), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="pq_scores_gpu",
     )(t, codes, lengths.reshape(batch, num_kv_heads, 1))
-    return z, m, l
+    return z[:, :, :group], m[..., :group], l[..., :group]
 
 
 # --------------------------------------------------------------------------------------------

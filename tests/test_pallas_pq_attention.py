@@ -84,6 +84,8 @@ CASES = [
                                centroids=256, seq=300), 128),
     ("d128_g32_c1024_uint16_mha", dict(batch=1, kv_heads=2, group=1, head_dim=128, groups=32,
                                        centroids=1024, seq=250), 128),
+    ("d64_g16_c256_gqa11_rows_over_a_program", dict(batch=2, kv_heads=2, group=11, head_dim=64, groups=16,
+                                                    centroids=256, seq=200), 64),  # GPU form: 2 row blocks, 5 rows padded
     ("d128_g64_c4096_mqa4_bf16q", dict(batch=1, kv_heads=1, group=4, head_dim=128, groups=64,
                                        centroids=4096, seq=123, q_dtype=jnp.bfloat16,
                                        cb_dtype=jnp.bfloat16), None),
