@@ -4,10 +4,11 @@ For each prompt length, the compiled prefill step (one chunk of ``B`` tokens, th
 prompt: the most the cache ever holds) and the compression step are lowered and compiled for the
 full cache and for Locret at a fixed budget and chunk, and XLA's memory analysis is read:
 the cache's own device bytes (the step's donated argument), the step's temporaries and its
-outputs. Nothing is executed, so 32K prompts cost only compile time on a CPU. On a GPU/TPU, add
-``--measure`` to also run each prefill and read the device's peak memory (``memory_stats``): each
-(method, length) runs in a process of its own, since the allocator's peak is a high-water mark of
-the whole process that jax cannot reset. The peak includes the weights (reported beside it).
+outputs. Nothing is executed, so 32K prompts cost only compile time on a CPU. ``--measure`` also
+runs each prefill in a process of its own and measures its peak memory: on a GPU/TPU the device's
+peak bytes in use (``memory_stats``, a high-water mark of the whole process that jax cannot reset;
+it includes the weights, reported beside it); on a CPU, whose device buffers are host memory, the
+growth of the process's resident memory during the prefill (:func:`run_and_read_peak`).
 
 Prints and writes a Markdown table and JSON (``--out``), with the command that made them.
 """
@@ -15,6 +16,7 @@ Prints and writes a Markdown table and JSON (``--out``), with the command that m
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -53,19 +55,64 @@ def measure(model, method, length: int, chunk: int, artifact=None) -> dict:
             "prefill_step": _analysis(step), "compress_step": _analysis(fin)}
 
 
+def proc_status_bytes(field: str) -> int | None:
+    """``field`` (e.g. ``VmRSS``, ``VmHWM``) of this process from Linux's ``/proc/self/status``, in bytes; None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_resident_peak() -> bool:
+    """Reset this process's resident-memory high-water mark (Linux ``clear_refs`` 5); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def run_and_read_peak(model, method, length: int, chunk: int) -> dict:
-    """Run ``method``'s chunked prefill and compression of a ``length``-token prompt; the device's peak bytes
-    in use (None where the backend keeps no statistics, e.g. CPU) and the weights' bytes. The peak is a
-    high-water mark of the whole process: meaningful only as the first run of a fresh process."""
+    """Run ``method``'s chunked prefill and compression of a ``length``-token prompt and read its peak memory.
+
+    Accelerators: the device's peak bytes in use (``memory_stats``), a high-water mark of the whole process,
+    meaningful only as the first run of a fresh process. CPU (no device statistics; device buffers are host
+    memory): the chunk step is first compiled and run on one chunk, then the process's resident high-water
+    mark is reset (Linux) and the whole prefill and compression run; the peak resident bytes and the resident
+    bytes just before them give the run's own growth (cache, temporaries, outputs, and the compression step's
+    compilation). Large buffers must be returned to the system when freed for this to see them: the parent
+    starts the process with a fixed ``MALLOC_MMAP_THRESHOLD_``. The weights' bytes are reported beside both.
+    """
     from kvjax.cache import new_cache
     from kvjax.generate import compress, prefill_prompt
 
-    cache = new_cache(method, model.config, 1, length, 64, model.dtype)
-    _, cache = prefill_prompt(model.graphdef, model.params, jnp.zeros((1, length), jnp.int32), cache, chunk_size=chunk)
-    jax.block_until_ready(compress(cache))
-    stats = jax.devices()[0].memory_stats() or {}
+    tokens = jnp.zeros((1, length), jnp.int32)
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
-    return {"peak_device_bytes_measured": stats.get("peak_bytes_in_use"), "weights_device_bytes": weights}
+    stats = jax.devices()[0].memory_stats()
+    if stats is not None:
+        cache = new_cache(method, model.config, 1, length, 64, model.dtype)
+        _, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk)
+        jax.block_until_ready(compress(cache))
+        stats = jax.devices()[0].memory_stats() or {}
+        return {"peak_device_bytes_measured": stats.get("peak_bytes_in_use"), "weights_device_bytes": weights}
+    warm = new_cache(method, model.config, 1, length, 64, model.dtype)  # compile the chunk step outside the measurement
+    _, warm = prefill_prompt(model.graphdef, model.params, tokens[:, :chunk], warm, chunk_size=chunk)
+    jax.block_until_ready(warm)
+    del warm
+    gc.collect()
+    before = proc_status_bytes("VmRSS")
+    reset = reset_resident_peak()
+    cache = new_cache(method, model.config, 1, length, 64, model.dtype)
+    _, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk)
+    jax.block_until_ready(compress(cache))
+    peak = proc_status_bytes("VmHWM") if reset and before is not None else None
+    return {"peak_device_bytes_measured": None, "weights_device_bytes": weights, "rss_before_prefill_bytes": before,
+            "peak_rss_bytes": peak}
 
 
 def _peak_in_a_fresh_process(args, method: str, length: int) -> dict:
@@ -74,7 +121,9 @@ def _peak_in_a_fresh_process(args, method: str, length: int) -> dict:
            "--budget", str(args.budget), "--chunk", str(args.chunk), "--heads", args.heads]
     if args.random_weights:
         cmd.append("--random-weights")
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # the parent holds the weights too
+    # the parent holds the weights too; on a CPU, buffers above 128 KiB are mapped and unmapped (glibc's adaptive
+    # threshold would otherwise keep freed buffers for reuse, hiding a run's growth from the resident size)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", MALLOC_MMAP_THRESHOLD_="131072")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"measuring {method} at {length} tokens failed:\n{done.stderr[-2000:]}")
@@ -89,7 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=1024, help="Locret's tokens per KV head (b + n_loc)")
     p.add_argument("--chunk", type=int, default=1024, help="B, the prefill chunk (the same for the full cache)")
     p.add_argument("--heads", default="trained", choices=["trained", "random"])
-    p.add_argument("--measure", action="store_true", help="also run the prefills and read the device's peak memory")
+    p.add_argument("--measure", action="store_true", help="also run each prefill in a fresh process and measure its peak memory (device statistics; CPU: resident memory)")
     p.add_argument("--out", default=None, help="write <out>.md and <out>.json")
     p.add_argument("--random-weights", action="store_true",
                    help="the model's architecture with random weights (no weight files needed): bytes and times only")
@@ -132,24 +181,37 @@ def table(rows, cmd: str, device: str) -> str:
     def mib(x):
         return "-" if x is None else f"{x / 2**20:.1f}"
 
-    measured = any("peak_device_bytes_measured" in r for r in rows)
+    measured = any(r.get("peak_device_bytes_measured") is not None for r in rows)
+    rss = not measured and any(r.get("peak_rss_bytes") is not None for r in rows)
+    extra = " peak measured full / Locret |" if measured else (" prefill's resident growth, measured: full / Locret |" if rss else "")
 
     lines = [f"# Locret: prefill memory vs prompt length ({device})", "", f"Command: `{cmd}`", "",
              "Cache = the cache's device bytes while prefilling (the donated argument of every chunk step); "
              "temp = XLA's temporaries of the compiled chunk step / compression step (memory analysis, not a run). "
              "MiB.", "",
              "| tokens | full: cache | full: chunk temp | full: compress temp | Locret: cache | Locret: chunk temp | "
-             "Locret: compress temp | Locret/full (cache + chunk temp) |"
-             + (" peak measured full / Locret |" if measured else ""),
-             "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if measured else "")]
+             "Locret: compress temp | Locret/full (cache + chunk temp) |" + extra,
+             "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if extra else "")]
     heads = max((r.get("artifact_device_bytes", 0) for r in rows if r["method"] == "locret"), default=0)
     if heads:
         lines.insert(5, f"Locret's cache includes its retaining heads ({mib(heads)} MiB, the same at every length). ")
     weights = max((r.get("weights_device_bytes") or 0 for r in rows), default=0)
-    if weights:
+    if measured:
         lines.insert(5, f"Measured peaks (`--measure`): the device's peak bytes in use of one process per (method, length) "
-                        f"running the chunked prefill and compression, the model's weights ({mib(weights)} MiB) included "
-                        "(accelerators only: the CPU backend keeps no statistics). ")
+                        f"running the chunked prefill and compression, the model's weights ({mib(weights)} MiB) included. ")
+    elif rss:
+        lines.insert(5, "Measured (`--measure`, CPU: the backend keeps no device statistics and device buffers are host "
+                        "memory): one process per (method, length) compiles and runs the chunk step on one chunk, resets "
+                        "its resident-memory high-water mark, then runs the whole chunked prefill and compression; the "
+                        "column is that run's peak resident bytes minus the resident bytes just before it (the cache, "
+                        "temporaries, outputs and the compression step's compilation; the weights, "
+                        f"{mib(weights)} MiB, and the chunk step's compilation excluded). ")
+
+    def growth(r):
+        if r.get("peak_rss_bytes") is None or r.get("rss_before_prefill_bytes") is None:
+            return None
+        return r["peak_rss_bytes"] - r["rss_before_prefill_bytes"]
+
     by = {}
     for r in rows:
         by.setdefault(r["length"], {})[r["method"]] = r
@@ -165,6 +227,8 @@ def table(rows, cmd: str, device: str) -> str:
                 f"{tot(lo) / tot(f):.2f} |")
         if measured:
             line += f" {mib(f.get('peak_device_bytes_measured'))} / {mib(lo.get('peak_device_bytes_measured'))} |"
+        elif rss:
+            line += f" {mib(growth(f))} / {mib(growth(lo))} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
 

@@ -331,7 +331,25 @@ def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
 
     peak = run_and_read_peak(model, FullCache(block=16), 64, 16)  # --measure's child: runs the prefill
     assert peak["weights_device_bytes"] == sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
-    assert peak["peak_device_bytes_measured"] is None or peak["peak_device_bytes_measured"] >= peak["weights_device_bytes"]
+    if peak["peak_device_bytes_measured"] is not None:  # an accelerator's statistics
+        assert peak["peak_device_bytes_measured"] >= peak["weights_device_bytes"]
+    elif peak["peak_rss_bytes"] is not None:  # CPU on Linux: the resident high-water mark of the run
+        assert peak["peak_rss_bytes"] >= peak["rss_before_prefill_bytes"] > peak["weights_device_bytes"]
+        row = dict(rows[0], **peak)
+        assert "prefill's resident growth, measured" in table([row, rows[1]], "cmd", "cpu")
+
+
+def test_resident_peak_measurement_sees_a_known_allocation():
+    """The CPU path of ``--measure``: after a reset, the resident high-water mark rises by an allocation's size."""
+    from evals.locret_memory import proc_status_bytes, reset_resident_peak
+
+    before = proc_status_bytes("VmRSS")
+    if before is None or not reset_resident_peak():
+        pytest.skip("no /proc/self/status or clear_refs (not Linux)")
+    assert proc_status_bytes("VmHWM") < before + 16 * 2**20  # the reset brought the mark down to the current size
+    block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+    assert proc_status_bytes("VmHWM") >= before + 60 * 2**20
+    del block
 
 
 def test_eviction_during_decoding_keeps_the_budget(tiny):
