@@ -259,8 +259,8 @@ def _pq_tpu(table, codes, lengths, *, block_s, interpret):
 ROWS_PER_PROGRAM = 8  # query rows one GPU program scores (a static unroll): a decode step's GQA group fits
 
 
-def _gpu_kernel(t_ref, codes_ref, len_ref,  # inputs: [G, g*c] f32, [S, g] uint, [1] int32
-                z_ref, m_ref, l_ref,  # outputs: [G, S], [G], [G]
+def _gpu_kernel(t_ref, codes_ref, len_ref,  # inputs: [rows, g*c] f32, [S, g] uint, [1] int32
+                z_ref, m_ref, l_ref,  # outputs: [rows, S], [rows], [rows]
                 *, block_s, num_centroids):
     from jax.experimental.pallas import triton as pltriton
 
@@ -289,7 +289,7 @@ def _gpu_kernel(t_ref, codes_ref, len_ref,  # inputs: [G, g*c] f32, [S, g] uint,
 
 
 def _pq_gpu(table, codes, lengths, *, block_s, interpret):
-    """The gather form: one program per (row, KV head, block of ``ROWS_PER_PROGRAM`` query rows, tile of
+    """The gather form: one program per (batch row, KV head, block of ``ROWS_PER_PROGRAM`` query rows, tile of
     ``block_s`` tokens). A decode step's query heads of a KV head (``G <= 8``) share one program and one load
     of the codes; more rows (a question prefilled onto the cache: ``G`` x its tokens) take more programs
     instead of a longer unrolled loop."""
