@@ -107,16 +107,21 @@ def _sha1(tokens: np.ndarray) -> str:
     return hashlib.sha1(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest()[:16]
 
 
-def rss_now_kib() -> int:
-    """Current resident set size (KiB) from /proc/self/status (0 where unavailable)."""
+def proc_status_kib(field: str) -> int:
+    """A memory field of this process (KiB) from /proc/self/status, e.g. ``VmRSS``, ``VmHWM`` (0 where unavailable)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def rss_now_kib() -> int:
+    """Current resident set size (KiB) from /proc/self/status (0 where unavailable)."""
+    return proc_status_kib("VmRSS")
 
 
 def peak_rss_kib() -> int:

@@ -55,28 +55,6 @@ def measure(model, method, length: int, chunk: int, artifact=None) -> dict:
             "prefill_step": _analysis(step), "compress_step": _analysis(fin)}
 
 
-def proc_status_bytes(field: str) -> int | None:
-    """``field`` (e.g. ``VmRSS``, ``VmHWM``) of this process from Linux's ``/proc/self/status``, in bytes; None elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def reset_resident_peak() -> bool:
-    """Reset this process's resident-memory high-water mark (Linux ``clear_refs`` 5); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def run_and_read_peak(model, method, length: int, chunk: int) -> dict:
     """Run ``method``'s chunked prefill and compression of a ``length``-token prompt and read its peak memory.
 
@@ -88,29 +66,26 @@ def run_and_read_peak(model, method, length: int, chunk: int) -> dict:
     compilation). Large buffers must be returned to the system when freed for this to see them: the parent
     starts the process with a fixed ``MALLOC_MMAP_THRESHOLD_``. The weights' bytes are reported beside both.
     """
+    from evals.bench_foundation import proc_status_kib, reset_peak_rss
     from kvjax.cache import new_cache
     from kvjax.generate import compress, prefill_prompt
 
-    tokens = jnp.zeros((1, length), jnp.int32)
-    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
-    stats = jax.devices()[0].memory_stats()
-    if stats is not None:
+    def prefill(tokens: int):
+        """A ``length``-token cache prefilled with the first ``tokens`` tokens of a prompt of zeros."""
         cache = new_cache(method, model.config, 1, length, 64, model.dtype)
-        _, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk)
-        jax.block_until_ready(compress(cache))
+        return prefill_prompt(model.graphdef, model.params, jnp.zeros((1, tokens), jnp.int32), cache, chunk_size=chunk)[1]
+
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    if jax.devices()[0].memory_stats() is not None:
+        jax.block_until_ready(compress(prefill(length)))
         stats = jax.devices()[0].memory_stats() or {}
         return {"peak_device_bytes_measured": stats.get("peak_bytes_in_use"), "weights_device_bytes": weights}
-    warm = new_cache(method, model.config, 1, length, 64, model.dtype)  # compile the chunk step outside the measurement
-    _, warm = prefill_prompt(model.graphdef, model.params, tokens[:, :chunk], warm, chunk_size=chunk)
-    jax.block_until_ready(warm)
-    del warm
+    jax.block_until_ready(prefill(chunk))  # compile the chunk step outside the measurement
     gc.collect()
-    before = proc_status_bytes("VmRSS")
-    reset = reset_resident_peak()
-    cache = new_cache(method, model.config, 1, length, 64, model.dtype)
-    _, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk)
-    jax.block_until_ready(compress(cache))
-    peak = proc_status_bytes("VmHWM") if reset and before is not None else None
+    before = proc_status_kib("VmRSS") * 1024 or None  # 0 where /proc is unavailable
+    reset = reset_peak_rss()
+    jax.block_until_ready(compress(prefill(length)))
+    peak = proc_status_kib("VmHWM") * 1024 if reset and before is not None else None  # since the reset
     return {"peak_device_bytes_measured": None, "weights_device_bytes": weights, "rss_before_prefill_bytes": before,
             "peak_rss_bytes": peak}
 

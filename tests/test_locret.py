@@ -341,14 +341,14 @@ def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
 
 def test_resident_peak_measurement_sees_a_known_allocation():
     """The CPU path of ``--measure``: after a reset, the resident high-water mark rises by an allocation's size."""
-    from evals.locret_memory import proc_status_bytes, reset_resident_peak
+    from evals.bench_foundation import proc_status_kib, reset_peak_rss
 
-    before = proc_status_bytes("VmRSS")
-    if before is None or not reset_resident_peak():
+    before = proc_status_kib("VmRSS") * 1024
+    if not before or not reset_peak_rss():
         pytest.skip("no /proc/self/status or clear_refs (not Linux)")
-    assert proc_status_bytes("VmHWM") < before + 16 * 2**20  # the reset brought the mark down to the current size
+    assert proc_status_kib("VmHWM") * 1024 < before + 16 * 2**20  # the reset brought the mark down to the current size
     block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
-    assert proc_status_bytes("VmHWM") >= before + 60 * 2**20
+    assert proc_status_kib("VmHWM") * 1024 >= before + 60 * 2**20
     del block
 
 
