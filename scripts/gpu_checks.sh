@@ -6,14 +6,16 @@
 #
 #   scripts/gpu_checks.sh env             # versions and devices
 #   scripts/gpu_checks.sh kernels         # the Pallas kernel and host-tier tests, compiled for the GPU
-#   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall vs the full cache
-#   scripts/gpu_checks.sh locret-memory   # Locret vs the full cache: measured peak memory during prefill, 4K-32K
-#   scripts/gpu_checks.sh locret-bench    # Locret vs the full cache: chunked prefill and decode time, 8K and 32K
+#   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall vs the full cache, 30K
+#   scripts/gpu_checks.sh locret-memory   # Locret vs the full cache: measured peak memory during prefill, 8K and 32K
+#   scripts/gpu_checks.sh locret-bench    # Locret vs the full cache: chunked prefill and decode time, 30K
 #   scripts/gpu_checks.sh pack NAME       # HERE, not there: split a ready model's GGUF into .gpu/ for carrying
 #   scripts/gpu_checks.sh train NAME      # THERE, after the parts arrived: train NAME's Locret heads, timed
 #
 # The timing stages use the model's architecture with random weights (`--random-weights`): the weight files
-# (94 MiB SmolLM2, 469 MiB Qwen) do not fit one call's 64 MiB of carried files. LENGTHS overrides the lengths.
+# (94 MiB SmolLM2, 469 MiB Qwen) do not fit one call's 64 MiB of carried files. LENGTHS overrides the lengths,
+# REPEATS the bench's timed runs, DTYPE the benches' dtype (bfloat16 by default, as a GPU user runs it). A bench
+# length must be a multiple of its chunk and leave room for the new tokens in the model's 32768 (hence 30720).
 set -euo pipefail
 stage=${1:?usage: scripts/gpu_checks.sh env|kernels|bench|locret-memory|locret-bench|pack NAME|train NAME}
 out=${OUT:-gpu-out}
@@ -30,20 +32,20 @@ print(jax.devices())"; } 2>&1 | tee "$out/env.txt"
     ;;
 kernels)
     "$py" -m pytest -q -p no:cacheprovider tests/test_pallas_paged_attention.py tests/test_pallas_pq_attention.py \
-        tests/test_kernel_lowering.py tests/test_host_tier.py 2>&1 | tee "$out/kernels.txt"
+        tests/test_host_tier.py 2>&1 | tee "$out/kernels.txt"
     ;;
 bench)
-    "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-32768}" \
+    "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
         --methods full,heterocache,heterocache:retrieval=false,synckv,synckv:anticipation=false \
-        --chunk-size 2048 --new-tokens 64 --repeats 3 --out "$out/bench_recall_gpu.md"
+        --chunk-size 2048 --new-tokens 64 --repeats "${REPEATS:-3}" --dtype "${DTYPE:-bfloat16}" --out "$out/bench_recall_gpu.md"
     ;;
 locret-memory)
     "$py" -m kvjax.cli bench locret-memory --model "$model" --random-weights --measure \
-        --lengths "${LENGTHS:-4096,8192,16384,32768}" --out "$out/locret_memory_gpu"
+        --lengths "${LENGTHS:-8192,32768}" --out "$out/locret_memory_gpu"
     ;;
 locret-bench)
     "$py" -m kvjax.cli bench --model "$model" --random-weights --methods full,locret --budget 0.1 \
-        --lengths "${LENGTHS:-8192,32768}" --chunk-size 1024 --new-tokens 32 --out "$out/bench_locret_gpu.md"
+        --lengths "${LENGTHS:-30720}" --chunk-size 1024 --new-tokens 32 --dtype "${DTYPE:-bfloat16}" --out "$out/bench_locret_gpu.md"
     ;;
 pack)
     name=${2:?usage: scripts/gpu_checks.sh pack NAME}
