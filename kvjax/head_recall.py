@@ -44,10 +44,10 @@ token ids per step, which the compiler moves between devices.
 Timing: the step that publishes attends with the followers' old tokens. The recall is issued in that
 step, after the layer's attention, and is first used by the layer's next call (the paper's
 asynchronous update). Measured on an H200 (README, Results, "On a GPU"), it does **not** overlap the
-remaining layers: a step with recall costs 5.5–8.5 ms more than one without. The recall, its copy
-and the scatter into the page pool all sit inside this layer's ``lax.cond``, so the step cannot run
-past them; moving the transfer out of the branch (the prefetch pattern of :mod:`kvjax.host_tier`) is
-the open fix, to be measured on a GPU.
+remaining layers: a step with recall costs 5.5–8.5 ms more than one without. The likely reason (not
+profiled): the recall, its copy and the scatter into the page pool all sit inside this layer's
+``lax.cond``, so the step cannot run past them. Moving the transfer out of the branch (the prefetch
+pattern of :mod:`kvjax.host_tier`) is the open fix, to be measured on a GPU.
 """
 
 from __future__ import annotations
