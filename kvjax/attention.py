@@ -78,14 +78,19 @@ def dense_causal_attention(q, k, v, *, q_start, pad, scale: float):
     are the left operand of the score product ``[S, D] x [D, G]`` and the softmax runs over its rows,
     the forms XLA:CPU ran fastest.
     """
+    attend = functools.partial(_dense_attention, scale=scale)
     if q.shape[0] == 1:
-        # XLA drops the cache's size-1 batch dim with a reshape; fused with the caller's in-place
-        # cache write (dynamic_update_slice) that reshape becomes a copy of the whole cache, plus
-        # more copies to order the in-place write. Inside a conditional branch the cache is a plain
-        # operand and nothing is copied.
-        attend = functools.partial(_dense_attention, scale=scale)
-        return lax.cond(jnp.asarray(q_start) >= 0, attend, attend, q, k, v, q_start, pad)
-    return _dense_attention(q, k, v, q_start, pad, scale=scale)
+        # XLA:CPU only: XLA drops the cache's size-1 batch dim with a reshape; fused with the caller's
+        # in-place cache write (dynamic_update_slice) that reshape becomes a copy of the whole cache,
+        # plus more copies to order the in-place write. Inside a conditional branch the cache is a plain
+        # operand and nothing is copied. Not on GPU: XLA:GPU reads a conditional's predicate on the host
+        # and waits for the stream (ConditionalThunk), one synchronisation per layer and decode step.
+        # `platform_dependent` lowers only the branch of the platform compiled for.
+        def on_cpu(q, k, v, q_start, pad):
+            return lax.cond(jnp.asarray(q_start) >= 0, attend, attend, q, k, v, q_start, pad)
+
+        return lax.platform_dependent(q, k, v, q_start, pad, cpu=on_cpu, default=attend)
+    return attend(q, k, v, q_start, pad)
 
 
 def _dense_attention(q, k, v, q_start, pad, *, scale: float):

@@ -44,10 +44,24 @@ token ids per step, which the compiler moves between devices.
 Timing: the step that publishes attends with the followers' old tokens. The recall is issued in that
 step, after the layer's attention, and is first used by the layer's next call (the paper's
 asynchronous update). Measured on an H200 (README, Results, "On a GPU"), it does **not** overlap the
-remaining layers: a step with recall costs 5.5–8.5 ms more than one without. The likely reason (not
-profiled): the recall, its copy and the scatter into the page pool all sit inside this layer's
-``lax.cond``, so the step cannot run past them. Moving the transfer out of the branch (the prefetch
-pattern of :mod:`kvjax.host_tier`) is the open fix, to be measured on a GPU.
+remaining layers: a step with recall costs 5.5–8.5 ms more than one without. Not profiled; two causes
+are likely, and ``docs/results/microbench/recall_step.py`` (``scripts/gpu_checks.sh recall-micro``)
+separates them on the next GPU:
+
+* **Host synchronisation.** XLA:GPU runs a ``conditional`` as a ``ConditionalThunk`` that copies its
+  predicate to the host and blocks until the stream is done (``stream.BlockHostUntilDone()`` in
+  ``xla/backends/gpu/runtime/conditional_thunk.cc``) unless the conditional is captured in a command
+  buffer. With recall on, a decode step holds one such ``cond`` per layer with followers (24 for Qwen2.5)
+  plus one per leader layer (the method's drift check or anticipation), every step, whether or not
+  anything is recalled; with recall off there are none. Each drains the GPU's queue.
+* **The host gather.** It runs on the host, one layer at a time; one layer's gather of 2 heads × 3,072
+  bf16 rows takes 0.45–0.69 ms on this CPU (``docs/results/microbench/host_gather.md``), and the host
+  region's done thunk holds back the launch of later work until it has run.
+
+A cond-free recall must move a fixed number of rows every step (XLA shapes are static): either all
+``R`` rows of every follower (masked), which multiplies the bytes moved by the stride, or a fixed slice
+of each refresh per step spread over several steps, which changes when a follower holds its leader's
+new choice. Neither is implemented: which one pays depends on the measurement above.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@
 #   scripts/gpu_checks.sh env             # versions and devices
 #   scripts/gpu_checks.sh kernels         # the Pallas kernel and host-tier tests, compiled for the GPU
 #   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall vs the full cache, 30K
+#   scripts/gpu_checks.sh recall-micro    # where a step's recall time goes: cond / unconditional / prefetch / pages
 #   scripts/gpu_checks.sh locret-memory   # Locret vs the full cache: measured peak memory during prefill, 8K and 32K
 #   scripts/gpu_checks.sh locret-bench    # Locret vs the full cache: chunked prefill and decode time, 30K
 #   scripts/gpu_checks.sh pack NAME       # HERE, not there: split a ready model's GGUF into .gpu/ for carrying
@@ -17,7 +18,7 @@
 # REPEATS the bench's timed runs, DTYPE the benches' dtype (bfloat16 by default, as a GPU user runs it). A bench
 # length must be a multiple of its chunk and leave room for the new tokens in the model's 32768 (hence 30720).
 set -euo pipefail
-stage=${1:?usage: scripts/gpu_checks.sh env|kernels|bench|locret-memory|locret-bench|pack NAME|train NAME}
+stage=${1:?usage: scripts/gpu_checks.sh env|kernels|bench|recall-micro|locret-memory|locret-bench|pack NAME|train NAME}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -38,6 +39,10 @@ bench)
     "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
         --methods full,heterocache,heterocache:retrieval=false,synckv,synckv:anticipation=false \
         --chunk-size 2048 --new-tokens 64 --repeats "${REPEATS:-3}" --dtype "${DTYPE:-bfloat16}" --out "$out/bench_recall_gpu.md"
+    ;;
+recall-micro)
+    "$py" docs/results/microbench/recall_step.py --steps "${STEPS:-20}" --repeats "${REPEATS:-3}" \
+        --out "$out/recall_step_gpu.md"
     ;;
 locret-memory)
     "$py" -m kvjax.cli bench locret-memory --model "$model" --random-weights --measure \

@@ -68,7 +68,8 @@ def _target(platform):
         jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device))
 
 
-def _export(fn, args, platform):
+def export_for(fn, args, platform):
+    """``jax.export`` of ``jax.jit(fn)(*args)`` for one platform (the Triton custom call allowed on cuda)."""
     checks = ([jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
               if platform == "cuda" else [])
     with _target(platform):
@@ -141,7 +142,7 @@ def _mosaic_kernel(call):
 
 def lower_kernels(fn, args, platform):
     """Export ``fn(*args)`` for ``platform`` and return one summary per Pallas kernel call."""
-    return exported_kernels(_export(fn, args, platform), platform)
+    return exported_kernels(export_for(fn, args, platform), platform)
 
 
 def exported_kernels(exported, platform):
@@ -227,7 +228,7 @@ def test_paged_tpu_rejects_head_table_over_smem_budget():
     """40000 pages of one head cannot be prefetched by any split: clear error up front."""
     args = _paged_args(1, (4, 2, 64), jnp.float32, 16, tokens=16 * 40000)
     with pytest.raises(ValueError, match=r"exceeds the 131072-byte SMEM budget"):
-        _export(_paged("tpu"), args, "tpu")
+        export_for(_paged("tpu"), args, "tpu")
 
 
 @pytest.mark.parametrize("dtype,page_size,sublanes", [(jnp.float32, 4, 8), (jnp.float32, 12, 8),
@@ -237,14 +238,14 @@ def test_paged_tpu_rejects_unaligned_page_size(dtype, page_size, sublanes):
     args = _paged_args(1, (4, 2, 64), dtype, page_size, tokens=page_size * 8)
     with pytest.raises(ValueError, match=f"page_size to be a multiple of {sublanes} .*"
                                          f"got page_size={page_size}"):
-        _export(_paged("tpu"), args, "tpu")
+        export_for(_paged("tpu"), args, "tpu")
 
 
 def test_paged_gpu_rejects_block_over_shared_memory_budget():
     """GPU form: an explicit block over 32 KiB of K is an error; a single big page is split."""
     args = _paged_args(1, (4, 2, 128), jnp.float32, 16, tokens=1024)
     with pytest.raises(ValueError, match=r"16 \* 16 tokens exceeds 64.*pages_per_block <= 4"):
-        _export(_paged("cuda", pages_per_block=16), args, "cuda")
+        export_for(_paged("cuda", pages_per_block=16), args, "cuda")
     # one page per block is always accepted: a 256-token f32 page is split into 64-token ones
     args = _paged_args(1, (4, 2, 128), jnp.float32, 256, tokens=1024)
     kernels = lower_kernels(_paged("cuda", pages_per_block=1), args, "cuda")
@@ -312,7 +313,7 @@ def test_pq_tpu_rejects_block_s_not_multiple_of_128():
     """Compiled TPU form: block_s lies on the lane axis, so it must be a multiple of 128."""
     args = _pq_args(1, 4, 2, 64, 16, 256, jnp.float32, seq=1000)
     with pytest.raises(ValueError, match="block_s to be a multiple of 128.*got block_s=64"):
-        _export(_pq("tpu", block_s=64), args, "tpu")
+        export_for(_pq("tpu", block_s=64), args, "tpu")
     lower_kernels(_pq("tpu", block_s=256), args, "tpu")
 
 
@@ -391,6 +392,6 @@ def test_decode_loop_with_host_tier_lowers(host_tier_decode, platform, monkeypat
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu" if platform == "cuda" else "tpu")
     loop = lambda params, tokens, cache: decode_loop_jit(model.graphdef, params, tokens, cache, jax.random.PRNGKey(0),
                                                          max_new_tokens=4)
-    exported = _export(loop, (model.params, first, cache), platform)
+    exported = export_for(loop, (model.params, first, cache), platform)
     _check(exported_kernels(exported, platform), platform, f32_matmuls=name == "heterocache")
     assert "pinned_host" in exported.mlir_module()

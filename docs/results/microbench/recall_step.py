@@ -1,0 +1,181 @@
+"""Where a decode step's host recall time goes: the structure of HeteroCache's / SyncKV's recall, isolated.
+
+On an H200 a decode step with recall cost 5.5-8.5 ms more than one without (README, Results, "On a GPU"), and
+the session had no device time left to profile why. This script times, in one jitted loop of ``--steps`` decode
+steps over ``--layers`` synthetic layers (two bf16 products of Qwen2.5-0.5B's MLP shapes each, as a stand-in
+for a layer's compute), the ways a layer can recall ``--rows`` token rows for each of ``--heads`` follower heads
+from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a device page pool:
+
+* ``none``: compute only (the baseline);
+* ``cond``: every ``--every`` steps, inside a per-layer ``lax.cond`` (what :func:`kvjax.head_recall.apply_recalls`
+  does today): the gather, the copy and the scatter all in the branch;
+* ``always``: the same recall and scatter unconditionally, every step (no ``cond``);
+* ``prefetch``: issued unconditionally at layer ``l`` of step ``t`` and scattered at layer ``l`` of step ``t+1``
+  (the prefetch pattern of :mod:`kvjax.host_tier`: a whole step of compute between issue and use);
+* ``cond-pages``: as ``cond`` with the same number of rows as whole 16-token pages;
+* ``gather-alone``: one layer's recall by itself, outside any loop (the raw gather + copy);
+* ``scatter-alone``: writing one layer's recalled rows into its page pool, by itself.
+
+Each row reports ms per step, the extra over ``none``, rows and MiB moved per step and the rate of the extra.
+If ``always`` costs about ``every`` times ``cond``'s extra and ``prefetch`` costs as much as ``always``, the
+transfer is not overlapping anything and its own speed is the limit; if ``prefetch`` is much cheaper than
+``always``, the ``cond`` (no overlap across it) is. On a CPU host memory is the same RAM, so the figures here
+show the structure and the host-side gather's cost, not a link.
+
+Run: ``python docs/results/microbench/recall_step.py [--out FILE]`` (the ``recall-micro`` stage of
+``scripts/gpu_checks.sh`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kvjax.host_tier import offload, recall, recall_pages, write_recalled
+
+PAGE = 16
+
+
+def build(args):
+    """Weights, one host copy per layer, page pools and the recall indices (fixed, random, sorted)."""
+    rng = np.random.default_rng(0)
+    dt = jnp.bfloat16
+    L, H, S, D, R = args.layers, args.heads, args.length, args.head_dim, args.rows
+    w1 = jnp.asarray(rng.standard_normal((L, args.hidden, args.ffn)) * args.hidden**-0.5, dt)
+    w2 = jnp.asarray(rng.standard_normal((L, args.ffn, args.hidden)) * args.ffn**-0.5, dt)
+    kv = jnp.asarray(rng.standard_normal((1, H, S, D)), dt)
+    heads = [(0, h) for h in range(H)]
+    hosts = [offload(kv, kv, heads, page_size=PAGE) for _ in range(L)]
+    pages_per_head = -(-R // PAGE)
+    pool = jnp.zeros((H * pages_per_head, PAGE, D), dt)
+    table = jnp.arange(H * pages_per_head, dtype=jnp.int32).reshape(1, H, pages_per_head)
+    idx = jnp.asarray(np.sort(np.stack([rng.choice(S, R, replace=False) for _ in range(H)]), axis=1), jnp.int32)
+    pages = jnp.asarray(np.sort(np.stack([rng.choice(S // PAGE, R // PAGE, replace=False) for _ in range(H)]), axis=1),
+                        jnp.int32)
+    return w1, w2, hosts, pool, table, idx, pages, heads
+
+
+def make_loop(variant: str, args, hosts, table, heads):
+    """A jitted ``(w1, w2, pools, idx, pages) -> (x, pools)`` running ``args.steps`` decode steps."""
+    H, R, L = args.heads, args.rows, args.layers
+    count = jnp.full((H,), R, jnp.int32)
+    page_count = jnp.full((H,), R // PAGE, jnp.int32)
+
+    def fetch(layer, ids, pages):
+        if variant == "cond-pages":
+            return recall_pages(hosts[layer], pages, page_count)
+        return recall(hosts[layer], ids, count)
+
+    def scatter(pool_k, pool_v, rk, rv):
+        return write_recalled(pool_k, pool_v, table, rk, rv, heads, 0, count)
+
+    def layer_fn(layer, x, pk, pv, carry_kv, step, ids, pages, w1, w2):
+        x = jnp.tanh(x @ w1[layer]) @ w2[layer]
+        x = x + (pk.astype(jnp.float32).sum() + pv.astype(jnp.float32).sum()).astype(x.dtype) * 1e-6  # use the pool
+        if variant in ("cond", "cond-pages"):
+            pk, pv = lax.cond(step % args.every == 0, lambda p: scatter(*p, *fetch(layer, ids, pages)), lambda p: p,
+                              (pk, pv))
+        elif variant == "always":
+            pk, pv = scatter(pk, pv, *fetch(layer, ids, pages))
+        elif variant == "prefetch":
+            pk, pv = scatter(pk, pv, *carry_kv)  # issued in the previous step
+            carry_kv = fetch(layer, ids, pages)
+        return x, pk, pv, carry_kv
+
+    def run(w1, w2, pools_k, pools_v, ids, pages):
+        x0 = jnp.ones((1, args.hidden), jnp.bfloat16)
+        empty = tuple(jnp.zeros((H, R, args.head_dim), jnp.bfloat16) for _ in range(2))
+        carry0 = (x0, pools_k, pools_v, tuple(empty for _ in range(L)))
+
+        def body(step, carry):
+            x, pks, pvs, pending = carry
+            pks, pvs, pending = list(pks), list(pvs), list(pending)
+            for layer in range(L):
+                x, pks[layer], pvs[layer], pending[layer] = layer_fn(layer, x, pks[layer], pvs[layer], pending[layer],
+                                                                     step, ids, pages, w1, w2)
+            return x, tuple(pks), tuple(pvs), tuple(pending)
+
+        x, pks, pvs, _ = lax.fori_loop(0, args.steps, body, carry0)
+        return x, pks, pvs
+
+    return jax.jit(run)
+
+
+def best_ms(fn, *a, repeats: int):
+    """Best wall time of ``fn(*a)`` in ms after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*a))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--heads", type=int, default=2, help="follower heads per layer")
+    p.add_argument("--length", type=int, default=30720, help="prompt tokens in each host copy")
+    p.add_argument("--rows", type=int, default=3840, help="rows recalled per head (SyncKV at 25%% of 30,720: 3,840)")
+    p.add_argument("--every", type=int, default=5, help="steps between recalls in the cond variants (SyncKV's m)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--ffn", type=int, default=4864)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", default="none,cond,always,prefetch,cond-pages")
+    p.add_argument("--out", default=None, help="also write the table here (markdown)")
+    args = p.parse_args()
+    if args.rows % PAGE or args.length % PAGE:
+        p.error(f"--rows and --length must be multiples of {PAGE}")
+
+    w1, w2, hosts, pool, table, idx, pages, heads = build(args)
+    pools = tuple(pool for _ in range(args.layers))
+    mib_per_recall = 2 * args.heads * args.rows * args.head_dim * 2 / 2**20  # K+V, bf16, one layer
+    lines = [f"# Recall structure on {jax.devices()[0].device_kind} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ})",
+             "",
+             f"Command: `python docs/results/microbench/recall_step.py --layers {args.layers} --heads {args.heads} "
+             f"--length {args.length} --rows {args.rows} --every {args.every} --steps {args.steps}`; jax {jax.__version__}, "
+             f"{platform.machine()}; best of {args.repeats}.",
+             "",
+             "| variant | ms/step | extra ms/step | rows moved/step | MiB moved/step | GB/s of the extra |",
+             "|---|---:|---:|---:|---:|---:|"]
+    base = None
+    for variant in args.variants.split(","):
+        loop = make_loop(variant, args, hosts, table, heads)
+        ms = best_ms(loop, w1, w2, pools, pools, idx, pages, repeats=args.repeats) / args.steps
+        base = ms if variant == "none" else base
+        per_step = {"none": 0.0, "always": 1.0, "prefetch": 1.0}.get(variant, 1.0 / args.every) * args.layers
+        rows = per_step * args.heads * args.rows
+        mib = per_step * mib_per_recall
+        extra = ms - base if base is not None else float("nan")
+        rate = mib * 2**20 / (extra * 1e-3) / 1e9 if extra > 0 and mib else float("nan")
+        lines.append(f"| {variant} | {ms:.3f} | {extra:.3f} | {rows:.0f} | {mib:.2f} | {rate:.2f} |")
+        print(lines[-1], flush=True)
+    alone = jax.jit(lambda ids: recall(hosts[0], ids, jnp.full((args.heads,), args.rows, jnp.int32)))
+    ms = best_ms(alone, idx, repeats=max(args.repeats, 10))
+    lines.append(f"| gather-alone (one layer, outside the loop) | {ms:.3f} | | {args.heads * args.rows} | "
+                 f"{mib_per_recall:.2f} | {mib_per_recall * 2**20 / (ms * 1e-3) / 1e9:.2f} |")
+    print(lines[-1])
+    count = jnp.full((args.heads,), args.rows, jnp.int32)
+    rows = jnp.ones((args.heads, args.rows, args.head_dim), jnp.bfloat16)
+    scatter = jax.jit(lambda pk, pv, rk, rv: write_recalled(pk, pv, table, rk, rv, heads, 0, count))
+    ms = best_ms(scatter, pool, pool, rows, rows, repeats=max(args.repeats, 10))
+    lines.append(f"| scatter-alone (one layer's rows into its page pool, on the device) | {ms:.3f} | | "
+                 f"{args.heads * args.rows} | {mib_per_recall:.2f} | |")
+    print(lines[-1])
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
