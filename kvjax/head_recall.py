@@ -51,9 +51,10 @@ separates them on the next GPU:
 * **Host synchronisation.** XLA:GPU runs a ``conditional`` as a ``ConditionalThunk`` that copies its
   predicate to the host and blocks until the stream is done (``stream.BlockHostUntilDone()`` in
   ``xla/backends/gpu/runtime/conditional_thunk.cc``) unless the conditional is captured in a command
-  buffer. With recall on, a decode step holds one such ``cond`` per layer with followers (24 for Qwen2.5)
-  plus one per leader layer (the method's drift check or anticipation), every step, whether or not
-  anything is recalled; with recall off there are none. Each drains the GPU's queue.
+  buffer. With recall on, a decode step holds one such ``cond`` per layer with followers (24 for Qwen2.5;
+  two with SyncKV's re-anchoring, whose check runs in every call) plus one per leader layer (the
+  method's drift check or anticipation), every step, whether or not anything is recalled; with recall
+  off there are none (``tests/test_gpu_host_syncs.py`` counts them). Each drains the GPU's queue.
 * **The host gather.** It runs on the host, one layer at a time; one layer's gather of 2 heads × 3,072
   bf16 rows takes 0.45–0.69 ms on this CPU (``docs/results/microbench/host_gather.md``), and the host
   region's done thunk holds back the launch of later work until it has run.
