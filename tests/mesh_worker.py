@@ -9,6 +9,7 @@ checks; generating on it too added a fourth full run of every method for a layou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -32,6 +33,7 @@ from models.sharding import shard_model
 CONFIG = ModelConfig(architecture="qwen2", vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=2,
                      num_heads=16, num_kv_heads=8, head_dim=8, attention_bias=True, max_position_embeddings=512,
                      name="tiny-mesh")
+CONFIG_D16 = dataclasses.replace(CONFIG, head_dim=16, name="tiny-mesh-d16")  # the paged kernel's GPU form needs D >= 16
 ONE_DEVICE = "one device"  # the unsharded model: the reference every mesh must reproduce
 MESHES = (ONE_DEVICE, "data=2,model=4", "data=1,model=8")
 PARTS = (MESHES[:2], MESHES[2:])

@@ -16,7 +16,7 @@ from jaxlib.mlir import ir
 from kvjax.cache import CacheSpec
 from kvjax.generate import compress, decode_loop_jit, prefill_prompt
 from kvjax.methods import FullCache, SnapKV, SyncKV
-from tests.mesh_worker import CONFIG, recall_artifacts, tiny_model
+from tests.mesh_worker import CONFIG, CONFIG_D16, recall_artifacts, tiny_model
 from tests.test_kernel_lowering import export_for
 
 PROMPT, NEW = 64, 3
@@ -77,7 +77,7 @@ def test_cpu_lowering_keeps_the_copy_avoiding_conditional(monkeypatch):
 
 def test_static_method_decode_has_no_host_syncs(monkeypatch):
     """SnapKV's decode (the paged kernel) has none on a GPU."""
-    text = lowered_decode_loop(SnapKV(budget=0.5, block=32), "cuda", monkeypatch, config=_d16())
+    text = lowered_decode_loop(SnapKV(budget=0.5, block=32), "cuda", monkeypatch, config=CONFIG_D16)
     assert dynamic_conditionals(text) == 0
 
 
@@ -85,19 +85,12 @@ def test_synckv_decode_conditionals_are_counted(monkeypatch):
     """SyncKV's anticipation, re-anchoring check and recall are per-layer conditionals today (a known cost on a
     GPU, see :mod:`kvjax.head_recall`): 3 per layer of the tiny model (2 layers, each with an R-head and
     followers); without anticipation there are none."""
-    config = _d16()
-    artifact = recall_artifacts(config)[1]
+    artifact = recall_artifacts(CONFIG_D16)[1]
 
     def count(**kw):
         method = SyncKV(budget=0.5, num_representatives=3, block=32, **kw)
-        return dynamic_conditionals(lowered_decode_loop(method, "cuda", monkeypatch, artifact, config))
+        return dynamic_conditionals(lowered_decode_loop(method, "cuda", monkeypatch, artifact, CONFIG_D16))
 
-    assert count() == 3 * config.num_layers
+    assert count() == 3 * CONFIG_D16.num_layers
     assert count(anticipation=False) == 0
 
-
-def _d16():
-    """The tiny model with head_dim 16 (the paged kernel's GPU form needs it)."""
-    import dataclasses
-
-    return dataclasses.replace(CONFIG, head_dim=16, name="tiny-mesh-d16")

@@ -356,18 +356,15 @@ def test_triton_compiles_for_sm90(tmp_path):
 def host_tier_decode(request):
     """``(name, model, first tokens, cache)``: a host-tier method's cache after the prefill of two 96-token
     rows, built on CPU (XLA path), for lowering its decode loop."""
-    import dataclasses
-
     from kvjax.cache import CacheSpec
     from kvjax.generate import compress, prefill_prompt
     from kvjax.methods import HCAttention, HeteroCache
-    from tests.mesh_worker import CONFIG, codebooks, recall_artifacts, tiny_model
+    from tests.mesh_worker import CONFIG_D16, codebooks, recall_artifacts, tiny_model
 
     if request.param == "hcattention":
         model, method, artifact = tiny_model(), HCAttention(groups=4, centroids=8, tau=0.9), codebooks()
     else:  # the paged kernel's GPU form needs head_dim >= 16; recalls forced (tau_drift 1)
-        config = dataclasses.replace(CONFIG, head_dim=16, name="tiny-mesh-d16")
-        model, artifact = tiny_model(config), recall_artifacts(config)[0]
+        model, artifact = tiny_model(CONFIG_D16), recall_artifacts(CONFIG_D16)[0]
         method = HeteroCache(budget=0.5, window=2, tau_drift=1.0, block=32)
     spec = CacheSpec.for_model(model.config, 2, 96, 8, model.dtype)
     cache = method.init_cache(spec, artifact)

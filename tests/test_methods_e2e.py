@@ -219,20 +219,17 @@ def test_pallas_interpret_decode_loop_with_host_tier_equals_xla(name):
     """The Pallas kernels (interpret mode, the CPU default form) inside a decode loop that also holds ``pinned_host``
     arrays (HCAttention's values with the PQ kernel; HeteroCache's satellites with the paged kernel, recalls forced)
     give the XLA path's tokens. With the TPU form's interpreter jax 0.10 failed to lower this loop."""
-    import dataclasses
-
     from kvjax.methods import HCAttention, HeteroCache
-    from tests.mesh_worker import CONFIG, codebooks, recall_artifacts, tiny_model
+    from tests.mesh_worker import CONFIG_D16, codebooks, recall_artifacts, tiny_model
 
     rows = [list(np.random.default_rng(0).integers(1, 128, size=n)) for n in (100, 90)]
     if name == "hcattention":
         model = tiny_model()
         make, artifact = lambda impl: HCAttention(groups=4, centroids=8, tau=0.9, implementation=impl), codebooks()
     else:  # the paged kernel's GPU form needs head_dim >= 16
-        config = dataclasses.replace(CONFIG, head_dim=16, name="tiny-mesh-d16")
-        model = tiny_model(config)
+        model = tiny_model(CONFIG_D16)
         make = lambda impl: HeteroCache(budget=0.5, window=2, tau_drift=1.0, block=32, implementation=impl)
-        artifact = recall_artifacts(config)[0]
+        artifact = recall_artifacts(CONFIG_D16)[0]
     tokens = {}
     for impl in ("xla", "pallas_interpret"):
         out, _, cache, _ = generate_tokens(model, rows, method=make(impl), max_new_tokens=4, chunk_size=32,

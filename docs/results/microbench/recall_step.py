@@ -31,13 +31,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from host_gather import best_and_median  # this directory's timing helper (the script's directory is on sys.path)
 from kvjax.host_tier import offload, recall, recall_pages, write_recalled
 
 PAGE = 16
@@ -108,17 +108,6 @@ def make_loop(variant: str, args, hosts, table, heads):
     return jax.jit(run)
 
 
-def best_ms(fn, *a, repeats: int):
-    """Best wall time of ``fn(*a)`` in ms after one warm-up (compile) call."""
-    jax.block_until_ready(fn(*a))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=24)
@@ -139,7 +128,8 @@ def main():
 
     w1, w2, hosts, pool, table, idx, pages, heads = build(args)
     pools = tuple(pool for _ in range(args.layers))
-    mib_per_recall = 2 * args.heads * args.rows * args.head_dim * 2 / 2**20  # K+V, bf16, one layer
+    rows_per_recall = args.heads * args.rows  # one layer
+    mib_per_recall = 2 * rows_per_recall * args.head_dim * 2 / 2**20  # K+V, bf16
     lines = [f"# Recall structure on {jax.devices()[0].device_kind} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ})",
              "",
              f"Command: `python docs/results/microbench/recall_step.py --layers {args.layers} --heads {args.heads} "
@@ -151,26 +141,25 @@ def main():
     base = None
     for variant in args.variants.split(","):
         loop = make_loop(variant, args, hosts, table, heads)
-        ms = best_ms(loop, w1, w2, pools, pools, idx, pages, repeats=args.repeats) / args.steps
+        ms = best_and_median(loop, w1, w2, pools, pools, idx, pages, repeats=args.repeats)[0] * 1e3 / args.steps
         base = ms if variant == "none" else base
         per_step = {"none": 0.0, "always": 1.0, "prefetch": 1.0}.get(variant, 1.0 / args.every) * args.layers
-        rows = per_step * args.heads * args.rows
         mib = per_step * mib_per_recall
         extra = ms - base if base is not None else float("nan")
         rate = mib * 2**20 / (extra * 1e-3) / 1e9 if extra > 0 and mib else float("nan")
-        lines.append(f"| {variant} | {ms:.3f} | {extra:.3f} | {rows:.0f} | {mib:.2f} | {rate:.2f} |")
+        lines.append(f"| {variant} | {ms:.3f} | {extra:.3f} | {per_step * rows_per_recall:.0f} | {mib:.2f} | {rate:.2f} |")
         print(lines[-1], flush=True)
-    alone = jax.jit(lambda ids: recall(hosts[0], ids, jnp.full((args.heads,), args.rows, jnp.int32)))
-    ms = best_ms(alone, idx, repeats=max(args.repeats, 10))
-    lines.append(f"| gather-alone (one layer, outside the loop) | {ms:.3f} | | {args.heads * args.rows} | "
+    count = jnp.full((args.heads,), args.rows, jnp.int32)
+    alone = jax.jit(lambda ids: recall(hosts[0], ids, count))
+    ms = best_and_median(alone, idx, repeats=max(args.repeats, 10))[0] * 1e3
+    lines.append(f"| gather-alone (one layer, outside the loop) | {ms:.3f} | | {rows_per_recall} | "
                  f"{mib_per_recall:.2f} | {mib_per_recall * 2**20 / (ms * 1e-3) / 1e9:.2f} |")
     print(lines[-1])
-    count = jnp.full((args.heads,), args.rows, jnp.int32)
-    rows = jnp.ones((args.heads, args.rows, args.head_dim), jnp.bfloat16)
+    recalled = jnp.ones((args.heads, args.rows, args.head_dim), jnp.bfloat16)
     scatter = jax.jit(lambda pk, pv, rk, rv: write_recalled(pk, pv, table, rk, rv, heads, 0, count))
-    ms = best_ms(scatter, pool, pool, rows, rows, repeats=max(args.repeats, 10))
+    ms = best_and_median(scatter, pool, pool, recalled, recalled, repeats=max(args.repeats, 10))[0] * 1e3
     lines.append(f"| scatter-alone (one layer's rows into its page pool, on the device) | {ms:.3f} | | "
-                 f"{args.heads * args.rows} | {mib_per_recall:.2f} | |")
+                 f"{rows_per_recall} | {mib_per_recall:.2f} | |")
     print(lines[-1])
     if args.out:
         with open(args.out, "w") as f:
