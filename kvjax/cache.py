@@ -14,9 +14,9 @@ cache was allocated for, and the ``stage``:
 * ``"compressed"``: after ``kvjax.generate.compress`` ran ``method.finish_prefill`` on every layer;
   every later token (a question of any length, a second turn, one decoded token per step) goes to
   ``method.decode_attend``, which appends it uncompressed and attends;
-* ``"rehearsal"``: a compressed cache during the first pass of a two-pass question (only inside
-  ``kvjax.generate.prefill``, for a method whose ``question_passes()`` is 2): ``decode_attend`` gets
-  ``ctx.rehearsal`` set and returns its state without the call's tokens.
+* ``"rehearsal"``: a compressed cache during a rehearsal of a question, every pass but the last (only
+  inside ``kvjax.generate.prefill``, for a method whose ``question_passes()`` is above 1):
+  ``decode_attend`` gets ``ctx.rehearsal`` set and returns its state without the call's tokens.
 
 The model calls :meth:`Cache.attend` and nothing else, so adding a method never touches the model.
 """
@@ -107,7 +107,7 @@ class AttendContext:
         call, later ones as of the previous call (set by :meth:`Cache.attend`; heads that follow
         another layer's heads read it).
       mesh: the cache's device mesh (static; None for one device): kernels run per device under it.
-      rehearsal: (static) this call is the first pass of a two-pass question (stage ``"rehearsal"``): the
+      rehearsal: (static) this call is a rehearsal of a question (stage ``"rehearsal"``, every pass but the last): the
         method may change what it holds (recall, re-anchoring) but returns its state without the tokens.
     """
 

@@ -98,8 +98,9 @@ def check_room(cache: Cache, new_tokens: int) -> None:
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def rehearse_jit(graphdef, params, tokens: jax.Array, cache: Cache) -> Cache:
-    """First pass of a two-pass question on a compressed cache (stage ``"rehearsal"``): returns the cache with
-    what the method changed (recall, re-anchoring) and without the tokens (``length`` unchanged)."""
+    """A rehearsal of a question on a compressed cache (stage ``"rehearsal"``; every pass but the last of
+    :func:`prefill`): returns the cache with what the method changed (recall, re-anchoring) and without the
+    tokens (``length`` unchanged)."""
     TRACE_COUNTS["rehearse"] += 1
     positions = prompt_positions(cache.pad, cache.length, tokens.shape[1])
     _, new = _forward(graphdef, params, tokens, positions, cache.replace(stage="rehearsal"), last_only=True)
@@ -112,8 +113,8 @@ def question_passes(cache: Cache, tokens: int) -> int:
     if cache.stage != "compressed" or tokens < 2:
         return 1
     passes = cache.method.question_passes()
-    if passes not in (1, 2):
-        raise ValueError(f"{cache.method.name}.question_passes() must be 1 or 2, got {passes}")
+    if passes < 1:
+        raise ValueError(f"{cache.method.name}.question_passes() must be >= 1, got {passes}")
     return passes
 
 
@@ -122,11 +123,11 @@ def prefill(graphdef, params, tokens: jax.Array, cache: Cache):
 
     Before compression this is a prompt chunk (``method.prefill_chunk``); after it, the tokens (a
     question, a second turn) are appended uncompressed (``method.decode_attend``). A method whose
-    ``question_passes()`` is 2 sees such a multi-token call twice: first a rehearsal
-    (:func:`rehearse_jit`) that may change what it holds, then the call itself.
+    ``question_passes()`` is ``n > 1`` sees such a multi-token call ``n`` times: ``n - 1`` rehearsals
+    (:func:`rehearse_jit`, each may change what it holds), then the call itself.
     """
     check_room(cache, tokens.shape[1])
-    if question_passes(cache, tokens.shape[1]) == 2:
+    for _ in range(question_passes(cache, tokens.shape[1]) - 1):
         cache = rehearse_jit(graphdef, params, tokens, cache)
     return prefill_jit(graphdef, params, tokens, cache)
 

@@ -13,7 +13,7 @@ from kvjax.api import generate_tokens
 from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
-from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit
+from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
 from kvjax.head_recall import leader_probs, leader_queries, prompt_only, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.methods.heterocache import classify_group, head_capacities, spread_capped, star_clustering
@@ -295,18 +295,19 @@ def test_synckv_recall_every_step_equals_attention_over_static_and_recalled(tiny
     np.testing.assert_allclose(np.asarray(out2)[0, 0, 2:], _ref_attention(np.asarray(q2)[0, 0, 2:], keys, vals), atol=1e-5)
 
 
-@pytest.mark.parametrize("reanchor", [True, False])
-def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor):
+@pytest.mark.parametrize("reanchor,window", [(True, 1), (False, 1), (True, 2)])
+def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor, window):
     """A question (3 tokens) on the compressed cache of a batch whose second row is left-padded: with ``reanchor``
-    the R-head redoes Eq. 3-4 for the question's last query (numpy softmax over the row's prompt + question, group
-    max, prompt only): its best ``rho k`` become the static set and every NR-head, in the R-head's layer (same call)
-    and the next (its own call), then holds exactly the host rows of the top ``k`` (best first). Without it the
-    static half is the prefill's."""
+    the R-head redoes Eq. 3-4 for the question's last ``window`` queries (numpy softmax of each over the row's
+    prompt and the question tokens it sees, group max, summed over the queries, prompt only): its best ``rho k``
+    become the static set and every NR-head, in the R-head's layer (same call) and the next (its own call), then
+    holds exactly the host rows of the top ``k`` (best first). Without it the static half is the prefill's."""
     rng = np.random.default_rng(8)
     pads = (0, 8)
     tokens = rng.integers(1, 97, size=(2, L)).astype(np.int32)
     tokens[1, :pads[1]] = 0
-    method = SyncKV(budget=0.5, block=16, num_representatives=1, static_ratio=0.5, reanchor=reanchor)
+    method = SyncKV(budget=0.5, block=16, num_representatives=1, static_ratio=0.5, reanchor=reanchor,
+                    question_window=window)
 
     def prefilled(m, art):
         cache = new_cache(m, tiny.config, 2, L, 8, tiny.dtype, artifact=art).replace(pad=jnp.asarray(pads, jnp.int32))
@@ -324,9 +325,11 @@ def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor):
     for b, pad in enumerate(pads):
         n = L - pad  # the row's real prompt tokens
         kr = np.concatenate([np.asarray(full.layers[0].k)[b, 0, pad:L], np.asarray(k)[b, :, 0]])
-        s = np.asarray(q)[b, -1, :2] @ kr.T / np.sqrt(D)  # the R-head's (KV head 0) two query heads, last query
-        p = np.exp(s - s.max(-1, keepdims=True))
-        p = (p / p.sum(-1, keepdims=True)).max(0)[:n]
+        p = np.zeros(n)
+        for t in range(3 - window, 3):  # query t of the question sees the prompt and question tokens 0..t
+            s = np.asarray(q)[b, t, :2] @ kr[:n + t + 1].T / np.sqrt(D)  # the R-head's (KV head 0) two query heads
+            e = np.exp(s - s.max(-1, keepdims=True))
+            p += (e / e.sum(-1, keepdims=True)).max(0)[:n]
         n_keep, n_static = int(st0.region_start[b, 0] + st0.region_count[b, 0]), int(st0.region_start[b, 0])
         best = np.argsort(-p, kind="stable")[:n_keep]  # prompt positions; slots are positions + pad
         if reanchor:
@@ -378,6 +381,38 @@ def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny):
     assert int(two.layers[1].version[0, 0]) == 2  # published in the rehearsal and again in the call
 
 
+@pytest.mark.parametrize("rehearsals", [0, 2])
+def test_synckv_question_rehearsals_count(tiny, rehearsals):
+    """``rehearsals=n``: :func:`prefill` runs the question ``n + 1`` times. The R-head (layer 1) re-anchors in each
+    pass (its version counts the passes), layer 0's NR-heads then hold the host rows of the choice published in the
+    last rehearsal (none with 0: the prefill's choice), and the tokens are appended once."""
+    lead = (((1, 0), (1, 0)), ((-1, -1), (1, 0)))
+    art = Artifact(arrays={}, kind="synckv", model_id=model_identity(tiny.config),
+                   meta=(("clusters", ((1, (("NR", "NR"), ("R", "NR")), lead),)), ("group_layers", 2)))
+    rng = np.random.default_rng(12)
+    tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
+    question = jnp.asarray(rng.integers(0, 97, size=(1, 4)), jnp.int32)
+    method = SyncKV(budget=0.5, block=16, num_representatives=1, rehearsals=rehearsals)
+    assert method.question_passes() == rehearsals + 1
+    base = _prefilled(tiny, method, tokens, art)
+    st = base.layers[0]
+    n_keep = int(st.region_start[0, 0] + st.region_count[0, 0])
+    before = _held_rows(st, 0, 0)[:n_keep]
+    lengths = [np.asarray(s.paged.lengths) for s in base.layers]
+    cache = base
+    for _ in range(rehearsals):  # the last rehearsal's published choice, read from its cache
+        cache = rehearse_jit(tiny.graphdef, tiny.params, question, jax.tree_util.tree_map(jnp.copy, cache))
+    anchor = np.asarray(cache.layers[1].anchor_picks)[0, 0, :n_keep]
+    start = int(base.length)
+    _, out = prefill(tiny.graphdef, tiny.params, question, base)  # donates base
+    assert int(out.layers[1].version[0, 0]) == rehearsals + 1
+    host = np.asarray(out.layers[0].host.k)[out.layers[0].host.heads.index((0, 0))]
+    np.testing.assert_array_equal(_held_rows(out.layers[0], 0, 0)[:n_keep], host[anchor] if rehearsals else before)
+    assert int(out.length) == start + 4
+    for s, n in zip(out.layers, lengths):
+        np.testing.assert_array_equal(np.asarray(s.paged.lengths), n + 4)
+
+
 @pytest.mark.parametrize("which", ["heterocache", "synckv"])
 def test_decode_loop_compiles_once_without_host_callbacks(tiny, which):
     method, art = ((HeteroCache(budget=0.6, block=16, window=2), hc_artifact(tiny)) if which == "heterocache"
@@ -414,7 +449,8 @@ def test_artifact_and_hyper_parameter_errors(tiny):
     with pytest.raises(ValueError, match="no shipped heterocache artifact"):
         make(HeteroCache(budget=0.5), None)
     for bad, match in [(dict(static_ratio=0.0), "static_ratio"), (dict(static_ratio=1.5), "static_ratio"),
-                       (dict(num_representatives=0), "N_r"), (dict(stride=0), "stride")]:
+                       (dict(num_representatives=0), "N_r"), (dict(stride=0), "stride"),
+                       (dict(question_window=0), "question_window"), (dict(rehearsals=-1), "rehearsals")]:
         with pytest.raises(ValueError, match=match):
             SyncKV(**bad)
     for bad, match in [(dict(window=0), "window"), (dict(tau_drift=1.5), "tau_drift"), (dict(kernel=4), "kernel")]:

@@ -24,9 +24,9 @@ explicit per-layer lifecycle. Every function is required; nothing is discovered 
     uncompressed, run the per-step logic (page selection, eviction, recall...) and attend.
 ``question_passes()``
     Forward passes a multi-token call on the compressed cache (a question, a later turn) takes: 1,
-    or 2 for a method whose earlier layers follow choices its later layers make on those tokens. The
-    first of 2 is a rehearsal (``ctx.rehearsal``; :func:`kvjax.generate.prefill`): the method may
-    change what it holds (recall, re-anchoring) and returns its state without the call's tokens.
+    or more for a method whose earlier layers follow choices its later layers make on those tokens.
+    Every pass but the last is a rehearsal (``ctx.rehearsal``; :func:`kvjax.generate.prefill`): the
+    method may change what it holds (recall, re-anchoring) and returns its state without the call's tokens.
 ``state_partition(state, spec)``
     Partition specs of one layer's state (either stage) over the mesh ``spec.mesh``, by row on
     ``data`` and by KV head on ``model`` (:mod:`kvjax.sharding`); a state that cannot be split that
@@ -84,7 +84,7 @@ class Method(Protocol):
         ...
 
     def question_passes(self) -> int:
-        """Forward passes of a multi-token call after compression: 1, or 2 (a rehearsal first)."""
+        """Forward passes of a multi-token call after compression: 1, or ``n > 1`` (``n - 1`` rehearsals first)."""
         ...
 
     def state_partition(self, state: Any, spec: CacheSpec) -> Any:

@@ -212,6 +212,10 @@ class SyncKV:
       kernel: average pooling of the R-heads' scores over this many tokens (1: none, as the paper's
         equations; 7 measured better at 25%, see the module docstring).
       group_layers: which shipped artifact to load when none is given (None: the model's default).
+      rehearsals: passes of a question before the one that counts, each re-anchoring from the R-heads'
+        question queries of the pass before (default 1; more is a deviation measured in the module docstring).
+      question_window: re-anchoring scores a question's prompt tokens by the attention of its last
+        ``question_window`` queries, summed (1: its last query, as Eq. 3 at prefill).
       page_size, block, implementation: paged layout, prefill block, decode attention implementation.
     """
 
@@ -223,6 +227,8 @@ class SyncKV:
     reanchor: bool = True
     kernel: int = 1
     group_layers: int | None = None
+    rehearsals: int = 1
+    question_window: int = 1
     page_size: int = 16
     block: int = 256
     implementation: str = "auto"
@@ -238,6 +244,10 @@ class SyncKV:
         if self.num_representatives is not None and not 1 <= self.num_representatives <= MAX_REPRESENTATIVES:
             raise ValueError(f"num_representatives (N_r) must be in [1, {MAX_REPRESENTATIVES}], got {self.num_representatives}")
         check_calibrated(self.kernel, self.group_layers)
+        if self.rehearsals < 0:
+            raise ValueError(f"rehearsals must be >= 0, got {self.rehearsals}")
+        if self.question_window < 1:
+            raise ValueError(f"question_window must be >= 1 query, got {self.question_window}")
 
     def artifact_for(self, spec: CacheSpec, artifact=None) -> Artifact:
         """The given artifact (checked) or the one shipped for the spec's model."""
@@ -363,7 +373,8 @@ class SyncKV:
         """A question asked after compression: the R-heads redo Eq. 3-4 for its last query (new ``I_0``: static set
         and initial dynamic set) and publish it as a re-anchoring of their NR-heads' whole kept sets."""
         plan, tr = state.plan, state.tracker
-        scores = leader_probs(state.paged, plan.leaders, qg[:, -1:], self.kernel, "max")[:, :, -1]  # [B, n, positions]
+        probs = leader_probs(state.paged, plan.leaders, qg[:, -self.question_window:], self.kernel, "max")  # [B, n, W, S]
+        scores = jnp.where(jnp.isfinite(probs), probs, 0.0).sum(axis=2)  # [B, n, positions]
         top = top_slots(prompt_only(scores, state.prompt_len), pad, plan.anchor_picks)  # [B, n, k] best first
         K, positions = top.shape[-1], scores.shape[-1]
         in_static = jnp.arange(K)[None, None, :] < tr.static_rows[:, None, None]
@@ -400,9 +411,9 @@ class SyncKV:
         return out, apply_recalls(state, ctx, enabled=self.anticipation)
 
     def question_passes(self) -> int:
-        """Two with ``reanchor`` (and anticipation): a rehearsal re-anchors every layer's NR-heads, including those
-        in layers before their R-head's, before the question attends; else one."""
-        return 2 if self.reanchor and self.anticipation else 1
+        """``1 + rehearsals`` with ``reanchor`` (and anticipation): each rehearsal re-anchors every layer's NR-heads,
+        including those in layers before their R-head's, before the question attends; else one."""
+        return 1 + self.rehearsals if self.reanchor and self.anticipation else 1
 
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then the leader/follower layout's (:func:`kvjax.head_recall.recall_partition`);
