@@ -42,6 +42,16 @@ kvjax's choices (documented deviations):
   query-agnostic suite, 48 prompts, full cache 95.8: 54.2 / 81.2 / 100.0 at budgets 10 / 25 / 50%
   against 6.2 / 31.2 / 54.2 without it, for 2.2x the bytes recalled at 25%
   (``docs/results/qwen2.5-coder-0.5b-4k-synckv-reanchor-query-agnostic``).
+  ``rehearsals`` (default 1) sets how many passes come before the one that counts: each re-anchors from the
+  R-heads' question queries of the pass before, computed over NR-heads re-anchored one pass earlier. With one
+  R-head for the whole model (``group_layers=24``, in layer 20) the first rehearsal's choice comes from a query
+  computed over 20 layers of context-only selections. ``rehearsals=2`` with ``kernel=7:group_layers=24`` at 10%,
+  query-agnostic, 48 prompts: **87.5** against 77.1 with one rehearsal (5 ``niah_multikey`` answers won, none
+  lost; ``docs/results/qwen2.5-coder-0.5b-4k-synckv-g24-rehearsals2-query-agnostic``). It costs one more forward
+  pass of the question and one more recall of the NR-heads' kept sets. ``question_window=W`` scores the
+  re-anchoring by the question's last ``W`` queries (summed) instead of its last one: W = 8 / 32 scored 7 / 5 of
+  16 ``niah_multikey`` prompts against 6 (``docs/results/qwen2.5-coder-0.5b-4k-synckv-question-passes-experiment``);
+  the default stays 1.
   With ``reanchor=False`` a multi-token call is an anticipation step for its last query, recalled
   from the next step on (the paper's asynchronous upload): only the dynamic half ever follows the
   question.
@@ -60,7 +70,8 @@ kvjax's choices (documented deviations):
   leaves each NR-head 8.1% of the prompt at a 10% budget instead of the 4.0% the default groups of 8 layers
   leave. With ``kernel=7``, on the same 48 prompts: query-aware 91.7 / 95.8 at 10 / 25%, query-agnostic
   77.1 / 95.8 (full cache 95.8; ``docs/results/qwen2.5-coder-0.5b-4k-synckv-g24-query-aware`` and
-  ``-query-agnostic``). Not the default, for the same reason as ``kernel``.
+  ``-query-agnostic``), and 87.5 at 10% query-agnostic with ``rehearsals=2`` (above). Not the default, for the
+  same reason as ``kernel``.
 """
 
 from __future__ import annotations
