@@ -381,8 +381,9 @@ class SyncKV:
         return publish(state, jnp.ones(state.version.shape, bool), picks)
 
     def reanchor_for(self, state, qg, pad):
-        """A question asked after compression: the R-heads redo Eq. 3-4 for its last query (new ``I_0``: static set
-        and initial dynamic set) and publish it as a re-anchoring of their NR-heads' whole kept sets."""
+        """A question asked after compression: the R-heads redo Eq. 3-4 for its last query, or the sum over its last
+        ``question_window`` queries (new ``I_0``: static set and initial dynamic set), and publish it as a
+        re-anchoring of their NR-heads' whole kept sets."""
         plan, tr = state.plan, state.tracker
         probs = leader_probs(state.paged, plan.leaders, qg[:, -self.question_window:], self.kernel, "max")  # [B, n, W, S]
         scores = jnp.where(jnp.isfinite(probs), probs, 0.0).sum(axis=2)  # [B, n, positions]
