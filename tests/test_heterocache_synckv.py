@@ -343,18 +343,24 @@ def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor, window):
         assert int(new0.recalls) == 2 and int(new1.recalls) == 4  # one per follower and row
 
 
+def _r_head_in_layer_1(model):
+    """(artifact, prompt [1, L], question [1, 4]): one SyncKV cluster whose R-head, layer 1's head 0, leads both
+    heads of layer 0 and layer 1's head 1."""
+    lead = (((1, 0), (1, 0)), ((-1, -1), (1, 0)))
+    art = Artifact(arrays={}, kind="synckv", model_id=model_identity(model.config),
+                   meta=(("clusters", ((1, (("NR", "NR"), ("R", "NR")), lead),)), ("group_layers", 2)))
+    rng = np.random.default_rng(12)
+    tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
+    return art, tokens, jnp.asarray(rng.integers(0, 97, size=(1, 4)), jnp.int32)
+
+
 def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny):
     """The R-head sits in layer 1 and leads both heads of layer 0. A question in one pass (the jitted call alone)
     leaves layer 0's NR-heads holding the prefill's choice while it attends; :func:`prefill` rehearses it first,
     so they hold the host rows of the R-head's question choice (the anchor it publishes in that pass) when it
     attends. The slot counter and every head's length advance by the question only (the rehearsal's tokens are
     dropped)."""
-    lead = (((1, 0), (1, 0)), ((-1, -1), (1, 0)))
-    art = Artifact(arrays={}, kind="synckv", model_id=model_identity(tiny.config),
-                   meta=(("clusters", ((1, (("NR", "NR"), ("R", "NR")), lead),)), ("group_layers", 2)))
-    rng = np.random.default_rng(12)
-    tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
-    question = jnp.asarray(rng.integers(0, 97, size=(1, 4)), jnp.int32)
+    art, tokens, question = _r_head_in_layer_1(tiny)
     method = SyncKV(budget=0.5, block=16, num_representatives=1)
     assert method.question_passes() == 2 and SyncKV(budget=0.5, reanchor=False).question_passes() == 1
     base = _prefilled(tiny, method, tokens, art)
@@ -386,12 +392,7 @@ def test_synckv_question_rehearsals_count(tiny, rehearsals):
     """``rehearsals=n``: :func:`prefill` runs the question ``n + 1`` times. The R-head (layer 1) re-anchors in each
     pass (its version counts the passes), layer 0's NR-heads then hold the host rows of the choice published in the
     last rehearsal (none with 0: the prefill's choice), and the tokens are appended once."""
-    lead = (((1, 0), (1, 0)), ((-1, -1), (1, 0)))
-    art = Artifact(arrays={}, kind="synckv", model_id=model_identity(tiny.config),
-                   meta=(("clusters", ((1, (("NR", "NR"), ("R", "NR")), lead),)), ("group_layers", 2)))
-    rng = np.random.default_rng(12)
-    tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
-    question = jnp.asarray(rng.integers(0, 97, size=(1, 4)), jnp.int32)
+    art, tokens, question = _r_head_in_layer_1(tiny)
     method = SyncKV(budget=0.5, block=16, num_representatives=1, rehearsals=rehearsals)
     assert method.question_passes() == rehearsals + 1
     base = _prefilled(tiny, method, tokens, art)
