@@ -21,7 +21,8 @@ One layer's state is a :class:`RecallKV`:
   version it was published with (0: never). Unused (``K = 1``, never published) when the plan's
   ``anchor_picks`` is 0;
 * ``applied[B, n_slots]``: the leader version each follower holds; ``region_start``,
-  ``region_count[B, n_slots]``: the follower's slots a recall overwrites. One entry per follower
+  ``region_count[B, n_slots]``: the follower's slots a recall overwrites; ``held[B, n_slots, W]``: the prompt
+  slot each of those region positions holds now. One entry per follower
   slot (:func:`follower_slots`): without a mesh, the followers in order.
 
 The method decides when a leader publishes (HeteroCache: attention drift; SyncKV: every ``m`` steps)
@@ -76,7 +77,7 @@ from flax import struct
 from jax import lax
 
 from kvjax.attention import MASK_VALUE
-from kvjax.host_tier import HostKV, recall, scatter_recalled, to_host
+from kvjax.host_tier import HostKV, recall, scatter_to_slots, to_host
 from kvjax.paged import (PagedKV, append, paged_attention, paged_chunk_attention, paged_device_bytes, paged_partition,
                          paged_read_bytes, shard_map)
 from kvjax.selection import gqa_aggregate, pool1d, window_attention
@@ -124,6 +125,7 @@ class RecallKV:
     region_start: jax.Array  # int32 [B, n_slots]
     region_count: jax.Array  # int32 [B, n_slots]
     applied: jax.Array  # int32 [B, n_slots]
+    held: jax.Array  # int32 [B, n_slots, W] prompt slot each region position holds (positions < region_count)
     prompt_len: jax.Array  # int32 [B] real prompt tokens of each row (held in order by full heads)
     picks: jax.Array  # int32 [B, n_leaders, R]
     version: jax.Array  # int32 [B, n_leaders]
@@ -155,8 +157,13 @@ def slot_followers(slots: tuple):
 
 
 # --------------------------------------------------------------------------- calibrated methods
-def check_calibrated(kernel: int, group_layers) -> None:
-    """Validate the hyper-parameters HeteroCache and SyncKV share (score pooling, artifact group size)."""
+RECALL_SCHEDULES = ("whole", "spread")
+
+
+def check_calibrated(kernel: int, group_layers, recall_schedule: str = "whole") -> None:
+    """Validate the hyper-parameters HeteroCache and SyncKV share (score pooling, artifact group size, recall schedule)."""
+    if recall_schedule not in RECALL_SCHEDULES:
+        raise ValueError(f"recall_schedule must be one of {RECALL_SCHEDULES}, got {recall_schedule!r}")
     if kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"kernel must be a positive odd number, got {kernel}")
     if group_layers is not None and group_layers < 1:
@@ -289,9 +296,13 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
         return jnp.where(jnp.asarray(live)[None], x[:, jnp.asarray(follower)], 0)
 
     zeros = jnp.zeros((), jnp.int32)
+    start, count = per_slot(region_start), per_slot(region_count)
+    width = max([plan.capacities[f.head] for f in plan.followers], default=1)
+    heads_of_slots = jnp.asarray(slot_heads, jnp.int32) if nf else jnp.zeros((0,), jnp.int32)
+    at = jnp.clip(start[..., None] + jnp.arange(width), 0, keep_idx.shape[-1] - 1)  # [B, n_slots, W]
+    held = jnp.take_along_axis(keep_idx[:, heads_of_slots], at, axis=-1).astype(jnp.int32)
     return RecallKV(
-        paged=paged, host=host, slots=slots,
-        region_start=per_slot(region_start), region_count=per_slot(region_count),
+        paged=paged, host=host, slots=slots, region_start=start, region_count=count, held=held,
         applied=jnp.zeros((B, len(slots)), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
         picks=jnp.asarray(picks, jnp.int32),
         version=jnp.zeros((B, nl), jnp.int32),
@@ -324,9 +335,15 @@ def publish_anchor(state: RecallKV, anchor_picks, picks):
     return state.replace(anchor_picks=anchor_picks.astype(jnp.int32), anchor_at=state.version)
 
 
-def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
+def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: int | None = None):
     """Refresh every follower whose leader published a version it does not hold, from the host (one transfer;
-    a re-anchoring it has not applied first, in a transfer of its own, then any newer region)."""
+    a re-anchoring it has not applied first, in a transfer of its own, then any newer region).
+
+    ``spread_over``: ``None`` refreshes a follower's whole region in the step its leader's new choice reaches it,
+    inside ``lax.cond``. An int ``m`` (one-token calls only) has no conditional for the region: every step, each
+    follower replaces up to ``ceil(W / m)`` of the tokens it holds that its leader's latest choice no longer has
+    with chosen tokens it lacks (best first), a fixed-size transfer (:func:`spread_moves`).
+    """
     plan = state.plan
     if not plan.followers or not enabled:
         return state
@@ -347,19 +364,19 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
     host = state.host
     moved = jnp.zeros((), jnp.int32)
     recalls = jnp.zeros((), jnp.int32)
-    applied = state.applied
+    applied, held = state.applied, state.held
     paged = state.paged
     pairs = jnp.asarray(host.heads, jnp.int32)  # [B * n_slots, 2] (row, KV head) of each host head
 
-    def local(k_pages, v_pages, table, host_k, host_v, pairs, picks, count, start):  # one device's share (or all)
+    def local(k_pages, v_pages, table, host_k, host_v, pairs, picks, count, dst):  # one device's share (or all)
         block, row, head = device_block(ctx.mesh, *table.shape[:2])  # local page ids, rows and heads
         rk, rv = recall(host.replace(k=host_k, v=host_v), picks, count)
-        return scatter_recalled(k_pages, v_pages, table - block * k_pages.shape[0], rk, rv, pairs[:, 0] - row,
-                                pairs[:, 1] - head, start, count)
+        return scatter_to_slots(k_pages, v_pages, table - block * k_pages.shape[0], rk, rv, pairs[:, 0] - row,
+                                pairs[:, 1] - head, dst, count)
 
-    def refresh(paged, picks, count, start):
+    def refresh(paged, picks, count, dst):  # picks, dst [B, n_slots, R]: host rows and the device slots they go to
         args = (paged.k_pages, paged.v_pages, paged.block_table, host.k, host.v, pairs,
-                *(flatten_heads(x, ctx.mesh) for x in (picks, count, start)))
+                *(flatten_heads(x, ctx.mesh) for x in (picks, count, dst)))
         if is_split(ctx.mesh):
             kp, vp = shard_map(local, mesh=ctx.mesh, in_specs=(BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * 6,
                                out_specs=(BY_DEVICE, BY_DEVICE), check_vma=False)(*args)
@@ -372,18 +389,70 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True):
         anchor_at = leader_values(lambda st: st.anchor_at)
         anchor_picks = leader_values(lambda st: st.anchor_picks)
         anchor_due = anchor_at > applied
-        count = jnp.where(anchor_due, jnp.minimum(state.region_start + state.region_count, anchor_picks.shape[-1]), 0)
-        paged = lax.cond(jnp.any(anchor_due), lambda p: refresh(p, anchor_picks, count, jnp.zeros_like(count)),
-                         lambda p: p, paged)
+        K = anchor_picks.shape[-1]
+        count = jnp.where(anchor_due, jnp.minimum(state.region_start + state.region_count, K), 0)
+        dst = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), anchor_picks.shape)
+        paged = lax.cond(jnp.any(anchor_due), lambda p: refresh(p, anchor_picks, count, dst), lambda p: p, paged)
+        at = jnp.clip(state.region_start[..., None] + jnp.arange(held.shape[-1]), 0, K - 1)
+        held = jnp.where(anchor_due[..., None], jnp.take_along_axis(anchor_picks, at, axis=-1), held)
         applied = jnp.where(anchor_due, anchor_at, applied)
         recalls, moved = recalls + anchor_due.sum().astype(jnp.int32), moved + count.sum().astype(jnp.int32)
     picks = leader_values(lambda st: st.picks)
+    region = jnp.minimum(state.region_count, picks.shape[-1])
+    picks = fit_width(picks, held.shape[-1])  # [B, n_slots, W]
     due = versions > applied
-    count = jnp.where(due, jnp.minimum(state.region_count, picks.shape[-1]), 0)
-    paged = lax.cond(jnp.any(due), lambda p: refresh(p, picks, count, state.region_start), lambda p: p, paged)
-    return state.replace(paged=paged, applied=jnp.where(due, versions, applied),
+    if spread_over is None:
+        count = jnp.where(due, region, 0)
+        dst = state.region_start[..., None] + jnp.arange(picks.shape[-1], dtype=jnp.int32)
+        paged = lax.cond(jnp.any(due), lambda p: refresh(p, picks, count, dst), lambda p: p, paged)
+        held = jnp.where(due[..., None], picks, held)
+    else:  # a fixed-size step towards the leader's latest choice (none before its first: version 0)
+        ids, positions, count = spread_moves(held, picks, jnp.where(versions > 0, region, 0), spread_over)
+        paged = refresh(paged, ids, count, state.region_start[..., None] + positions)
+        valid = jnp.arange(ids.shape[-1]) < count[..., None]
+        held = jnp.put_along_axis(held, positions, jnp.where(valid, ids, jnp.take_along_axis(held, positions, -1)),
+                                  axis=-1, inplace=False)
+    return state.replace(paged=paged, applied=jnp.where(due, versions, applied), held=held,
                          recalls=state.recalls + recalls + due.sum().astype(jnp.int32),
                          rows_moved=state.rows_moved + moved + count.sum().astype(jnp.int32))
+
+
+def fit_width(x, width: int):
+    """``x[..., R]`` cut or zero-padded to ``[..., width]``."""
+    R = x.shape[-1]
+    return x[..., :width] if R >= width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - R)])
+
+
+def contains(sorted_values, x):
+    """Whether each ``x[..., j]`` occurs in ``sorted_values[..., :]`` (both batched over the leading axes)."""
+    lead = x.shape[:-1]
+    sv, xs = sorted_values.reshape(-1, sorted_values.shape[-1]), x.reshape(-1, x.shape[-1])
+    pos = jax.vmap(jnp.searchsorted)(sv, xs)
+    found = jnp.take_along_axis(sv, jnp.clip(pos, 0, sv.shape[-1] - 1), axis=-1) == xs
+    return found.reshape(*lead, x.shape[-1])
+
+
+def spread_moves(held, target, count, spread_over: int):
+    """One fixed-size step of a follower towards its leader's choice, without duplicates.
+
+    ``held[B, n, W]``, ``target[B, n, W]``: the prompt slots the follower's region holds and its leader's choice
+    (best first); entries ``>= count[B, n]`` of both are unused. Returns ``(ids, positions, moves)``, each with
+    ``S = ceil(W / spread_over)`` entries per follower: the ``moves`` best chosen tokens the follower lacks
+    (``ids``) and the region positions holding tokens the choice dropped, in order (``positions``), where they go.
+    Each step only replaces dropped tokens with missing ones, so the region never holds a token twice, and after
+    ``spread_over`` steps it holds exactly the choice (as a set).
+    """
+    W = held.shape[-1]
+    S = -(-W // spread_over)
+    live = jnp.arange(W) < count[..., None]
+    never = jnp.iinfo(jnp.int32).max
+    missing = live & ~contains(jnp.sort(jnp.where(live, held, never), axis=-1), target)
+    dropped = live & ~contains(jnp.sort(jnp.where(live, target, never), axis=-1), held)
+    order = jnp.arange(W, dtype=jnp.int32)
+    first = lambda m: lax.top_k(-jnp.where(m, order, W + order), S)[1]  # noqa: E731 (first S set entries, in order)
+    src, positions = first(missing), first(dropped)
+    moves = jnp.minimum(missing.sum(-1), S).astype(jnp.int32)
+    return jnp.take_along_axis(target, src, axis=-1), positions.astype(jnp.int32), moves
 
 
 def leader_plan(state: RecallKV, ctx, f: Follower) -> LayerPlan:
@@ -396,7 +465,7 @@ def recall_partition(state: RecallKV, tracker) -> RecallKV:
     host = None if state.host is None else state.host.replace(k=OnHost(BY_DEVICE), v=OnHost(BY_DEVICE))
     rows = jax.sharding.PartitionSpec(DATA)
     return state.replace(paged=paged_partition(state.paged), host=host, region_start=ROWS_HEADS,
-                         region_count=ROWS_HEADS, applied=ROWS_HEADS, prompt_len=rows, picks=rows, version=rows,
+                         region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS, prompt_len=rows, picks=rows, version=rows,
                          anchor_picks=rows, anchor_at=rows,
                          tracker=tracker, steps=REPLICATED, recalls=REPLICATED, rows_moved=REPLICATED)
 
@@ -427,6 +496,6 @@ def attention_read_bytes(states) -> int:
     return sum(paged_read_bytes(st.paged) for st in states)
 
 
-__all__ = ["check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
-           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "leader_plan", "recall_partition", "recall_stats",
+__all__ = ["RECALL_SCHEDULES", "check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
+           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "fit_width", "contains", "spread_moves", "leader_plan", "recall_partition", "recall_stats",
            "attention_read_bytes"]

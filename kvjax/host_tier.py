@@ -402,11 +402,19 @@ def write_recalled(k_pages, v_pages, block_table, recalled_k, recalled_v, heads,
 def scatter_recalled(k_pages, v_pages, block_table, recalled_k, recalled_v, rows, hs, dst_start, count):
     """:func:`write_recalled` without its checks, the (row, KV head) pairs given as int arrays ``rows, hs[n_heads]``
     (traced values allowed: a device's local pairs under ``shard_map``)."""
+    n, R = recalled_k.shape[:2]
+    start = jnp.broadcast_to(jnp.asarray(dst_start, jnp.int32), (n,))
+    slots = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # [n, R] logical slots
+    return scatter_to_slots(k_pages, v_pages, block_table, recalled_k, recalled_v, rows, hs, slots, count)
+
+
+def scatter_to_slots(k_pages, v_pages, block_table, recalled_k, recalled_v, rows, hs, slots, count):
+    """As :func:`scatter_recalled`, row ``r`` of recalled head ``i`` going to any logical slot ``slots[i, r]``
+    (int ``[n_heads, R]``; distinct within a head) instead of consecutive ones."""
     num_pages, ps, D = k_pages.shape
     max_pages = block_table.shape[-1]
     n, R = recalled_k.shape[:2]
-    start = jnp.broadcast_to(jnp.asarray(dst_start, jnp.int32), (n,))
-    j = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # [n, R] logical slots
+    j = jnp.asarray(slots, jnp.int32)
     ok = (jnp.arange(R)[None, :] < jnp.asarray(count, jnp.int32)[:, None]) & (j >= 0) & (j < max_pages * ps)
     page_ix = jnp.clip(j // ps, 0, max_pages - 1)
     page = block_table[rows[:, None], hs[:, None], page_ix]  # [n, R]

@@ -37,7 +37,7 @@ kernels)
     ;;
 bench)
     "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
-        --methods full,heterocache,heterocache:retrieval=false,synckv,synckv:anticipation=false \
+        --methods full,heterocache,heterocache:recall_schedule=spread,heterocache:retrieval=false,synckv,synckv:recall_schedule=spread,synckv:anticipation=false \
         --chunk-size 2048 --new-tokens 64 --repeats "${REPEATS:-3}" --dtype "${DTYPE:-bfloat16}" --out "$out/bench_recall_gpu.md"
     ;;
 recall-micro)

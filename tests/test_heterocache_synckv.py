@@ -14,7 +14,7 @@ from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
-from kvjax.head_recall import leader_probs, leader_queries, prompt_only, top_slots
+from kvjax.head_recall import leader_probs, leader_queries, prompt_only, spread_moves, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.methods.heterocache import classify_group, head_capacities, spread_capped, star_clustering
 from kvjax.methods.synckv import cluster_group, kmeans
@@ -199,15 +199,16 @@ def _held_rows(state, b, h):
     return np.asarray(p.k_pages[p.block_table[b, h]]).reshape(-1, p.k_pages.shape[-1])[:n]
 
 
-@pytest.mark.parametrize("which", ["heterocache", "synckv"])
-def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, which):
+@pytest.mark.parametrize("which,schedule", [("heterocache", "whole"), ("synckv", "whole"), ("synckv", "spread")])
+def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, which, schedule):
     rng = np.random.default_rng(11)
     rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
     full, _, _, _ = generate_tokens(tiny, rows, method=FullCache(block=16), max_new_tokens=8)
     if which == "heterocache":
-        method, art = HeteroCache(budget=1.0, block=16, window=2, tau_drift=1.0), hc_artifact(tiny)
+        method, art = HeteroCache(budget=1.0, block=16, window=2, tau_drift=1.0, recall_schedule=schedule), hc_artifact(tiny)
     else:
-        method, art = SyncKV(budget=1.0, block=16, stride=2, num_representatives=1), sk_artifact(tiny)
+        method = SyncKV(budget=1.0, block=16, stride=2, num_representatives=1, recall_schedule=schedule)
+        art = sk_artifact(tiny)
     for chunk in (None, 32):
         got, _, cache, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=8, chunk_size=chunk, artifact=art)
         np.testing.assert_array_equal(got, full, err_msg=f"chunk_size={chunk}")
@@ -245,6 +246,70 @@ def test_heterocache_recall_writes_the_pivots_picks(tiny):
     np.testing.assert_array_equal(_held_rows(cache.layers[1], 0, 1)[:len(anchor_before)], anchor_before)
     s = cache.stats()
     assert s["recall_events"] == 4 and s["rows_recalled"] > 0 and s["host_bytes"] > 0
+
+
+def test_spread_moves_hand_case():
+    """Held [10, 11, 12, 13], choice [12, 20, 10, 21] (best first): the missing 20, 21 replace the dropped 11, 13
+    at positions 1, 3, ``ceil(4 / m)`` per step; entries past ``count`` are ignored; nothing missing: no moves."""
+    held = jnp.asarray([[[10, 11, 12, 13]]], jnp.int32)
+    target = jnp.asarray([[[12, 20, 10, 21]]], jnp.int32)
+    four = jnp.asarray([[4]], jnp.int32)
+
+    def moves(held, target, count, m):
+        ids, pos, n = (np.asarray(x)[0, 0] for x in spread_moves(held, target, count, m))
+        return ids[:n].tolist(), pos[:n].tolist()
+
+    assert moves(held, target, four, 2) == ([20, 21], [1, 3])
+    assert moves(held, target, four, 4) == ([20], [1])
+    assert moves(jnp.asarray([[[10, 20, 12, 13]]]), target, four, 4) == ([21], [3])
+    assert moves(held, target, jnp.asarray([[3]], jnp.int32), 1) == ([20], [1])  # 21 and 13 are past count
+    assert moves(target, target, four, 1) == ([], [])
+
+
+@pytest.mark.parametrize("which", ["heterocache", "synckv"])
+def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which):
+    """``recall_schedule="spread"`` with a new choice every m=3 steps: m steps after it, each follower's region
+    holds exactly the host rows of its leader's choice (matched to host rows in numpy, as a set, no row twice),
+    same-layer and cross-layer followers; after the first of those steps only part of it."""
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 97, size=(1, L + 6)).astype(np.int32)
+    if which == "heterocache":
+        method = HeteroCache(budget=0.5, block=16, window=3, tau_drift=1.0, recall_schedule="spread")
+        art, followers = hc_artifact(tiny), [(0, 1), (1, 0)]
+    else:
+        method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule="spread")
+        art, followers = sk_artifact(tiny), [(0, 1), (1, 0), (1, 1)]
+    cache = _prefilled(tiny, method, tokens[:, :L], art)
+    key = jax.random.PRNGKey(0)
+
+    def regions(state):  # {follower: set of prompt slots its region holds}, checking that none is held twice
+        out = {}
+        for layer, head in followers:
+            st = state.layers[layer]
+            i = [f.head for f in st.plan.followers].index(head)
+            start, count = int(st.region_start[0, i]), int(st.region_count[0, i])
+            host_k = np.asarray(st.host.k)[st.host.heads.index((0, head))]
+            region = _held_rows(st, 0, head)[start:start + count]
+            out[layer, head] = [int(np.flatnonzero((host_k == row).all(-1))[0]) for row in region]
+            assert len(set(out[layer, head])) == count, f"a token held twice by {(layer, head)}"
+        return {f: set(x) for f, x in out.items()}
+
+    per_step = {}
+    for t in range(L, L + 5):  # the leader publishes at the 3rd step; the followers move at the 3rd, 4th, 5th
+        _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
+        per_step[t - L + 1] = regions(cache)
+    assert int(cache.layers[0].version[0, 0]) == 1  # one choice, published at the 3rd step
+    picks = np.asarray(cache.layers[0].picks)[0, 0]
+    changed = 0
+    for f in followers:
+        want = set(picks[:len(per_step[5][f])].tolist())
+        moves = -(-cache.layers[f[0]].held.shape[-1] // 3)  # ceil(W / m) per step, W: the layer's widest region
+        assert per_step[2][f] == per_step[1][f]  # nothing moves before the first choice
+        before = len(per_step[2][f] - want)  # tokens the choice drops
+        assert len(per_step[3][f] - want) == max(0, before - moves)  # after one step: up to ceil(W / m) moved
+        assert per_step[5][f] == want  # after m steps: exactly the choice
+        changed += before
+    assert changed > 0 and cache.stats()["rows_recalled"] == changed
 
 
 def _ref_attention(q, k, v):

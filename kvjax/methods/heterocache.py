@@ -197,6 +197,9 @@ class HeteroCache:
         cross-layer groups; 1: the paper's per-layer clustering).
       allocation: inverse-stability budgets (False: ``base`` for every compressed head).
       retrieval: pivots refresh satellites (False: static after prefill).
+      recall_schedule: ``"whole"`` (a satellite's whole kept set is refreshed in the step its pivot's new choice
+        reaches it) or ``"spread"`` (each decode step moves up to ``1/window`` of it, the tokens it lacks for
+        those it no longer needs: no conditional per layer; a deviation, see :func:`kvjax.head_recall.apply_recalls`).
       page_size, implementation: paged layout and decode attention implementation.
     """
 
@@ -207,6 +210,7 @@ class HeteroCache:
     group_layers: int | None = None
     allocation: bool = True
     retrieval: bool = True
+    recall_schedule: str = "whole"
     page_size: int = 16
     block: int = 256
     implementation: str = "auto"
@@ -219,7 +223,7 @@ class HeteroCache:
             raise ValueError(f"window must be >= 1 decode step, got {self.window}")
         if not 0.0 <= self.tau_drift <= 1.0:
             raise ValueError(f"tau_drift must be in [0, 1], got {self.tau_drift}")
-        check_calibrated(self.kernel, self.group_layers)
+        check_calibrated(self.kernel, self.group_layers, self.recall_schedule)
 
     # -- artifact and allocation
     def artifact_for(self, spec: CacheSpec, artifact=None) -> Artifact:
@@ -340,7 +344,8 @@ class HeteroCache:
         out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if state.plan.leaders and self.retrieval:
             state = self.track(state, q, ctx.pad)
-        return out, apply_recalls(state, ctx, enabled=self.retrieval)
+        spread = self.window if self.recall_schedule == "spread" and q.shape[1] == 1 else None
+        return out, apply_recalls(state, ctx, enabled=self.retrieval, spread_over=spread)
 
     def question_passes(self) -> int:
         """One pass: a question is appended and attended like any later token."""

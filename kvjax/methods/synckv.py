@@ -227,6 +227,9 @@ class SyncKV:
         question queries of the pass before (default 1; more is a deviation measured in the module docstring).
       question_window: re-anchoring scores a question's prompt tokens by the attention of its last
         ``question_window`` queries, summed (1: its last query, as Eq. 3 at prefill).
+      recall_schedule: ``"whole"`` (the paper's: an NR-head's whole dynamic set is refreshed in the step its
+        R-head's new choice reaches it) or ``"spread"`` (each decode step moves up to ``1/m`` of it, the tokens
+        it lacks for those it no longer needs: no conditional per layer; a deviation, see the module docstring).
       page_size, block, implementation: paged layout, prefill block, decode attention implementation.
     """
 
@@ -240,6 +243,7 @@ class SyncKV:
     group_layers: int | None = None
     rehearsals: int = 1
     question_window: int = 1
+    recall_schedule: str = "whole"
     page_size: int = 16
     block: int = 256
     implementation: str = "auto"
@@ -254,7 +258,7 @@ class SyncKV:
             raise ValueError(f"static_ratio (rho) must be in (0, 1], got {self.static_ratio}")
         if self.num_representatives is not None and not 1 <= self.num_representatives <= MAX_REPRESENTATIVES:
             raise ValueError(f"num_representatives (N_r) must be in [1, {MAX_REPRESENTATIVES}], got {self.num_representatives}")
-        check_calibrated(self.kernel, self.group_layers)
+        check_calibrated(self.kernel, self.group_layers, self.recall_schedule)
         if self.rehearsals < 0:
             raise ValueError(f"rehearsals must be >= 0, got {self.rehearsals}")
         if self.question_window < 1:
@@ -420,7 +424,8 @@ class SyncKV:
             else:
                 state = lax.cond(state.steps % self.stride == 0, lambda st: self.anticipate(st, qg, ctx.pad),
                                  lambda st: st, state)
-        return out, apply_recalls(state, ctx, enabled=self.anticipation)
+        spread = self.stride if self.recall_schedule == "spread" and q.shape[1] == 1 else None
+        return out, apply_recalls(state, ctx, enabled=self.anticipation, spread_over=spread)
 
     def question_passes(self) -> int:
         """``1 + rehearsals`` with ``reanchor`` (and anticipation): each rehearsal re-anchors every layer's NR-heads,

@@ -13,6 +13,10 @@ from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a
 * ``prefetch``: issued unconditionally at layer ``l`` of step ``t`` and scattered at layer ``l`` of step ``t+1``
   (the prefetch pattern of :mod:`kvjax.host_tier`: a whole step of compute between issue and use);
 * ``cond-pages``: as ``cond`` with the same number of rows as whole 16-token pages;
+* ``cond-empty``: a per-layer ``lax.cond`` every step whose taken branch (every ``--every`` steps) only copies one
+  device row: the cost of the conditional itself, without a transfer;
+* ``spread``: no ``cond``; every step each layer recalls a ``1 / --every`` slice of its rows (slice
+  ``step % every``) and scatters it: the bytes of ``cond``, spread evenly over the steps;
 * ``gather-alone``: one layer's recall by itself, outside any loop (the raw gather + copy);
 * ``scatter-alone``: writing one layer's recalled rows into its page pool, by itself.
 
@@ -66,6 +70,8 @@ def make_loop(variant: str, args, hosts, table, heads):
     """A jitted ``(w1, w2, pools, idx, pages) -> (x, pools)`` running ``args.steps`` decode steps."""
     H, R, L = args.heads, args.rows, args.layers
     count = jnp.full((H,), R, jnp.int32)
+    part = -(-R // args.every)  # rows per step of ``spread``
+    part_count = jnp.full((H,), part, jnp.int32)
     page_count = jnp.full((H,), R // PAGE, jnp.int32)
 
     def fetch(layer, ids, pages):
@@ -82,6 +88,13 @@ def make_loop(variant: str, args, hosts, table, heads):
         if variant in ("cond", "cond-pages"):
             pk, pv = lax.cond(step % args.every == 0, lambda p: scatter(*p, *fetch(layer, ids, pages)), lambda p: p,
                               (pk, pv))
+        elif variant == "cond-empty":
+            pk, pv = lax.cond(step % args.every == 0, lambda p: (p[0].at[0].set(p[0][1]), p[1]), lambda p: p, (pk, pv))
+        elif variant == "spread":
+            start = (step % args.every) * part
+            rk, rv = recall(hosts[layer], lax.dynamic_slice_in_dim(ids, jnp.minimum(start, R - part), part, axis=1),
+                            part_count)
+            pk, pv = write_recalled(pk, pv, table, rk, rv, heads, jnp.minimum(start, R - part), part_count)
         elif variant == "always":
             pk, pv = scatter(pk, pv, *fetch(layer, ids, pages))
         elif variant == "prefetch":
@@ -120,7 +133,7 @@ def main():
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--ffn", type=int, default=4864)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="none,cond,always,prefetch,cond-pages")
+    p.add_argument("--variants", default="none,cond,cond-empty,spread,always,prefetch,cond-pages")
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = p.parse_args()
     if args.rows % PAGE or args.length % PAGE:
@@ -143,7 +156,7 @@ def main():
         loop = make_loop(variant, args, hosts, table, heads)
         ms = best_and_median(loop, w1, w2, pools, pools, idx, pages, repeats=args.repeats)[0] * 1e3 / args.steps
         base = ms if variant == "none" else base
-        per_step = {"none": 0.0, "always": 1.0, "prefetch": 1.0}.get(variant, 1.0 / args.every) * args.layers
+        per_step = {"none": 0.0, "cond-empty": 0.0, "always": 1.0, "prefetch": 1.0}.get(variant, 1.0 / args.every) * args.layers
         mib = per_step * mib_per_recall
         extra = ms - base if base is not None else float("nan")
         rate = mib * 2**20 / (extra * 1e-3) / 1e9 if extra > 0 and mib else float("nan")
