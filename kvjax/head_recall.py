@@ -407,11 +407,12 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         paged = lax.cond(jnp.any(due), lambda p: refresh(p, picks, count, dst), lambda p: p, paged)
         held = jnp.where(due[..., None], picks, held)
     else:  # a fixed-size step towards the leader's latest choice (none before its first: version 0)
-        ids, positions, count = spread_moves(held, picks, jnp.where(versions > 0, region, 0), spread_over)
+        ids, positions, count = spread_moves(held, picks, jnp.where(versions > 0, region, 0), spread_over, host.length)
         paged = refresh(paged, ids, count, state.region_start[..., None] + positions)
-        valid = jnp.arange(ids.shape[-1]) < count[..., None]
-        held = jnp.put_along_axis(held, positions, jnp.where(valid, ids, jnp.take_along_axis(held, positions, -1)),
-                                  axis=-1, inplace=False)
+        W = held.shape[-1]
+        held = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
+            held.reshape(-1, W), positions.reshape(-1, positions.shape[-1]), ids.reshape(-1, ids.shape[-1])
+        ).reshape(held.shape)
     return state.replace(paged=paged, applied=jnp.where(due, versions, applied), held=held,
                          recalls=state.recalls + recalls + due.sum().astype(jnp.int32),
                          rows_moved=state.rows_moved + moved + count.sum().astype(jnp.int32))
@@ -423,36 +424,49 @@ def fit_width(x, width: int):
     return x[..., :width] if R >= width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - R)])
 
 
-def contains(sorted_values, x):
-    """Whether each ``x[..., j]`` occurs in ``sorted_values[..., :]`` (both batched over the leading axes)."""
-    lead = x.shape[:-1]
-    sv, xs = sorted_values.reshape(-1, sorted_values.shape[-1]), x.reshape(-1, x.shape[-1])
-    pos = jax.vmap(jnp.searchsorted)(sv, xs)
-    found = jnp.take_along_axis(sv, jnp.clip(pos, 0, sv.shape[-1] - 1), axis=-1) == xs
-    return found.reshape(*lead, x.shape[-1])
+def members(values, live, queries, slots: int):
+    """Whether each ``queries[..., j]`` is one of the ``live`` entries of ``values[..., W]`` (prompt slots below
+    ``slots``), through a per-row table of ``slots`` flags: linear work, no sort."""
+    lead, W = values.shape[:-1], values.shape[-1]
+
+    def one(v, lv, q):
+        table = jnp.zeros((slots,), bool).at[jnp.where(lv, v, slots)].set(True, mode="drop")
+        return table[jnp.clip(q, 0, slots - 1)]
+
+    flat = jax.vmap(one)(values.reshape(-1, W), live.reshape(-1, W), queries.reshape(-1, queries.shape[-1]))
+    return flat.reshape(*lead, queries.shape[-1])
 
 
-def spread_moves(held, target, count, spread_over: int):
+def first_set(mask, n: int):
+    """Indices of the first ``n`` set entries of ``mask[..., W]``, in order; ``W`` where there are fewer."""
+    lead, W = mask.shape[:-1], mask.shape[-1]
+    rank = jnp.cumsum(mask, axis=-1) - 1
+
+    def one(m, r):
+        return jnp.full((n,), W, jnp.int32).at[jnp.where(m, r, n)].set(jnp.arange(W, dtype=jnp.int32), mode="drop")
+
+    return jax.vmap(one)(mask.reshape(-1, W), rank.reshape(-1, W)).reshape(*lead, n)
+
+
+def spread_moves(held, target, count, spread_over: int, slots: int):
     """One fixed-size step of a follower towards its leader's choice, without duplicates.
 
-    ``held[B, n, W]``, ``target[B, n, W]``: the prompt slots the follower's region holds and its leader's choice
-    (best first); entries ``>= count[B, n]`` of both are unused. Returns ``(ids, positions, moves)``, each with
-    ``S = ceil(W / spread_over)`` entries per follower: the ``moves`` best chosen tokens the follower lacks
-    (``ids``) and the region positions holding tokens the choice dropped, in order (``positions``), where they go.
-    Each step only replaces dropped tokens with missing ones, so the region never holds a token twice, and after
-    ``spread_over`` steps it holds exactly the choice (as a set).
+    ``held[B, n, W]``, ``target[B, n, W]``: the prompt slots (below ``slots``) the follower's region holds and its
+    leader's choice (best first); entries ``>= count[B, n]`` of both are unused. Returns ``(ids, positions,
+    moves)``, each with ``S = ceil(W / spread_over)`` entries per follower: the ``moves`` best chosen tokens the
+    follower lacks (``ids``) and the region positions holding tokens the choice dropped, in order (``positions``;
+    ``W`` past ``moves``), where they go. Each step only replaces dropped tokens with missing ones, so the region
+    never holds a token twice, and after ``spread_over`` steps it holds exactly the choice (as a set).
     """
     W = held.shape[-1]
     S = -(-W // spread_over)
     live = jnp.arange(W) < count[..., None]
-    never = jnp.iinfo(jnp.int32).max
-    missing = live & ~contains(jnp.sort(jnp.where(live, held, never), axis=-1), target)
-    dropped = live & ~contains(jnp.sort(jnp.where(live, target, never), axis=-1), held)
-    order = jnp.arange(W, dtype=jnp.int32)
-    first = lambda m: lax.top_k(-jnp.where(m, order, W + order), S)[1]  # noqa: E731 (first S set entries, in order)
-    src, positions = first(missing), first(dropped)
+    missing = live & ~members(held, live, target, slots)
+    dropped = live & ~members(target, live, held, slots)
+    src, positions = first_set(missing, S), first_set(dropped, S)
     moves = jnp.minimum(missing.sum(-1), S).astype(jnp.int32)
-    return jnp.take_along_axis(target, src, axis=-1), positions.astype(jnp.int32), moves
+    positions = jnp.where(jnp.arange(S) < moves[..., None], positions, W)
+    return jnp.take_along_axis(target, jnp.minimum(src, W - 1), axis=-1), positions, moves
 
 
 def leader_plan(state: RecallKV, ctx, f: Follower) -> LayerPlan:
@@ -497,5 +511,5 @@ def attention_read_bytes(states) -> int:
 
 
 __all__ = ["RECALL_SCHEDULES", "check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
-           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "fit_width", "contains", "spread_moves", "leader_plan", "recall_partition", "recall_stats",
+           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "fit_width", "members", "first_set", "spread_moves", "leader_plan", "recall_partition", "recall_stats",
            "attention_read_bytes"]

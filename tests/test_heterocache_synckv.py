@@ -256,7 +256,7 @@ def test_spread_moves_hand_case():
     four = jnp.asarray([[4]], jnp.int32)
 
     def moves(held, target, count, m):
-        ids, pos, n = (np.asarray(x)[0, 0] for x in spread_moves(held, target, count, m))
+        ids, pos, n = (np.asarray(x)[0, 0] for x in spread_moves(held, target, count, m, 32))
         return ids[:n].tolist(), pos[:n].tolist()
 
     assert moves(held, target, four, 2) == ([20, 21], [1, 3])
