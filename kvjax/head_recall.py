@@ -342,7 +342,8 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
     ``spread_over``: ``None`` refreshes a follower's whole region in the step its leader's new choice reaches it,
     inside ``lax.cond``. An int ``m`` (one-token calls only) has no conditional for the region: every step, each
     follower replaces up to ``ceil(W / m)`` of the tokens it holds that its leader's latest choice no longer has
-    with chosen tokens it lacks (best first), a fixed-size transfer (:func:`spread_moves`).
+    with chosen tokens it lacks (best first; :func:`spread_moves`), ``W`` the most tokens a choice or a region of
+    the layer holds. The transfer has that fixed size; ``rows_moved`` counts the tokens replaced.
     """
     plan = state.plan
     if not plan.followers or not enabled:
@@ -398,7 +399,8 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         applied = jnp.where(anchor_due, anchor_at, applied)
         recalls, moved = recalls + anchor_due.sum().astype(jnp.int32), moved + count.sum().astype(jnp.int32)
     picks = leader_values(lambda st: st.picks)
-    region = jnp.minimum(state.region_count, picks.shape[-1])
+    chosen = picks.shape[-1]  # tokens a choice holds (static): no region takes more
+    region = jnp.minimum(state.region_count, chosen)
     picks = fit_width(picks, held.shape[-1])  # [B, n_slots, W]
     due = versions > applied
     if spread_over is None:
@@ -407,12 +409,13 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         paged = lax.cond(jnp.any(due), lambda p: refresh(p, picks, count, dst), lambda p: p, paged)
         held = jnp.where(due[..., None], picks, held)
     else:  # a fixed-size step towards the leader's latest choice (none before its first: version 0)
-        ids, positions, count = spread_moves(held, picks, jnp.where(versions > 0, region, 0), spread_over, host.length)
+        W = min(held.shape[-1], chosen)  # a region's positions a choice can reach
+        ids, positions, count = spread_moves(held[..., :W], picks[..., :W], jnp.where(versions > 0, region, 0),
+                                             spread_over, host.length)
         paged = refresh(paged, ids, count, state.region_start[..., None] + positions)
-        W = held.shape[-1]
-        held = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
-            held.reshape(-1, W), positions.reshape(-1, positions.shape[-1]), ids.reshape(-1, ids.shape[-1])
-        ).reshape(held.shape)
+        flat = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(  # positions W: dropped
+            held.reshape(-1, held.shape[-1]), positions.reshape(-1, positions.shape[-1]), ids.reshape(-1, ids.shape[-1]))
+        held = flat.reshape(held.shape)
     return state.replace(paged=paged, applied=jnp.where(due, versions, applied), held=held,
                          recalls=state.recalls + recalls + due.sum().astype(jnp.int32),
                          rows_moved=state.rows_moved + moved + count.sum().astype(jnp.int32))

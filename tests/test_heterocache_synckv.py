@@ -303,7 +303,8 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
     changed = 0
     for f in followers:
         want = set(picks[:len(per_step[5][f])].tolist())
-        moves = -(-cache.layers[f[0]].held.shape[-1] // 3)  # ceil(W / m) per step, W: the layer's widest region
+        width = min(cache.layers[f[0]].held.shape[-1], len(picks))  # the most a region or a choice holds
+        moves = -(-width // 3)  # ceil(W / m) per step
         assert per_step[2][f] == per_step[1][f]  # nothing moves before the first choice
         before = len(per_step[2][f] - want)  # tokens the choice drops
         assert len(per_step[3][f] - want) == max(0, before - moves)  # after one step: up to ceil(W / m) moved
