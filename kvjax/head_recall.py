@@ -44,26 +44,19 @@ token ids per step, which the compiler moves between devices.
 
 Timing: the step that publishes attends with the followers' old tokens. The recall is issued in that
 step, after the layer's attention, and is first used by the layer's next call (the paper's
-asynchronous update). Measured on an H200 (README, Results, "On a GPU"), it does **not** overlap the
-remaining layers: a step with recall costs 5.5–8.5 ms more than one without. Not profiled; two causes
-are likely, and ``docs/results/microbench/recall_step.py`` (``scripts/gpu_checks.sh recall-micro``)
-separates them on the next GPU:
+asynchronous update). Measured on GPUs (README, Results, "On a GPU"), it does **not** overlap the
+remaining layers: on an H100 at 30,720 tokens a SyncKV step costs 5.8–8.7 ms with recall against 1.2
+without. ``docs/results/microbench/recall_step.py`` located the cost there. The per-layer ``lax.cond``'s host
+synchronisation costs only 13 µs (XLA:GPU's ``ConditionalThunk`` copies the predicate to the host). But a
+recall *inside* a conditional runs serialised, about 0.6 ms per layer, while the same bytes issued
+unconditionally pipeline (2.4× cheaper in that benchmark).
 
-* **Host synchronisation.** XLA:GPU runs a ``conditional`` as a ``ConditionalThunk`` that copies its
-  predicate to the host and blocks until the stream is done (``stream.BlockHostUntilDone()`` in
-  ``xla/backends/gpu/runtime/conditional_thunk.cc``) unless the conditional is captured in a command
-  buffer. With recall on, a decode step holds one such ``cond`` per layer with followers (24 for Qwen2.5;
-  two with SyncKV's re-anchoring, whose check runs in every call) plus one per leader layer (the
-  method's drift check or anticipation), every step, whether or not anything is recalled; with recall
-  off there are none (``tests/test_gpu_host_syncs.py`` counts them). Each drains the GPU's queue.
-* **The host gather.** It runs on the host, one layer at a time; one layer's gather of 2 heads × 3,072
-  bf16 rows takes 0.45–0.69 ms on this CPU (``docs/results/microbench/host_gather.md``), and the host
-  region's done thunk holds back the launch of later work until it has run.
-
-A cond-free recall must move a fixed number of rows every step (XLA shapes are static): either all
-``R`` rows of every follower (masked), which multiplies the bytes moved by the stride, or a fixed slice
-of each refresh per step spread over several steps, which changes when a follower holds its leader's
-new choice. Neither is implemented: which one pays depends on the measurement above.
+``spread_over`` (the methods' ``recall_schedule="spread"``) therefore has no recall conditional. It moves a
+fixed number of rows every step, only tokens the follower lacks, in place of ones its leader dropped
+(:func:`spread_moves`), so a new choice lands over ``m`` steps instead of one. On the H100 it took SyncKV
+from 8.73 to 7.33 ms/token, still far from the 1.2 without recall. Unlike the benchmark's, a layer's
+indices depend on the same step's leader choice, so each layer still waits for a device → host → device
+round trip (not profiled). Issuing each recall one step ahead is the next step.
 """
 
 from __future__ import annotations

@@ -72,6 +72,12 @@ kvjax's choices (documented deviations):
   77.1 / 95.8 (full cache 95.8; ``docs/results/qwen2.5-coder-0.5b-4k-synckv-g24-query-aware`` and
   ``-query-agnostic``), and 87.5 at 10% query-agnostic with ``rehearsals=2`` (above). Not the default, for the
   same reason as ``kernel``.
+* ``recall_schedule="spread"`` (default ``"whole"``, the paper's): no recall conditional per layer and step,
+  which on a GPU runs the host gather serialised. Each decode step, every NR-head replaces up to
+  ``ceil(k_dyn / m)`` tokens its R-head's latest choice dropped with chosen tokens it lacks, best first
+  (:func:`kvjax.head_recall.spread_moves`), so a new dynamic set lands over ``m`` steps instead of in one. On an
+  H100 at 30,720 tokens (random weights) SyncKV decoded at 7.33 against 8.73 ms/token with the paper's schedule
+  (README, Results, "On a GPU"). Its effect on accuracy is in the README's SyncKV section.
 """
 
 from __future__ import annotations
