@@ -199,13 +199,16 @@ def _held_rows(state, b, h):
     return np.asarray(p.k_pages[p.block_table[b, h]]).reshape(-1, p.k_pages.shape[-1])[:n]
 
 
-@pytest.mark.parametrize("which,schedule", [("heterocache", "whole"), ("synckv", "whole"), ("synckv", "spread")])
+@pytest.mark.parametrize("which,schedule", [("heterocache", "whole"), ("heterocache-reanchor", "whole"), ("synckv", "whole"),
+                                            ("synckv", "spread")])
 def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, which, schedule):
     rng = np.random.default_rng(11)
     rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
     full, _, _, _ = generate_tokens(tiny, rows, method=FullCache(block=16), max_new_tokens=8)
-    if which == "heterocache":
-        method, art = HeteroCache(budget=1.0, block=16, window=2, tau_drift=1.0, recall_schedule=schedule), hc_artifact(tiny)
+    if which.startswith("heterocache"):
+        method = HeteroCache(budget=1.0, block=16, window=2, tau_drift=1.0, recall_schedule=schedule,
+                             reanchor=which.endswith("reanchor"))
+        art = hc_artifact(tiny)
     else:
         method = SyncKV(budget=1.0, block=16, stride=2, num_representatives=1, recall_schedule=schedule)
         art = sk_artifact(tiny)
@@ -409,6 +412,57 @@ def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor, window):
         assert int(new0.recalls) == 2 and int(new1.recalls) == 4  # one per follower and row
 
 
+def test_heterocache_question_rehearsal_reanchors_satellites_before_their_pivot(tiny):
+    """``reanchor``: the pivot sits in layer 1 and leads both heads of layer 0. The question in one pass (the jitted
+    call alone) makes the pivot publish its choice for the question even without drift, but layer 0's satellites
+    attend with the prefill's tokens; :func:`prefill` rehearses first, so they then hold the host rows of that
+    choice. Lengths advance by the question once; without ``reanchor`` there is one pass."""
+    roles = (("satellite", "satellite"), ("pivot", "anchor"))
+    pivot_of = (((1, 0), (1, 0)), ((-1, -1), (-1, -1)))
+    art = Artifact(arrays={}, kind="heterocache", model_id=model_identity(tiny.config),
+                   meta=(("roles", roles), ("pivot_of", pivot_of), ("stability", ((0.5, 0.5), (0.9, 0.8))),
+                         ("group_layers", 2)))
+    method = HeteroCache(budget=0.5, block=16, tau_drift=0.0, reanchor=True)  # tau 0: the drift test never fires
+    assert method.question_passes() == 2 and HeteroCache(budget=0.5).question_passes() == 1
+    rng = np.random.default_rng(13)
+    base = _prefilled(tiny, method, rng.integers(0, 97, size=(1, L)).astype(np.int32), art)
+    question = jnp.asarray(rng.integers(0, 97, size=(1, 4)), jnp.int32)
+    st = base.layers[0]
+    counts = [int(st.region_count[0, i]) for i in range(2)]
+    before = [_held_rows(st, 0, h)[:counts[h]] for h in (0, 1)]
+    lengths = [np.asarray(s.paged.lengths) for s in base.layers]
+
+    def copy(c):
+        return jax.tree_util.tree_map(jnp.copy, c)
+
+    _, one = prefill_jit(tiny.graphdef, tiny.params, question, copy(base))
+    _, two = prefill(tiny.graphdef, tiny.params, question, copy(base))
+    choice = np.asarray(one.layers[1].picks)[0, 0]  # the pivot's choice for the question (the rehearsal's)
+    assert int(one.layers[1].version[0, 0]) == 1 and int(two.layers[1].version[0, 0]) == 2
+    for h in (0, 1):
+        np.testing.assert_array_equal(_held_rows(one.layers[0], 0, h)[:counts[h]], before[h])
+        host = np.asarray(two.layers[0].host.k)[two.layers[0].host.heads.index((0, h))]
+        np.testing.assert_array_equal(_held_rows(two.layers[0], 0, h)[:counts[h]], host[choice[:counts[h]]])
+    assert not np.array_equal(before[0], _held_rows(two.layers[0], 0, 0)[:counts[0]])
+    assert int(two.length) == int(base.length) + 4
+    for s, n in zip(two.layers, lengths):
+        np.testing.assert_array_equal(np.asarray(s.paged.lengths), n + 4)
+    # the recall comes before the question attends: layer 0 with the pivot's choice published (numpy attention
+    # of each question query over the chosen host rows and the question tokens it sees)
+    st0, D = two.layers[0], np.asarray(two.layers[0].host.k).shape[-1]
+    q, k, v = (jnp.asarray(rng.standard_normal(sh).astype(np.float32)) for sh in [(1, 3, 4, D), (1, 3, 2, D), (1, 3, 2, D)])
+    ctx = AttendContext(start=base.length, pad=base.pad, positions=jnp.asarray([[L, L + 1, L + 2]]),
+                        layers=(base.layers[0], one.layers[1]), layer=0)
+    out, _ = method.decode_attend(copy(base.layers[0]), q, k, v, ctx)
+    host_k, host_v = (np.asarray(x)[st0.host.heads.index((0, 0))] for x in (st0.host.k, st0.host.v))
+    rows = choice[:counts[0]]
+    for t in range(3):
+        keys = np.concatenate([host_k[rows], np.asarray(k)[0, :t + 1, 0]])
+        vals = np.concatenate([host_v[rows], np.asarray(v)[0, :t + 1, 0]])
+        np.testing.assert_allclose(np.asarray(out)[0, t, :2], _ref_attention(np.asarray(q)[0, t, :2], keys, vals),
+                                   atol=1e-5)
+
+
 def _r_head_in_layer_1(model):
     """(artifact, prompt [1, L], question [1, 4]): one SyncKV cluster whose R-head, layer 1's head 0, leads both
     heads of layer 0 and layer 1's head 1."""
@@ -517,10 +571,12 @@ def test_artifact_and_hyper_parameter_errors(tiny):
         make(HeteroCache(budget=0.5), None)
     for bad, match in [(dict(static_ratio=0.0), "static_ratio"), (dict(static_ratio=1.5), "static_ratio"),
                        (dict(num_representatives=0), "N_r"), (dict(stride=0), "stride"),
-                       (dict(question_window=0), "question_window"), (dict(rehearsals=-1), "rehearsals")]:
+                       (dict(question_window=0), "question_window"), (dict(rehearsals=-1), "rehearsals"),
+                       (dict(recall_schedule="lazy"), "recall_schedule")]:
         with pytest.raises(ValueError, match=match):
             SyncKV(**bad)
-    for bad, match in [(dict(window=0), "window"), (dict(tau_drift=1.5), "tau_drift"), (dict(kernel=4), "kernel")]:
+    for bad, match in [(dict(window=0), "window"), (dict(tau_drift=1.5), "tau_drift"), (dict(kernel=4), "kernel"),
+                       (dict(rehearsals=-1), "rehearsals"), (dict(recall_schedule="lazy"), "recall_schedule")]:
         with pytest.raises(ValueError, match=match):
             HeteroCache(**bad)
 

@@ -64,6 +64,7 @@ from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, 
                                last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
                                recall_partition, recall_stats, to_stored, top_mask, top_slots)
 from kvjax.methods.base import check_common
+from kvjax.paged import append, paged_chunk_attention
 from kvjax.selection import keep_to_indices, keep_top, row_capacities
 from kvjax.sharding import DATA
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
@@ -197,6 +198,10 @@ class HeteroCache:
         cross-layer groups; 1: the paper's per-layer clustering).
       allocation: inverse-stability budgets (False: ``base`` for every compressed head).
       retrieval: pivots refresh satellites (False: static after prefill).
+      reanchor: a question asked after compression makes every pivot publish its choice for the question's last
+        query, recalled *before* the question attends, after ``rehearsals`` rehearsals of the question (a
+        deviation, off by default; see the module docstring).
+      rehearsals: passes of such a question before the one that counts (with ``reanchor``).
       recall_schedule: ``"whole"`` (a satellite's whole kept set is refreshed in the step its pivot's new choice
         reaches it) or ``"spread"`` (each decode step moves up to ``1/window`` of it, the tokens it lacks for
         those it no longer needs: no conditional per layer; a deviation, see :func:`kvjax.head_recall.apply_recalls`).
@@ -210,6 +215,8 @@ class HeteroCache:
     group_layers: int | None = None
     allocation: bool = True
     retrieval: bool = True
+    reanchor: bool = False
+    rehearsals: int = 1
     recall_schedule: str = "whole"
     page_size: int = 16
     block: int = 256
@@ -224,6 +231,8 @@ class HeteroCache:
         if not 0.0 <= self.tau_drift <= 1.0:
             raise ValueError(f"tau_drift must be in [0, 1], got {self.tau_drift}")
         check_calibrated(self.kernel, self.group_layers, self.recall_schedule)
+        if self.rehearsals < 0:
+            raise ValueError(f"rehearsals must be >= 0, got {self.rehearsals}")
 
     # -- artifact and allocation
     def artifact_for(self, spec: CacheSpec, artifact=None) -> Artifact:
@@ -314,15 +323,17 @@ class HeteroCache:
                                    ref=jnp.zeros((B, 0, positions), bool), base=base)
         return layer.replace(tracker=tracker)
 
-    def drift_check(self, state, qg, pad):
+    def drift_check(self, state, qg, pad, *, force: bool = False):
         """Pivots score their queries ``qg[B, T, n, G, D]``; where the median overlap with the reference set is
-        below ``tau_drift``, the reference becomes the last query's set and the pivot publishes its top prompt tokens."""
+        below ``tau_drift`` (or with ``force``), the reference becomes the last query's set and the pivot publishes
+        its top prompt tokens."""
         plan, tr = state.plan, state.tracker
         scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max")  # [B, n, T, positions]
         sets = top_mask(scores, tr.base)
         held = jnp.isfinite(scores).sum(-1)
         overlap = (sets & tr.ref[:, :, None]).sum(-1) / jnp.maximum(jnp.minimum(held, tr.base), 1)
         drift = jnp.median(overlap, axis=-1) < self.tau_drift  # [B, n]
+        drift = jnp.ones_like(drift) if force else drift
         picks = top_slots(prompt_only(scores[:, :, -1], state.prompt_len), pad, state.picks.shape[-1])
         state = state.replace(tracker=tr.replace(ref=jnp.where(drift[..., None], sets[:, :, -1], tr.ref)))
         return publish(state, drift, picks)
@@ -340,7 +351,20 @@ class HeteroCache:
                         lambda st: self.drift_check(st, jnp.moveaxis(st.tracker.q, 0, 1), pad), lambda st: st, state)
 
     def decode_attend(self, state, q, k, v, ctx):
-        """Attend over every head's held tokens; pivots check drift; satellites of drifted pivots are refreshed."""
+        """Attend over every head's held tokens; pivots check drift; satellites of drifted pivots are refreshed.
+        A multi-token call with ``reanchor`` publishes and recalls *before* it attends; in a rehearsal
+        (``ctx.rehearsal``) the state is returned without its tokens."""
+        if q.shape[1] > 1 and self.reanchor and self.retrieval:
+            held = state.paged.lengths
+            state = state.replace(paged=append(state.paged, k, v))
+            if state.plan.leaders:
+                qg = leader_queries(q, state.plan.leaders, len(state.plan.capacities))
+                state = self.drift_check(state, qg[:, -1:], ctx.pad, force=True)
+            state = apply_recalls(state, ctx)
+            out = paged_chunk_attention(q, state.paged).astype(q.dtype)
+            if ctx.rehearsal:  # the tokens' rows stay past ``lengths``, overwritten by the real pass
+                state = state.replace(paged=state.paged.replace(lengths=held))
+            return out, state
         out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if state.plan.leaders and self.retrieval:
             state = self.track(state, q, ctx.pad)
@@ -348,8 +372,10 @@ class HeteroCache:
         return out, apply_recalls(state, ctx, enabled=self.retrieval, spread_over=spread)
 
     def question_passes(self) -> int:
-        """One pass: a question is appended and attended like any later token."""
-        return 1
+        """``1 + rehearsals`` with ``reanchor`` (and retrieval): each rehearsal lets every pivot publish its question
+        choice, so satellites in layers before their pivot's hold it too when the question attends; else one (a
+        question is appended and attended like any later token)."""
+        return 1 + self.rehearsals if self.reanchor and self.retrieval else 1
 
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then the leader/follower layout's (:func:`kvjax.head_recall.recall_partition`);
