@@ -53,10 +53,11 @@ unconditionally pipeline (2.4× cheaper in that benchmark).
 
 ``spread_over`` (the methods' ``recall_schedule="spread"``) therefore has no recall conditional. It moves a
 fixed number of rows every step, only tokens the follower lacks, in place of ones its leader dropped
-(:func:`spread_moves`), so a new choice lands over ``m`` steps instead of one. On the H100 it took SyncKV
-from 8.73 to 7.33 ms/token, still far from the 1.2 without recall. Unlike the benchmark's, a layer's
-indices depend on the same step's leader choice, so each layer still waits for a device → host → device
-round trip (not profiled). Issuing each recall one step ahead is the next step.
+(:func:`spread_moves`), so a new choice lands over ``m`` steps instead of one. On the H100, at matched bytes
+(13 MiB per step), SyncKV decoded at 7.33 ms/token with it against 8.73 with the whole-set schedule. That is
+still far from the 1.2 without recall, and the committed forms of both were not timed (README). Unlike the
+benchmark's, a layer's indices depend on the same step's leader choice, so each layer still waits for a
+device → host → device round trip (not profiled). Issuing each recall one step ahead is the next step.
 """
 
 from __future__ import annotations
@@ -391,16 +392,15 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         held = jnp.where(anchor_due[..., None], jnp.take_along_axis(anchor_picks, at, axis=-1), held)
         applied = jnp.where(anchor_due, anchor_at, applied)
         recalls, moved = recalls + anchor_due.sum().astype(jnp.int32), moved + count.sum().astype(jnp.int32)
-    picks = leader_values(lambda st: st.picks)
+    picks = leader_values(lambda st: st.picks)  # [B, n_slots, R]
     chosen = picks.shape[-1]  # tokens a choice holds (static): no region takes more
     region = jnp.minimum(state.region_count, chosen)
-    picks = fit_width(picks, held.shape[-1])  # [B, n_slots, W]
     due = versions > applied
     if spread_over is None:
         count = jnp.where(due, region, 0)
-        dst = state.region_start[..., None] + jnp.arange(picks.shape[-1], dtype=jnp.int32)
+        dst = state.region_start[..., None] + jnp.arange(chosen, dtype=jnp.int32)
         paged = lax.cond(jnp.any(due), lambda p: refresh(p, picks, count, dst), lambda p: p, paged)
-        held = jnp.where(due[..., None], picks, held)
+        held = jnp.where(due[..., None], fit_width(picks, held.shape[-1]), held)
     else:  # a fixed-size step towards the leader's latest choice (none before its first: version 0)
         W = min(held.shape[-1], chosen)  # a region's positions a choice can reach
         ids, positions, count = spread_moves(held[..., :W], picks[..., :W], jnp.where(versions > 0, region, 0),

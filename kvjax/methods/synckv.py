@@ -76,8 +76,9 @@ kvjax's choices (documented deviations):
   which on a GPU runs the host gather serialised. Each decode step, every NR-head replaces up to
   ``ceil(k_dyn / m)`` tokens its R-head's latest choice dropped with chosen tokens it lacks, best first
   (:func:`kvjax.head_recall.spread_moves`), so a new dynamic set lands over ``m`` steps instead of in one. On an
-  H100 at 30,720 tokens (random weights) SyncKV decoded at 7.33 against 8.73 ms/token with the paper's schedule
-  (README, Results, "On a GPU"). Its effect on accuracy is in the README's SyncKV section.
+  H100 at 30,720 tokens (random weights), moving the same bytes per step, SyncKV decoded at 7.33 against 8.73
+  ms/token with the paper's schedule. The committed forms of both were not timed (README, Results, "On a GPU").
+  Its effect on accuracy is in the README's SyncKV section.
 """
 
 from __future__ import annotations
