@@ -152,7 +152,8 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
     by_row_only = {".picks", ".version", ".prompt_len", ".anchor_picks", ".anchor_at", ".tracker.q", ".tracker.ref",
                    ".tracker.static", ".tracker.static_rows", ".tracker.keep_rows"}
     # padded per device block: pools of unequal capacities, follower slots (host copies and per-slot arrays)
-    padded = {".paged.k_pages", ".paged.v_pages", ".host.k", ".host.v", ".region_start", ".region_count", ".applied"}
+    padded = {".paged.k_pages", ".paged.v_pages", ".host.k", ".host.v", ".region_start", ".region_count", ".applied",
+              ".held"}
     for mesh in ("data=2,model=4", "data=1,model=8"):
         rows = parse_mesh(mesh)["data"]
         for name, run in meshes[mesh].items():
