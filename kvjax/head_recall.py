@@ -465,6 +465,21 @@ def spread_moves(held, target, count, spread_over: int, slots: int):
     return jnp.take_along_axis(target, jnp.minimum(src, W - 1), axis=-1), positions, moves
 
 
+def reanchor_then_attend(state: RecallKV, q, k, v, ctx, choose):
+    """A multi-token call that re-anchors: append the tokens, let ``choose(state)`` publish the leaders' choice (when
+    the layer has leaders), recall it for every follower, *then* attend; a rehearsal (``ctx.rehearsal``) returns the
+    state without the tokens (their rows stay past ``lengths``, overwritten by the real pass)."""
+    held = state.paged.lengths
+    state = state.replace(paged=append(state.paged, k, v))
+    if state.plan.leaders:
+        state = choose(state)
+    state = apply_recalls(state, ctx)
+    out = paged_chunk_attention(q, state.paged).astype(q.dtype)
+    if ctx.rehearsal:
+        state = state.replace(paged=state.paged.replace(lengths=held))
+    return out, state
+
+
 def leader_plan(state: RecallKV, ctx, f: Follower) -> LayerPlan:
     """The plan of follower ``f``'s leader layer."""
     return state.plan if f.leader_layer == ctx.layer else ctx.layers[f.leader_layer].plan
@@ -507,5 +522,5 @@ def attention_read_bytes(states) -> int:
 
 
 __all__ = ["RECALL_SCHEDULES", "check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
-           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "fit_width", "members", "first_set", "spread_moves", "leader_plan", "recall_partition", "recall_stats",
+           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "reanchor_then_attend", "fit_width", "members", "first_set", "spread_moves", "leader_plan", "recall_partition", "recall_stats",
            "attention_read_bytes"]

@@ -74,9 +74,8 @@ from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
 from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
                                last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
-                               recall_partition, recall_stats, to_stored, top_mask, top_slots)
+                               reanchor_then_attend, recall_partition, recall_stats, to_stored, top_mask, top_slots)
 from kvjax.methods.base import check_common
-from kvjax.paged import append, paged_chunk_attention
 from kvjax.selection import keep_to_indices, keep_top, row_capacities
 from kvjax.sharding import DATA
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
@@ -367,16 +366,9 @@ class HeteroCache:
         A multi-token call with ``reanchor`` publishes and recalls *before* it attends; in a rehearsal
         (``ctx.rehearsal``) the state is returned without its tokens."""
         if q.shape[1] > 1 and self.reanchor and self.retrieval:
-            held = state.paged.lengths
-            state = state.replace(paged=append(state.paged, k, v))
-            if state.plan.leaders:
-                qg = leader_queries(q, state.plan.leaders, len(state.plan.capacities))
-                state = self.drift_check(state, qg[:, -1:], ctx.pad, force=True)
-            state = apply_recalls(state, ctx)
-            out = paged_chunk_attention(q, state.paged).astype(q.dtype)
-            if ctx.rehearsal:  # the tokens' rows stay past ``lengths``, overwritten by the real pass
-                state = state.replace(paged=state.paged.replace(lengths=held))
-            return out, state
+            plan = state.plan
+            return reanchor_then_attend(state, q, k, v, ctx, lambda st: self.drift_check(
+                st, leader_queries(q, plan.leaders, len(plan.capacities))[:, -1:], ctx.pad, force=True))
         out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if state.plan.leaders and self.retrieval:
             state = self.track(state, q, ctx.pad)

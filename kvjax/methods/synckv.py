@@ -98,11 +98,10 @@ from jax.sharding import PartitionSpec
 from kvjax.artifacts import Artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
-from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
+from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer, reanchor_then_attend,
                                last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish, publish_anchor,
                                recall_partition, recall_stats, to_stored, top_slots)
 from kvjax.methods.base import check_common
-from kvjax.paged import append, paged_chunk_attention
 from kvjax.selection import row_capacities
 from kvjax.sharding import DATA
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
@@ -415,15 +414,8 @@ class SyncKV:
         (``ctx.rehearsal``) the state is returned without its tokens."""
         plan = state.plan
         if q.shape[1] > 1 and self.reanchor and self.anticipation:
-            held = state.paged.lengths
-            state = state.replace(paged=append(state.paged, k, v))
-            if plan.leaders:
-                state = self.reanchor_for(state, leader_queries(q, plan.leaders, len(plan.capacities)), ctx.pad)
-            state = apply_recalls(state, ctx)
-            out = paged_chunk_attention(q, state.paged).astype(q.dtype)
-            if ctx.rehearsal:  # the tokens' rows stay past ``lengths``, overwritten by the real pass
-                state = state.replace(paged=state.paged.replace(lengths=held))
-            return out, state
+            return reanchor_then_attend(state, q, k, v, ctx, lambda st: self.reanchor_for(
+                st, leader_queries(q, plan.leaders, len(plan.capacities)), ctx.pad))
         out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if plan.leaders and self.anticipation:
             qg = leader_queries(q, plan.leaders, len(plan.capacities))
