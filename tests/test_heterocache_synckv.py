@@ -316,6 +316,39 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
     assert changed > 0 and cache.stats()["rows_recalled"] == changed
 
 
+@pytest.mark.parametrize("schedule,reanchor", [("whole", True), ("whole", False), ("spread", True)])
+def test_synckv_recall_moves_the_dynamic_set_not_the_whole_capacity(tiny, monkeypatch, schedule, reanchor):
+    """A decode step's host transfer is as wide as what a follower refreshes: its dynamic set (whole schedule)
+    or ceil(dynamic / m) rows (spread), not its whole capacity (static + dynamic). Only a re-anchoring (its own
+    transfer, traced first) moves the whole kept set. A recall that moved the capacity produced the same
+    tokens (the extra rows were masked) at twice the bytes."""
+    import kvjax.head_recall as head_recall
+
+    widths = []
+    real = head_recall.recall
+
+    def recording(host, idx, count, **kw):
+        widths.append(idx.shape[-1])
+        return real(host, idx, count, **kw)
+
+    monkeypatch.setattr(head_recall, "recall", recording)
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
+    method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, static_ratio=0.5, recall_schedule=schedule,
+                    reanchor=reanchor)
+    cache = _prefilled(tiny, method, tokens, sk_artifact(tiny))
+    st = cache.layers[0]
+    dynamic = int(st.region_count[0, 0])
+    capacity = st.plan.capacities[1]  # the NR-head's static + dynamic tokens
+    D = tiny.config.head_dim
+    q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(1, 1, 4, D), (1, 1, 2, D), (1, 1, 2, D)])
+    ctx = AttendContext(start=cache.length, pad=cache.pad, positions=jnp.array([[L]]), layers=cache.layers, layer=0)
+    method.decode_attend(st, q, k, v, ctx)
+    want = dynamic if schedule == "whole" else -(-dynamic // 3)
+    assert 0 < dynamic < capacity  # a static part exists: moving the capacity would be wider
+    assert widths == [capacity] * reanchor + [want]
+
+
 def _ref_attention(q, k, v):
     """Softmax attention of ``q[G, D]`` over ``k, v[n, D]`` (numpy, f64)."""
     s = q.astype(np.float64) @ k.T.astype(np.float64) / np.sqrt(q.shape[-1])
