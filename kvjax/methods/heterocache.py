@@ -51,9 +51,11 @@ kvjax's choices where the paper is silent or the model differs (each documented)
   (:func:`kvjax.generate.prefill`), so that satellites in layers before their pivot's hold the choice too. With
   the ``-g24`` artifact of Qwen2.5 (one pivot, in layer 19) and ``rehearsals=2``, at 10%, query-agnostic, 48
   prompts: **95.8** against 14.6 for the shipped default (full cache 95.8;
-  ``docs/results/qwen2.5-coder-0.5b-4k-heterocache-g24-reanchor-query-agnostic``). The same groups without
+  ``docs/results/qwen2.5-coder-0.5b-4k-heterocache-g24-reanchor-query-agnostic``); at 25% **100.0** against 31.2
+  (``...-g24-reanchor-25-query-agnostic``); at 8K, 12 prompts, 91.7 / 91.7 at 10 / 25% against 33.3 / 33.3 (full
+  cache 91.7; ``docs/results/qwen2.5-coder-0.5b-8k-recall-configs-query-agnostic``). The same groups without
   it scored 0 of 4 on a first screen. Its parts (groups, re-anchoring, the second rehearsal) were not measured
-  apart.
+  apart, nor the ``-g24`` groups in the query-aware protocol.
 * ``recall_schedule="spread"``: see :func:`kvjax.head_recall.apply_recalls` (no recall conditional; a new
   choice lands over ``window`` steps).
 """

@@ -70,8 +70,10 @@ kvjax's choices (documented deviations):
   leaves each NR-head 8.1% of the prompt at a 10% budget instead of the 4.0% the default groups of 8 layers
   leave. With ``kernel=7``, on the same 48 prompts: query-aware 91.7 / 95.8 at 10 / 25%, query-agnostic
   77.1 / 95.8 (full cache 95.8; ``docs/results/qwen2.5-coder-0.5b-4k-synckv-g24-query-aware`` and
-  ``-query-agnostic``), and 87.5 at 10% query-agnostic with ``rehearsals=2`` (above). Not the default, for the
-  same reason as ``kernel``.
+  ``-query-agnostic``), and 87.5 at 10% query-agnostic with ``rehearsals=2`` (above); with ``rehearsals=2`` at 8K
+  query-agnostic (12 prompts, full cache 91.7) 83.3 / 100.0 at 10 / 25%
+  (``docs/results/qwen2.5-coder-0.5b-8k-recall-configs-query-agnostic``). Not the default, for the same reason as
+  ``kernel``.
 * ``recall_schedule="spread"`` (default ``"whole"``, the paper's): no recall conditional per layer and step,
   which on a GPU runs the host gather serialised. Each decode step, every NR-head replaces up to
   ``ceil(k_dyn / m)`` tokens its R-head's latest choice dropped with chosen tokens it lacks, best first
