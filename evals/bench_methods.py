@@ -172,6 +172,9 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="Markdown output; JSON and PNG next to it, same stem (default docs/results/bench_methods_<model>.md)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timed runs, run each method's decode loop once more under jax.profiler.trace, "
+                        "writing DIR/<method>-<length>/ (untimed; view with TensorBoard or Perfetto)")
     p.add_argument("--random-weights", action="store_true",
                    help="the model's architecture with random weights (no weight files needed, e.g. on a machine "
                         "without the model's packages): timings and bytes only, recall rates are not the model's")
@@ -359,6 +362,21 @@ class _Prefiller:
         return first, cache, seconds, _peak_since_reset(base, reset)
 
 
+def profile_dir(root: str, name: str, L: int) -> str:
+    """Where ``--profile`` writes the trace of method ``name`` at length ``L``: ``root/<name>-<L>`` (``:``, ``=`` -> ``_``)."""
+    return os.path.join(root, f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)}-{L}")
+
+
+def profile_decode(*, exe, params, first, key, cache, log_dir: str) -> None:
+    """Run the compiled decode loop once more under ``jax.profiler.trace(log_dir)`` (a TensorBoard / Perfetto trace)."""
+    import jax
+
+    jax.block_until_ready(cache)
+    with jax.profiler.trace(log_dir):
+        jax.block_until_ready(exe(params, first, cache, key))
+    _log(f"profile of the decode loop written to {log_dir}")
+
+
 def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
     """Compress + decode one method; ``derive(final)`` returns a fresh uncompressed cache (``final``: last use).
 
@@ -386,7 +404,7 @@ def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
     compress_times, decode_times = [], []
     stats_before = stats_after = generated = None
     for r in range(args.repeats):
-        uncompressed = derive(r == args.repeats - 1)
+        uncompressed = derive(r == args.repeats - 1 and not args.profile)
         t = time.perf_counter()
         cache = compress_exe(uncompressed)
         jax.block_until_ready(cache)
@@ -405,6 +423,9 @@ def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
             stats_after = cache.stats()
         del cache, out, count
     memory = _peak_since_reset(base, reset)
+    if args.profile:  # one more run, untimed, under the profiler
+        profile_decode(exe=decode_exe, params=model.params, first=first, key=key, cache=compress_exe(derive(True)),
+                       log_dir=profile_dir(args.profile, name, L))
     return {
         "compress_s": min(compress_times), "compress_times_s": compress_times,
         "decode_times_s": decode_times, "decode_ms_per_token": 1000 * min(decode_times) / (N - 1),

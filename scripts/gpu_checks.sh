@@ -7,7 +7,9 @@
 #   scripts/gpu_checks.sh env             # versions and devices
 #   scripts/gpu_checks.sh kernels         # the Pallas kernel and host-tier tests, compiled for the GPU
 #   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall vs the full cache, 30K
-#   scripts/gpu_checks.sh recall-micro    # where a step's recall time goes: cond / unconditional / prefetch / pages
+#   scripts/gpu_checks.sh recall-micro    # where a step's recall time goes: cond / unconditional / prefetch / pages,
+#                                         # fixed indices and indices from the step's compute (dep-*)
+#   scripts/gpu_checks.sh profile         # a jax.profiler trace of a few decode steps: full, SyncKV (both schedules), 30K
 #   scripts/gpu_checks.sh locret-memory   # Locret vs the full cache: measured peak memory during prefill, 8K and 32K
 #   scripts/gpu_checks.sh locret-bench    # Locret vs the full cache: chunked prefill and decode time, 30K
 #   scripts/gpu_checks.sh pack NAME       # HERE, not there: split a ready model's GGUF into .gpu/ for carrying
@@ -18,9 +20,10 @@
 # REPEATS the bench's timed runs, DTYPE the benches' dtype (bfloat16 by default, as a GPU user runs it). A bench
 # length must be a multiple of its chunk and leave room for the new tokens in the model's 32768 (hence 30720).
 set -euo pipefail
-stage=${1:?usage: scripts/gpu_checks.sh env|kernels|bench|recall-micro|locret-memory|locret-bench|pack NAME|train NAME}
+stage=${1:?usage: scripts/gpu_checks.sh env|kernels|bench|recall-micro|profile|locret-memory|locret-bench|pack NAME|train NAME}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 model=qwen2.5-coder-0.5b
@@ -43,6 +46,17 @@ bench)
 recall-micro)
     "$py" docs/results/microbench/recall_step.py --steps "${STEPS:-20}" --repeats "${REPEATS:-3}" \
         --out "$out/recall_step_gpu.md"
+    ;;
+profile)
+    # NEW_TOKENS - 1 decode steps per trace; only the Perfetto / Chrome traces come back (a returned file must stay
+    # under 16 MiB): open them in ui.perfetto.dev; profile_summary.md is `python -m evals.trace_summary` of them
+    rm -rf /tmp/kvjax-profile
+    "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
+        --methods full,synckv,synckv:recall_schedule=spread --chunk-size 2048 --new-tokens "${NEW_TOKENS:-8}" \
+        --repeats 1 --dtype "${DTYPE:-bfloat16}" --no-plot --profile /tmp/kvjax-profile --out "$out/bench_profile_gpu.md"
+    (cd /tmp/kvjax-profile && find . -name '*.trace.json.gz' | tar czf "$out/profile_traces.tgz" -T -)
+    "$py" -m evals.trace_summary /tmp/kvjax-profile --out "$out/profile_summary.md" > /dev/null
+    ls -l "$out"
     ;;
 locret-memory)
     "$py" -m kvjax.cli bench locret-memory --model "$model" --random-weights --measure \

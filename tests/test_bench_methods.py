@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
@@ -27,9 +29,13 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tiny_chat_model, t
     code = bench_methods.main([
         "--model", tiny_chat_model, "--lengths", "256", "--methods", f"snapkv,{quest},{locret}", "--new-tokens", "4",
         "--budget", "0.25", "--chunk-size", "256", "--bandwidth-mib", "64", "--bandwidth-repeats", "2",
-        "--out", str(out),
+        "--out", str(out), "--profile", str(tmp_path / "profile"),
     ])
     assert code == 0
+    traces = [tmp_path / "profile" / p for p in sorted(os.listdir(tmp_path / "profile"))]  # --profile
+    assert [p.name for p in traces] == sorted(["full-256", "snapkv-256", "quest_dense_layers_1-256",
+                                               "locret_local_16_chunk_128_heads_" + re.sub(r"[^\w.-]", "_", str(heads)) + "-256"])
+    assert all(list(p.rglob("*.xplane.pb")) for p in traces)
     md = out.read_text()
     report = json.loads((tmp_path / "x.json").read_text())
     assert (tmp_path / "x.png").stat().st_size > 0

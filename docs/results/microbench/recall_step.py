@@ -18,7 +18,14 @@ from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a
 * ``spread``: no ``cond``; every step each layer recalls a ``1 / --every`` slice of its rows (slice
   ``step % every``) and scatters it: the bytes of ``cond``, spread evenly over the steps;
 * ``gather-alone``: one layer's recall by itself, outside any loop (the raw gather + copy);
-* ``scatter-alone``: writing one layer's recalled rows into its page pool, by itself.
+* ``scatter-alone``: writing one layer's recalled rows into its page pool, by itself;
+* ``dep-cond``, ``dep-spread``, ``dep-always``, ``dep-prefetch``: the same four schedules with indices that
+  depend on the layer's compute in the same step (as a leader's choice does in the real decode: the values
+  stay those of the fixed indices, but XLA cannot know them before the layer's products). ``dep-prefetch``
+  is the one-step-ahead plan: indices from step ``t``'s compute, gathered during step ``t``, scattered at step
+  ``t+1``. If ``spread`` is cheap and ``dep-spread`` is not, the dependency (a device -> host -> device round
+  trip per layer) is the cost; if ``dep-prefetch`` then costs about what ``prefetch`` does, issuing recalls a
+  step ahead removes it.
 
 Each row reports ms per step, the extra over ``none``, rows and MiB moved per step and the rate of the extra.
 If ``always`` costs about ``every`` times ``cond``'s extra and ``prefetch`` costs as much as ``always``, the
@@ -75,29 +82,34 @@ def make_loop(variant: str, args, hosts, table, heads):
     page_count = jnp.full((H,), R // PAGE, jnp.int32)
 
     def fetch(layer, ids, pages):
-        if variant == "cond-pages":
+        if schedule == "cond-pages":
             return recall_pages(hosts[layer], pages, page_count)
         return recall(hosts[layer], ids, count)
 
     def scatter(pool_k, pool_v, rk, rv):
         return write_recalled(pool_k, pool_v, table, rk, rv, heads, 0, count)
 
+    schedule = variant.removeprefix("dep-")
+
     def layer_fn(layer, x, pk, pv, carry_kv, step, ids, pages, w1, w2):
         x = jnp.tanh(x @ w1[layer]) @ w2[layer]
         x = x + (pk.astype(jnp.float32).sum() + pv.astype(jnp.float32).sum()).astype(x.dtype) * 1e-6  # use the pool
-        if variant in ("cond", "cond-pages"):
+        if variant.startswith("dep-"):  # indices known only after this layer's compute; their values do not change
+            shift = (x[0, 0] > 1e30).astype(jnp.int32)
+            ids, pages = ids + shift, pages + shift
+        if schedule in ("cond", "cond-pages"):
             pk, pv = lax.cond(step % args.every == 0, lambda p: scatter(*p, *fetch(layer, ids, pages)), lambda p: p,
                               (pk, pv))
-        elif variant == "cond-empty":
+        elif schedule == "cond-empty":
             pk, pv = lax.cond(step % args.every == 0, lambda p: (p[0].at[0].set(p[0][1]), p[1]), lambda p: p, (pk, pv))
-        elif variant == "spread":
+        elif schedule == "spread":
             start = (step % args.every) * part
             rk, rv = recall(hosts[layer], lax.dynamic_slice_in_dim(ids, jnp.minimum(start, R - part), part, axis=1),
                             part_count)
             pk, pv = write_recalled(pk, pv, table, rk, rv, heads, jnp.minimum(start, R - part), part_count)
-        elif variant == "always":
+        elif schedule == "always":
             pk, pv = scatter(pk, pv, *fetch(layer, ids, pages))
-        elif variant == "prefetch":
+        elif schedule == "prefetch":
             pk, pv = scatter(pk, pv, *carry_kv)  # issued in the previous step
             carry_kv = fetch(layer, ids, pages)
         return x, pk, pv, carry_kv
@@ -133,7 +145,8 @@ def main():
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--ffn", type=int, default=4864)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="none,cond,cond-empty,spread,always,prefetch,cond-pages")
+    p.add_argument("--variants", default="none,cond,cond-empty,spread,always,prefetch,cond-pages,"
+                                         "dep-cond,dep-spread,dep-always,dep-prefetch")
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = p.parse_args()
     if args.rows % PAGE or args.length % PAGE:
@@ -156,7 +169,8 @@ def main():
         loop = make_loop(variant, args, hosts, table, heads)
         ms = best_and_median(loop, w1, w2, pools, pools, idx, pages, repeats=args.repeats)[0] * 1e3 / args.steps
         base = ms if variant == "none" else base
-        per_step = {"none": 0.0, "cond-empty": 0.0, "always": 1.0, "prefetch": 1.0}.get(variant, 1.0 / args.every) * args.layers
+        per_step = {"none": 0.0, "cond-empty": 0.0, "always": 1.0, "prefetch": 1.0}.get(variant.removeprefix("dep-"),
+                                                                                       1.0 / args.every) * args.layers
         mib = per_step * mib_per_recall
         extra = ms - base if base is not None else float("nan")
         rate = mib * 2**20 / (extra * 1e-3) / 1e9 if extra > 0 and mib else float("nan")
