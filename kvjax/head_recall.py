@@ -57,7 +57,9 @@ fixed number of rows every step, only tokens the follower lacks, in place of one
 (13 MiB per step), SyncKV decoded at 7.33 ms/token with it against 8.73 with the whole-set schedule. That is
 still far from the 1.2 without recall, and the committed forms of both were not timed (README). Unlike the
 benchmark's, a layer's indices depend on the same step's leader choice, so each layer still waits for a
-device → host → device round trip (not profiled). Issuing each recall one step ahead is the next step.
+device → host → device round trip (not profiled). Issuing each recall one step ahead would remove that wait
+if the host gather can run beside the device's compute at all; ``recall_step.py``'s ``dep-*`` variants and the
+``profile`` stage of ``scripts/gpu_checks.sh`` measure that first (``docs/GPU.md``).
 """
 
 from __future__ import annotations
