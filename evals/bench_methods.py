@@ -363,7 +363,8 @@ class _Prefiller:
 
 
 def profile_dir(root: str, name: str, L: int) -> str:
-    """Where ``--profile`` writes the trace of method ``name`` at length ``L``: ``root/<name>-<L>`` (``:``, ``=`` -> ``_``)."""
+    """Where ``--profile`` writes the trace of method ``name`` at length ``L``: ``root/<name>-<L>``, every character of
+    the name but letters, digits, ``.``, ``_`` and ``-`` replaced by ``_``."""
     return os.path.join(root, f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)}-{L}")
 
 
