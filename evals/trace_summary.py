@@ -34,19 +34,6 @@ def load_events(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
-def union_length(intervals) -> float:
-    """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
-    total, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
-
-
 def merge(intervals) -> list[tuple[float, float]]:
     """The disjoint, sorted union of ``(start, end)`` intervals."""
     out: list[list[float]] = []
@@ -56,6 +43,11 @@ def merge(intervals) -> list[tuple[float, float]]:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
+
+
+def union_length(intervals) -> float:
+    """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
+    return sum(b - a for a, b in merge(intervals))
 
 
 def overlap_length(xs, ys) -> float:

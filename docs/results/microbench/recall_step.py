@@ -80,6 +80,7 @@ def make_loop(variant: str, args, hosts, table, heads):
     part = -(-R // args.every)  # rows per step of ``spread``
     part_count = jnp.full((H,), part, jnp.int32)
     page_count = jnp.full((H,), R // PAGE, jnp.int32)
+    schedule = variant.removeprefix("dep-")  # dep-X: schedule X, indices from the step's compute
 
     def fetch(layer, ids, pages):
         if schedule == "cond-pages":
@@ -88,8 +89,6 @@ def make_loop(variant: str, args, hosts, table, heads):
 
     def scatter(pool_k, pool_v, rk, rv):
         return write_recalled(pool_k, pool_v, table, rk, rv, heads, 0, count)
-
-    schedule = variant.removeprefix("dep-")
 
     def layer_fn(layer, x, pk, pv, carry_kv, step, ids, pages, w1, w2):
         x = jnp.tanh(x @ w1[layer]) @ w2[layer]
