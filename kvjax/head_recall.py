@@ -44,7 +44,7 @@ token ids per step, which the compiler moves between devices.
 
 Timing: the step that publishes attends with the followers' old tokens. The recall is issued in that
 step, after the layer's attention, and is first used by the layer's next call (the paper's
-asynchronous update). Measured on GPUs (README, Results, "On a GPU"), it does **not** overlap the
+asynchronous update). Measured on GPUs (docs/RESULTS.md, "On a GPU"), it does **not** overlap the
 remaining layers: on an H100 at 30,720 tokens a SyncKV step costs 5.8–8.7 ms with recall against 1.2
 without. ``docs/results/microbench/recall_step.py`` located the cost there. The per-layer ``lax.cond``'s host
 synchronisation costs only 13 µs (XLA:GPU's ``ConditionalThunk`` copies the predicate to the host). But a
@@ -55,7 +55,7 @@ unconditionally pipeline (2.4× cheaper in that benchmark).
 fixed number of rows every step, only tokens the follower lacks, in place of ones its leader dropped
 (:func:`spread_moves`), so a new choice lands over ``m`` steps instead of one. On the H100, at matched bytes
 (13 MiB per step), SyncKV decoded at 7.33 ms/token with it against 8.73 with the whole-set schedule. That is
-still far from the 1.2 without recall, and the committed forms of both were not timed (README). Unlike the
+still far from the 1.2 without recall, and the committed forms of both were not timed (docs/RESULTS.md). Unlike the
 benchmark's, a layer's indices depend on the same step's leader choice, so each layer still waits for a
 device → host → device round trip (not profiled). Issuing each recall one step ahead would remove that wait
 if the host gather can run beside the device's compute at all; ``recall_step.py``'s ``dep-*`` variants and the

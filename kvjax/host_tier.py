@@ -23,7 +23,7 @@ or arithmetic touches a host array outside the host region.
 
 Why this mechanism (CPU: observed; GPU: read from XLA's source and jax's tests). On an H200 with
 jax 0.11.2 this module's tests pass compiled, but the recall of HeteroCache and SyncKV did not
-overlap decoding there (README, Results, "On a GPU"): a decode step with recall cost 5.5–8.5 ms more
+overlap decoding there (docs/RESULTS.md, "On a GPU"): a decode step with recall cost 5.5–8.5 ms more
 than one without, about what the host gather itself costs.
 
 * XLA:GPU runs a host region as ``HostExecuteStartThunk``/``HostExecuteDoneThunk``

@@ -29,8 +29,8 @@ Deviations and choices (documented, measured where they change results):
   ``positions="contiguous"`` gives the same attention (relative positions) by moving the survivors'
   keys after every eviction (:func:`kvjax.bounded_prefill.pack_positions`); later tokens keep their
   own positions. Cost: one rotation of the buffer per eviction. In a bfloat16 cache a kept key is
-  rounded once per rotation (the reference rotates its pre-RoPE copy afresh). Measured in the README's
-  Locret results.
+  rounded once per rotation (the reference rotates its pre-RoPE copy afresh). Measured in
+  docs/RESULTS.md ("Locret").
 * **Chunk grid.** Each prefill call is split into pieces of ``chunk`` tokens from its start, so one
   call, or calls of any multiple of ``chunk`` tokens, give the same cache. In a left-padded batch
   the grid counts padding slots (rows share slots); the paper's grid starts at the first token.
@@ -41,7 +41,7 @@ Deviations and choices (documented, measured where they change results):
   stored. The paper asks for adjacent important tokens through its smoothness loss only; SnapKV
   (kernel 7, max) and HeteroCache's reference (kernel 5) pool their scores so that a kept token keeps
   its neighbours, and the ready models' tokenizers split a number into single digits, each of which
-  must survive. Measured in the README's Locret results.
+  must survive. Measured in docs/RESULTS.md ("Locret").
 * **Training.** Heads shipped with kvjax are smaller (``d_R = 128``) and trained on less data than the
   paper's (``kvjax train-locret``; the report in ``docs/results/`` states size, data and wall time; the
   paper's ``d_R = 1024`` on the same data gave the same held-out overlap, 0.525 against 0.523), on labels

@@ -79,7 +79,7 @@ kvjax's choices (documented deviations):
   ``ceil(k_dyn / m)`` tokens its R-head's latest choice dropped with chosen tokens it lacks, best first
   (:func:`kvjax.head_recall.spread_moves`), so a new dynamic set lands over ``m`` steps instead of in one. On an
   H100 at 30,720 tokens (random weights), moving the same bytes per step, SyncKV decoded at 7.33 against 8.73
-  ms/token with the paper's schedule. The committed forms of both were not timed (README, Results, "On a GPU").
+  ms/token with the paper's schedule. The committed forms of both were not timed (docs/RESULTS.md, "On a GPU").
   Accuracy: the same answers as the paper's schedule on 9 ``niah_multikey`` prompts (10%, query-agnostic,
   ``kernel=7:group_layers=24:rehearsals=2``); not measured further.
 """

@@ -1,4 +1,4 @@
-"""One layer's host-tier recall at the sizes of the H200 run (README, Results, "On a GPU"), on this machine.
+"""One layer's host-tier recall at the sizes of the H200 run (docs/RESULTS.md, "On a GPU"), on this machine.
 
 HeteroCache and SyncKV at 25% of a 30,720-token prompt refresh about 2 follower heads per layer of Qwen2.5
 (45 followers over 24 layers) with ~3,072 (SyncKV) or ~6,144 (HeteroCache) token rows each, bf16, D = 64. This

@@ -1,6 +1,6 @@
 """Where a decode step's host recall time goes: the structure of HeteroCache's / SyncKV's recall, isolated.
 
-On an H200 a decode step with recall cost 5.5-8.5 ms more than one without (README, Results, "On a GPU"), and
+On an H200 a decode step with recall cost 5.5-8.5 ms more than one without (docs/RESULTS.md, "On a GPU"), and
 the session had no device time left to profile why. This script times, in one jitted loop of ``--steps`` decode
 steps over ``--layers`` synthetic layers (two bf16 products of Qwen2.5-0.5B's MLP shapes each, as a stand-in
 for a layer's compute), the ways a layer can recall ``--rows`` token rows for each of ``--heads`` follower heads
