@@ -59,7 +59,14 @@ still far from the 1.2 without recall, and the committed forms of both were not 
 benchmark's, a layer's indices depend on the same step's leader choice, so each layer still waits for a
 device → host → device round trip (not profiled). Issuing each recall one step ahead would remove that wait
 if the host gather can run beside the device's compute at all; ``recall_step.py``'s ``dep-*`` variants and the
-``profile`` stage of ``scripts/gpu_checks.sh`` measure that first (``docs/GPU.md``).
+``profile`` stage of ``scripts/gpu_checks.sh`` measure that (``docs/GPU.md``).
+
+``recall_schedule="ahead"`` is that schedule: the spread moves a layer computes in step ``t`` are gathered in step
+``t`` (:func:`gather_followers`) and kept in the layer's :class:`PendingRecall`; the layer's call in step ``t + 1``
+writes them into their slots before it attends (:func:`land_pending`). It attends over the same tokens as
+``"spread"`` (the rows land before the first attention that could read them) and costs a device buffer of one
+step's rows per follower. Within a step nothing waits for the gather, so XLA may finish it as late as the end of
+the step (the loop carries it). Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -113,6 +120,19 @@ class LayerPlan:
 
 
 @struct.dataclass
+class PendingRecall:
+    """Follower rows gathered from the host in one decode call, written into their slots at the layer's next call
+    (``recall_schedule="ahead"``). One entry per (row, follower slot) in :func:`kvjax.sharding.flatten_heads`
+    order, like the host copy: ``k, v[B * n_slots, S, D]`` (device), ``dst[B * n_slots, S]`` the region slot
+    each row goes to, ``count[B * n_slots]`` the live rows (0: nothing pending)."""
+
+    k: jax.Array
+    v: jax.Array
+    dst: jax.Array
+    count: jax.Array
+
+
+@struct.dataclass
 class RecallKV:
     """One layer of a leader/follower cache (see the module docstring)."""
 
@@ -131,6 +151,7 @@ class RecallKV:
     steps: jax.Array  # int32 [] decode calls with one token
     recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
     rows_moved: jax.Array  # int32 [] token rows brought from the host
+    pending: PendingRecall | None = None  # rows gathered for the next call (``recall_schedule="ahead"`` only)
     plan: LayerPlan = struct.field(pytree_node=False, default=None)
     slots: tuple = struct.field(pytree_node=False, default=())  # follower index of each slot, -1: padding
 
@@ -153,7 +174,7 @@ def slot_followers(slots: tuple):
 
 
 # --------------------------------------------------------------------------- calibrated methods
-RECALL_SCHEDULES = ("whole", "spread")
+RECALL_SCHEDULES = ("whole", "spread", "ahead")
 
 
 def check_calibrated(kernel: int, group_layers, recall_schedule: str = "whole") -> None:
@@ -266,13 +287,25 @@ def host_copy(k, v, slot_heads, live, mesh, page_size: int) -> HostKV:
     return HostKV(k=stage(k), v=stage(v), heads=tuple(map(tuple, heads.tolist())), length=S, page_size=page_size)
 
 
+def pending_rows(plans, plan: LayerPlan, spread_over: int) -> int:
+    """Rows per follower one decode step of the spread schedule moves in the layer of ``plan`` (``plans``: every
+    layer's): ``ceil(W / spread_over)``, ``W`` the most tokens a follower's region or its leader's choice holds."""
+    if not plan.followers:
+        return 0
+    held = max(plan.capacities[f.head] for f in plan.followers)
+    chosen = max(max(plans[f.leader_layer].picks, 1) for f in plan.followers)
+    return -(-min(held, chosen) // spread_over)
+
+
 def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size: int, region_start, region_count,
-                picks, tracker):
+                picks, tracker, pending: int = 0):
     """A :class:`RecallKV` from a staged layer, the kept slots per head, and the method's regions/picks/tracker.
 
     ``keep_idx[B, Hkv, C]`` / ``keep_len[B, Hkv]``: kept prompt slots per head (in storage order).
     ``region_start``, ``region_count``: ``[B, n_followers]`` (or broadcastable), in ``plan.followers`` order.
     ``picks[B, n_leaders, R]``: the leaders' initial choice (version 0: followers hold it already).
+    ``pending``: rows per follower of an empty :class:`PendingRecall` (:func:`pending_rows`; the ``"ahead"``
+    schedule), 0 for none.
     """
     from kvjax.paged import build_paged
 
@@ -297,13 +330,18 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
     heads_of_slots = jnp.asarray(slot_heads, jnp.int32) if nf else jnp.zeros((0,), jnp.int32)
     at = jnp.clip(start[..., None] + jnp.arange(width), 0, keep_idx.shape[-1] - 1)  # [B, n_slots, W]
     held = jnp.take_along_axis(keep_idx[:, heads_of_slots], at, axis=-1).astype(jnp.int32)
+    waiting = None
+    if pending and nf:
+        n = B * len(slots)
+        rows = jnp.zeros((n, pending, st.k.shape[-1]), st.k.dtype)
+        waiting = PendingRecall(k=rows, v=rows, dst=jnp.zeros((n, pending), jnp.int32), count=jnp.zeros((n,), jnp.int32))
     return RecallKV(
         paged=paged, host=host, slots=slots, region_start=start, region_count=count, held=held,
         applied=jnp.zeros((B, len(slots)), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
         picks=jnp.asarray(picks, jnp.int32),
         version=jnp.zeros((B, nl), jnp.int32),
         anchor_picks=jnp.zeros((B, nl, max(plan.anchor_picks, 1)), jnp.int32), anchor_at=jnp.zeros((B, nl), jnp.int32),
-        tracker=tracker, steps=zeros, recalls=zeros, rows_moved=zeros, plan=plan,
+        tracker=tracker, steps=zeros, recalls=zeros, rows_moved=zeros, pending=waiting, plan=plan,
     )
 
 
@@ -331,7 +369,49 @@ def publish_anchor(state: RecallKV, anchor_picks, picks):
     return state.replace(anchor_picks=anchor_picks.astype(jnp.int32), anchor_at=state.version)
 
 
-def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: int | None = None):
+def per_device(fn, mesh, in_specs, out_specs, *args):
+    """``fn(*args)``, run per device under ``shard_map`` on a multi-device ``mesh``."""
+    if is_split(mesh):
+        return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+    return fn(*args)
+
+
+def gather_followers(host: HostKV, ids, count, mesh):
+    """Host rows ``ids[B * n_slots, R]`` (flattened follower slots, :func:`kvjax.sharding.flatten_heads`) brought to
+    the device in one transfer per device: ``k, v[B * n_slots, R, D]``, zero past ``count[B * n_slots]``."""
+
+    def local(host_k, host_v, ids, count):  # one device's followers (or all)
+        return recall(host.replace(k=host_k, v=host_v), ids, count)
+
+    return per_device(local, mesh, (BY_DEVICE,) * 4, (BY_DEVICE, BY_DEVICE), host.k, host.v, ids, count)
+
+
+def write_followers(paged: PagedKV, host: HostKV, rk, rv, dst, count, mesh) -> PagedKV:
+    """Write gathered rows ``rk, rv[B * n_slots, R, D]`` into the followers' region slots ``dst[B * n_slots, R]``
+    (the first ``count`` of each), per device on a mesh (each device into its own pages)."""
+    pairs = jnp.asarray(host.heads, jnp.int32)  # [B * n_slots, 2] (row, KV head) of each host head
+
+    def local(k_pages, v_pages, table, pairs, rk, rv, dst, count):
+        block, row, head = device_block(mesh, *table.shape[:2])  # local page ids, rows and heads
+        return scatter_to_slots(k_pages, v_pages, table - block * k_pages.shape[0], rk, rv, pairs[:, 0] - row,
+                                pairs[:, 1] - head, dst, count)
+
+    kp, vp = per_device(local, mesh, (BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * 5, (BY_DEVICE, BY_DEVICE),
+                        paged.k_pages, paged.v_pages, paged.block_table, pairs, rk, rv, dst, count)
+    return paged.replace(k_pages=kp, v_pages=vp)
+
+
+def land_pending(state: RecallKV, mesh=None) -> RecallKV:
+    """Write the rows the layer's previous call gathered (``recall_schedule="ahead"``) into their slots; call it
+    before the layer attends. A no-op for the other schedules (no pending rows)."""
+    p = state.pending
+    if p is None:
+        return state
+    paged = write_followers(state.paged, state.host, p.k, p.v, p.dst, p.count, mesh)
+    return state.replace(paged=paged, pending=p.replace(count=jnp.zeros_like(p.count)))
+
+
+def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: int | None = None, ahead: bool = False):
     """Refresh every follower whose leader published a version it does not hold, from the host (one transfer;
     a re-anchoring it has not applied first, in a transfer of its own, then any newer region).
 
@@ -340,6 +420,10 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
     follower replaces up to ``ceil(W / m)`` of the tokens it holds that its leader's latest choice no longer has
     with chosen tokens it lacks (best first; :func:`spread_moves`), ``W`` the most tokens a choice or a region of
     the layer holds. The transfer has that fixed size; ``rows_moved`` counts the tokens replaced.
+
+    ``ahead`` (with ``spread_over``; the layer built with :func:`pending_rows` of room): the rows are gathered now
+    but written at the layer's next call (:func:`land_pending`), so nothing in this call waits for the transfer.
+    The next call attends over the same tokens as with the plain spread schedule.
     """
     plan = state.plan
     if not plan.followers or not enabled:
@@ -357,29 +441,19 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         vals = jnp.stack(vals, axis=1)[:, follower]
         return vals if vals.ndim == 3 else jnp.where(live[None], vals, 0)
 
+    if ahead and (spread_over is None or state.pending is None):
+        raise ValueError("apply_recalls: ahead needs spread_over and a layer built with pending rows")
     versions = leader_values(lambda st: st.version)
     host = state.host
     moved = jnp.zeros((), jnp.int32)
     recalls = jnp.zeros((), jnp.int32)
     applied, held = state.applied, state.held
-    paged = state.paged
-    pairs = jnp.asarray(host.heads, jnp.int32)  # [B * n_slots, 2] (row, KV head) of each host head
-
-    def local(k_pages, v_pages, table, host_k, host_v, pairs, picks, count, dst):  # one device's share (or all)
-        block, row, head = device_block(ctx.mesh, *table.shape[:2])  # local page ids, rows and heads
-        rk, rv = recall(host.replace(k=host_k, v=host_v), picks, count)
-        return scatter_to_slots(k_pages, v_pages, table - block * k_pages.shape[0], rk, rv, pairs[:, 0] - row,
-                                pairs[:, 1] - head, dst, count)
+    paged, pending = state.paged, state.pending
 
     def refresh(paged, picks, count, dst):  # picks, dst [B, n_slots, R]: host rows and the device slots they go to
-        args = (paged.k_pages, paged.v_pages, paged.block_table, host.k, host.v, pairs,
-                *(flatten_heads(x, ctx.mesh) for x in (picks, count, dst)))
-        if is_split(ctx.mesh):
-            kp, vp = shard_map(local, mesh=ctx.mesh, in_specs=(BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * 6,
-                               out_specs=(BY_DEVICE, BY_DEVICE), check_vma=False)(*args)
-        else:
-            kp, vp = local(*args)
-        return paged.replace(k_pages=kp, v_pages=vp)
+        picks, count, dst = (flatten_heads(x, ctx.mesh) for x in (picks, count, dst))
+        rk, rv = gather_followers(host, picks, count, ctx.mesh)
+        return write_followers(paged, host, rk, rv, dst, count, ctx.mesh)
 
     if any(leader_plan(state, ctx, f).anchor_picks for f in plan.followers):
         # a re-anchoring the follower has not applied: its whole kept prompt set, then any newer region
@@ -407,11 +481,20 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         W = min(held.shape[-1], chosen)  # a region's positions a choice can reach
         ids, positions, count = spread_moves(held[..., :W], picks[..., :W], jnp.where(versions > 0, region, 0),
                                              spread_over, host.length)
-        paged = refresh(paged, ids, count, state.region_start[..., None] + positions)
+        dst = state.region_start[..., None] + positions
+        if ahead:  # gathered now, written at the next call (land_pending)
+            flat_ids, flat_count, flat_dst = (flatten_heads(x, ctx.mesh) for x in (ids, count, dst))
+            rk, rv = gather_followers(host, flat_ids, flat_count, ctx.mesh)
+            if rk.shape != pending.k.shape:
+                raise ValueError(f"apply_recalls: {rk.shape[1]} rows per follower to move, room for "
+                                 f"{pending.k.shape[1]} (build the layer with pending_rows)")
+            pending = PendingRecall(k=rk, v=rv, dst=flat_dst, count=flat_count)
+        else:
+            paged = refresh(paged, ids, count, dst)
         flat = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(  # positions W: dropped
             held.reshape(-1, held.shape[-1]), positions.reshape(-1, positions.shape[-1]), ids.reshape(-1, ids.shape[-1]))
         held = flat.reshape(held.shape)
-    return state.replace(paged=paged, applied=jnp.where(due, versions, applied), held=held,
+    return state.replace(paged=paged, pending=pending, applied=jnp.where(due, versions, applied), held=held,
                          recalls=state.recalls + recalls + due.sum().astype(jnp.int32),
                          rows_moved=state.rows_moved + moved + count.sum().astype(jnp.int32))
 
@@ -490,8 +573,9 @@ def leader_plan(state: RecallKV, ctx, f: Follower) -> LayerPlan:
 def recall_partition(state: RecallKV, tracker) -> RecallKV:
     """Partition specs of a :class:`RecallKV` (see the module docstring), with the method's ``tracker`` specs."""
     host = None if state.host is None else state.host.replace(k=OnHost(BY_DEVICE), v=OnHost(BY_DEVICE))
+    pending = None if state.pending is None else PendingRecall(k=BY_DEVICE, v=BY_DEVICE, dst=BY_DEVICE, count=BY_DEVICE)
     rows = jax.sharding.PartitionSpec(DATA)
-    return state.replace(paged=paged_partition(state.paged), host=host, region_start=ROWS_HEADS,
+    return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, region_start=ROWS_HEADS,
                          region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS, prompt_len=rows, picks=rows, version=rows,
                          anchor_picks=rows, anchor_at=rows,
                          tracker=tracker, steps=REPLICATED, recalls=REPLICATED, rows_moved=REPLICATED)
@@ -523,6 +607,7 @@ def attention_read_bytes(states) -> int:
     return sum(paged_read_bytes(st.paged) for st in states)
 
 
-__all__ = ["RECALL_SCHEDULES", "check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
-           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "build_layer", "append_attend", "publish", "publish_anchor", "apply_recalls", "reanchor_then_attend", "fit_width", "members", "first_set", "spread_moves", "leader_plan", "recall_partition", "recall_stats",
+__all__ = ["RECALL_SCHEDULES", "check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "PendingRecall", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
+           "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "pending_rows", "build_layer", "append_attend", "publish", "publish_anchor", "per_device",
+           "gather_followers", "write_followers", "land_pending", "apply_recalls", "reanchor_then_attend", "fit_width", "members", "first_set", "spread_moves", "leader_plan", "recall_partition", "recall_stats",
            "attention_read_bytes"]

@@ -99,6 +99,8 @@ def methods():
         # drift forced at every check (tau_drift 1), anticipation every 2 steps: recalls happen on every mesh
         "heterocache": (HeteroCache(budget=0.5, window=2, tau_drift=1.0, block=32), hetero),
         "synckv": (SyncKV(budget=0.5, stride=2, num_representatives=3, block=32), sync),
+        # the spread moves, written one call after they are gathered (pending rows split like the host copy)
+        "synckv_ahead": (SyncKV(budget=0.5, stride=2, num_representatives=3, block=32, recall_schedule="ahead"), sync),
     }
 
 
@@ -182,7 +184,8 @@ def run_meshes(result: dict, base, rows, other_rows, meshes) -> None:
             result["meshes"][mesh][name] = {"tokens": np.asarray(out).tolist(), "layout": layout(cache),
                                             "device_bytes": stats["device_bytes"],
                                             "device_bytes_per_device": stats["device_bytes_per_device"],
-                                            "recall_events": stats.get("recall_events")}
+                                            "recall_events": stats.get("recall_events"),
+                                            "rows_recalled": stats.get("rows_recalled")}
         # a question after compression: SyncKV rehearses it (re-anchoring recalls every follower's kept set)
         method, artifact = methods()["synckv"]
         questions = [list(range(3 + b, 8 + b)) for b in range(len(rows))]

@@ -15,7 +15,7 @@ from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
-from kvjax.head_recall import leader_probs, leader_queries, prompt_only, spread_moves, top_slots
+from kvjax.head_recall import land_pending, leader_probs, leader_queries, prompt_only, spread_moves, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.methods.heterocache import classify_group, head_capacities, spread_capped, star_clustering
 from kvjax.methods.synckv import cluster_group, kmeans
@@ -201,7 +201,7 @@ def _held_rows(state, b, h):
 
 
 @pytest.mark.parametrize("which,schedule", [("heterocache", "whole"), ("heterocache-reanchor", "whole"), ("synckv", "whole"),
-                                            ("synckv", "spread")])
+                                            ("synckv", "spread"), ("synckv", "ahead")])
 def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, which, schedule):
     rng = np.random.default_rng(11)
     rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
@@ -223,6 +223,29 @@ def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny,
                                    max_new_tokens=5)
     got, _, _, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=5, question_rows=question, artifact=art)
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("which", ["heterocache", "synckv"])
+def test_ahead_schedule_generates_the_spread_schedules_tokens(tiny, which):
+    """``recall_schedule="ahead"`` writes each step's rows one call later, before the layer attends: at half the
+    prompt, with a new choice every 2 steps, in a ragged batch, it generates exactly ``"spread"``'s tokens and
+    moves as many rows; its device bytes exceed them by the pending buffer alone."""
+    rng = np.random.default_rng(12)
+    rows = [list(rng.integers(0, 97, size=L)), list(rng.integers(0, 97, size=L - 13))]
+    out = {}
+    for schedule in ("spread", "ahead"):
+        if which == "heterocache":
+            method, art = HeteroCache(budget=0.5, block=16, window=2, tau_drift=1.0, recall_schedule=schedule), hc_artifact(tiny)
+        else:
+            method, art = SyncKV(budget=0.5, block=16, stride=2, num_representatives=1, recall_schedule=schedule), sk_artifact(tiny)
+        got, _, cache, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=10, artifact=art)
+        out[schedule] = got, cache.stats(), cache
+    (spread, s_stats, _), (ahead, a_stats, cache) = out["spread"], out["ahead"]
+    np.testing.assert_array_equal(ahead, spread)
+    assert a_stats["rows_recalled"] == s_stats["rows_recalled"] > 0
+    pending = sum(st.pending.k.nbytes + st.pending.v.nbytes + st.pending.dst.nbytes + st.pending.count.nbytes
+                  for st in cache.layers if st.pending is not None)
+    assert pending > 0 and a_stats["device_bytes"] == s_stats["device_bytes"] + pending
 
 
 def test_heterocache_recall_writes_the_pivots_picks(tiny):
@@ -270,26 +293,29 @@ def test_spread_moves_hand_case():
     assert moves(target, target, four, 1) == ([], [])
 
 
-@pytest.mark.parametrize("which", ["heterocache", "synckv"])
-def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which):
+@pytest.mark.parametrize("which,schedule", [("heterocache", "spread"), ("synckv", "spread"), ("heterocache", "ahead"),
+                                            ("synckv", "ahead")])
+def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which, schedule):
     """``recall_schedule="spread"`` with a new choice every m=3 steps: m steps after it, each follower's region
     holds exactly the host rows of its leader's choice (matched to host rows in numpy, as a set, no row twice),
-    same-layer and cross-layer followers; after the first of those steps only part of it."""
+    same-layer and cross-layer followers; after the first of those steps only part of it. ``"ahead"`` holds the
+    same once the rows a step gathered are written (at the next call: :func:`land_pending`), and not before."""
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 97, size=(1, L + 6)).astype(np.int32)
     if which == "heterocache":
-        method = HeteroCache(budget=0.5, block=16, window=3, tau_drift=1.0, recall_schedule="spread")
+        method = HeteroCache(budget=0.5, block=16, window=3, tau_drift=1.0, recall_schedule=schedule)
         art, followers = hc_artifact(tiny), [(0, 1), (1, 0)]
     else:
-        method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule="spread")
+        method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule=schedule)
         art, followers = sk_artifact(tiny), [(0, 1), (1, 0), (1, 1)]
     cache = _prefilled(tiny, method, tokens[:, :L], art)
     key = jax.random.PRNGKey(0)
 
-    def regions(state):  # {follower: set of prompt slots its region holds}, checking that none is held twice
+    def regions(state, landed=True):  # {follower: set of prompt slots its region holds}, no token held twice
         out = {}
         for layer, head in followers:
             st = state.layers[layer]
+            st = land_pending(st) if landed else st
             i = [f.head for f in st.plan.followers].index(head)
             start, count = int(st.region_start[0, i]), int(st.region_count[0, i])
             host_k = np.asarray(st.host.k)[st.host.heads.index((0, head))]
@@ -302,6 +328,10 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
     for t in range(L, L + 5):  # the leader publishes at the 3rd step; the followers move at the 3rd, 4th, 5th
         _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
         per_step[t - L + 1] = regions(cache)
+        if schedule == "ahead" and t - L + 1 == 3:  # gathered in the 3rd step, not yet written
+            assert regions(cache, landed=False) == per_step[2]
+        if schedule == "ahead" and t - L + 1 == 4:  # the 4th step's call wrote them before it attended
+            assert regions(cache, landed=False) == per_step[3]
     assert int(cache.layers[0].version[0, 0]) == 1  # one choice, published at the 3rd step
     picks = np.asarray(cache.layers[0].picks)[0, 0]
     changed = 0
@@ -317,7 +347,7 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
     assert changed > 0 and cache.stats()["rows_recalled"] == changed
 
 
-@pytest.mark.parametrize("schedule,reanchor", [("whole", True), ("whole", False), ("spread", True)])
+@pytest.mark.parametrize("schedule,reanchor", [("whole", True), ("whole", False), ("spread", True), ("ahead", True)])
 def test_synckv_recall_moves_the_dynamic_set_not_the_whole_capacity(tiny, monkeypatch, schedule, reanchor):
     """A decode step's host transfer is as wide as what a follower refreshes: its dynamic set (whole schedule)
     or ceil(dynamic / m) rows (spread), not its whole capacity (static + dynamic). Only a re-anchoring (its own
@@ -342,10 +372,12 @@ def test_synckv_recall_moves_the_dynamic_set_not_the_whole_capacity(tiny, monkey
     D = tiny.config.head_dim
     q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(1, 1, 4, D), (1, 1, 2, D), (1, 1, 2, D)])
     ctx = AttendContext(start=cache.length, pad=cache.pad, positions=jnp.array([[L]]), layers=cache.layers, layer=0)
-    method.decode_attend(st, q, k, v, ctx)
+    _, after = method.decode_attend(st, q, k, v, ctx)
     want = dynamic if schedule == "whole" else -(-dynamic // 3)
     assert 0 < dynamic < capacity  # a static part exists: moving the capacity would be wider
     assert widths == ([capacity] if reanchor else []) + [want]
+    if schedule == "ahead":  # the device buffer for the next call's rows is as wide as the transfer
+        assert after.pending.k.shape[1] == want and st.pending.k.shape[1] == want
 
 
 def _ref_attention(q, k, v):
@@ -566,10 +598,12 @@ def test_synckv_question_rehearsals_count(tiny, rehearsals):
         np.testing.assert_array_equal(np.asarray(s.paged.lengths), n + 4)
 
 
-@pytest.mark.parametrize("which", ["heterocache", "synckv"])
+@pytest.mark.parametrize("which", ["heterocache", "synckv", "synckv-ahead"])
 def test_decode_loop_compiles_once_without_host_callbacks(tiny, which):
+    schedule = "ahead" if which.endswith("ahead") else "whole"  # ahead: the pending rows are carried by the loop
     method, art = ((HeteroCache(budget=0.6, block=16, window=2), hc_artifact(tiny)) if which == "heterocache"
-                   else (SyncKV(budget=0.5, block=16, stride=2, num_representatives=1), sk_artifact(tiny)))
+                   else (SyncKV(budget=0.5, block=16, stride=2, num_representatives=1, recall_schedule=schedule),
+                         sk_artifact(tiny)))
     tokens = np.random.default_rng(5).integers(0, 97, size=(1, L)).astype(np.int32)
     before = TRACE_COUNTS["decode_loop"]
     for _ in range(2):

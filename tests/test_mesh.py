@@ -123,6 +123,7 @@ def test_every_method_generates_the_same_tokens_on_every_mesh(mesh_run):
         # followers were refreshed from their host copies (same count as on one device: the same picks)
         assert runs["heterocache"]["recall_events"] == one["heterocache"]["recall_events"] > 0
         assert runs["synckv"]["recall_events"] == one["synckv"]["recall_events"] > 0
+        assert runs["synckv_ahead"]["rows_recalled"] == one["synckv_ahead"]["rows_recalled"] > 0
     # SyncKV with a question after compression (rehearsed, then run): the same tokens and recalls on every mesh
     questions = mesh_run["questions"]
     assert set(questions) == set(mesh_run["meshes"])
@@ -153,7 +154,8 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
                    ".tracker.static", ".tracker.static_rows", ".tracker.keep_rows"}
     # padded per device block: pools of unequal capacities, follower slots (host copies and per-slot arrays)
     padded = {".paged.k_pages", ".paged.v_pages", ".host.k", ".host.v", ".region_start", ".region_count", ".applied",
-              ".held"}
+              ".held", ".pending.k", ".pending.v", ".pending.dst", ".pending.count"}
+    recall_methods = ("heterocache", "synckv", "synckv_ahead")
     for mesh in ("data=2,model=4", "data=1,model=8"):
         rows = parse_mesh(mesh)["data"]
         for name, run in meshes[mesh].items():
@@ -164,9 +166,9 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
                 if not whole:  # scalars (counters) are replicated
                     continue
                 assert len(shards) == DEVICES and all(s == shards[0] for s in shards), (mesh, name, key)
-                if name in ("heterocache", "synckv") and key in by_row_only:
+                if name in recall_methods and key in by_row_only:
                     assert math.prod(shards[0]) * rows == math.prod(whole), (mesh, name, key, shards[0], whole)
-                elif name in ("heterocache", "synckv") and key in padded:
+                elif name in recall_methods and key in padded:
                     assert math.prod(shards[0]) * DEVICES >= math.prod(whole), (mesh, name, key)  # padded blocks
                 else:
                     assert math.prod(shards[0]) * DEVICES == math.prod(whole), (mesh, name, key, shards[0], whole)

@@ -57,7 +57,9 @@ kvjax's choices where the paper is silent or the model differs (each documented)
   it scored 0 of 4 on a first screen. Its parts (groups, re-anchoring, the second rehearsal) were not measured
   apart, nor the ``-g24`` groups in the query-aware protocol.
 * ``recall_schedule="spread"``: see :func:`kvjax.head_recall.apply_recalls` (no recall conditional; a new
-  choice lands over ``window`` steps).
+  choice lands over ``window`` steps). ``"ahead"``: the same moves, written into the satellites' slots one call
+  after they are gathered (:func:`kvjax.head_recall.land_pending`; same tokens as ``"spread"``, tested; built for
+  the GPU, where it has not run yet).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from kvjax.artifacts import Artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
 from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
+                               land_pending, pending_rows,
                                last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
                                reanchor_then_attend, recall_partition, recall_stats, to_stored, top_mask, top_slots)
 from kvjax.methods.base import check_common
@@ -216,8 +219,9 @@ class HeteroCache:
         deviation, off by default; see the module docstring).
       rehearsals: passes of such a question before the one that counts (with ``reanchor``).
       recall_schedule: ``"whole"`` (a satellite's whole kept set is refreshed in the step its pivot's new choice
-        reaches it) or ``"spread"`` (each decode step moves up to ``1/window`` of it, the tokens it lacks for
-        those it no longer needs: no conditional per layer; a deviation, see :func:`kvjax.head_recall.apply_recalls`).
+        reaches it), ``"spread"`` (each decode step moves up to ``1/window`` of it, the tokens it lacks for
+        those it no longer needs: no conditional per layer; a deviation, see :func:`kvjax.head_recall.apply_recalls`)
+        or ``"ahead"`` (``"spread"``'s moves, written one call after they are gathered).
       page_size, implementation: paged layout and decode attention implementation.
     """
 
@@ -323,7 +327,8 @@ class HeteroCache:
         region_count = lengths[:, jnp.asarray([f.head for f in plan.followers], jnp.int32)]  # satellites' kept tokens
         layer = build_layer(state, idx, lengths, ctx.pad, spec, plan, page_size=self.page_size,
                             region_start=jnp.zeros_like(region_count), region_count=region_count,
-                            picks=jnp.zeros((B, nl, max(plan.picks, 1)), jnp.int32), tracker=None)
+                            picks=jnp.zeros((B, nl, max(plan.picks, 1)), jnp.int32), tracker=None,
+                            pending=pending_rows(plans, plan, self.window) if self.recall_schedule == "ahead" and self.retrieval else 0)
         positions = layer.paged.block_table.shape[-1] * self.page_size
         if nl:
             lead = jnp.asarray(plan.leaders, jnp.int32)
@@ -367,6 +372,7 @@ class HeteroCache:
         """Attend over every head's held tokens; pivots check drift; satellites of drifted pivots are refreshed.
         A multi-token call with ``reanchor`` publishes and recalls *before* it attends; in a rehearsal
         (``ctx.rehearsal``) the state is returned without its tokens."""
+        state = land_pending(state, ctx.mesh)
         if q.shape[1] > 1 and self.reanchor and self.retrieval:
             plan = state.plan
             return reanchor_then_attend(state, q, k, v, ctx, lambda st: self.drift_check(
@@ -374,8 +380,9 @@ class HeteroCache:
         out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if state.plan.leaders and self.retrieval:
             state = self.track(state, q, ctx.pad)
-        spread = self.window if self.recall_schedule == "spread" and q.shape[1] == 1 else None
-        return out, apply_recalls(state, ctx, enabled=self.retrieval, spread_over=spread)
+        spread = self.window if self.recall_schedule != "whole" and q.shape[1] == 1 else None
+        return out, apply_recalls(state, ctx, enabled=self.retrieval, spread_over=spread,
+                                  ahead=spread is not None and self.recall_schedule == "ahead" and self.retrieval)
 
     def question_passes(self) -> int:
         """``1 + rehearsals`` with ``reanchor`` (and retrieval): each rehearsal lets every pivot publish its question

@@ -80,8 +80,14 @@ kvjax's choices (documented deviations):
   (:func:`kvjax.head_recall.spread_moves`), so a new dynamic set lands over ``m`` steps instead of in one. On an
   H100 at 30,720 tokens (random weights), moving the same bytes per step, SyncKV decoded at 7.33 against 8.73
   ms/token with the paper's schedule. The committed forms of both were not timed (docs/RESULTS.md, "On a GPU").
-  Accuracy: the same answers as the paper's schedule on 9 ``niah_multikey`` prompts (10%, query-agnostic,
-  ``kernel=7:group_layers=24:rehearsals=2``); not measured further.
+  Accuracy: the same answers as the paper's schedule in all 24 cells of the ablation's 12 prompts (4K, 10 / 25%,
+  query-agnostic, ``kernel=7:group_layers=24:rehearsals=2``;
+  ``docs/results/qwen2.5-coder-0.5b-4k-g24-rehearsals-spread-query-agnostic``).
+* ``recall_schedule="ahead"``: the spread schedule's moves, gathered from the host in the step that computes them
+  and written into the NR-heads' slots at the start of the layer's next call
+  (:func:`kvjax.head_recall.land_pending`), so no layer of a step waits for its own transfer. Same tokens as
+  ``"spread"`` (tested); a second buffer of ``ceil(k_dyn / m)`` rows per NR-head on the device (counted in the
+  device bytes). Built for the GPU, where it has not run yet (``docs/GPU.md``).
 """
 
 from __future__ import annotations
@@ -100,7 +106,8 @@ from jax.sharding import PartitionSpec
 from kvjax.artifacts import Artifact
 from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
-from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer, reanchor_then_attend,
+from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer, land_pending,
+                               pending_rows, reanchor_then_attend,
                                last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish, publish_anchor,
                                recall_partition, recall_stats, to_stored, top_slots)
 from kvjax.methods.base import check_common
@@ -237,8 +244,9 @@ class SyncKV:
       question_window: re-anchoring scores a question's prompt tokens by the attention of its last
         ``question_window`` queries, summed (1: its last query, as Eq. 3 at prefill).
       recall_schedule: ``"whole"`` (the paper's: an NR-head's whole dynamic set is refreshed in the step its
-        R-head's new choice reaches it) or ``"spread"`` (each decode step moves up to ``1/m`` of it, the tokens
-        it lacks for those it no longer needs: no conditional per layer; a deviation, see the module docstring).
+        R-head's new choice reaches it), ``"spread"`` (each decode step moves up to ``1/m`` of it, the tokens
+        it lacks for those it no longer needs: no conditional per layer; a deviation, see the module docstring)
+        or ``"ahead"`` (``"spread"``'s moves, written one call after they are gathered).
       page_size, block, implementation: paged layout, prefill block, decode attention implementation.
     """
 
@@ -373,7 +381,8 @@ class SyncKV:
         layer = build_layer(state, idx, lengths, ctx.pad, spec, plan, page_size=self.page_size,
                             region_start=jnp.broadcast_to(static_rows[:, None], (B, nf)),
                             region_count=jnp.broadcast_to((k_rows - static_rows)[:, None], (B, nf)),
-                            picks=jnp.zeros((B, len(plan.leaders), max(plan.picks, 1)), jnp.int32), tracker=None)
+                            picks=jnp.zeros((B, len(plan.leaders), max(plan.picks, 1)), jnp.int32), tracker=None,
+                            pending=pending_rows(plans, plan, self.stride) if self.recall_schedule == "ahead" and self.anticipation else 0)
         positions = layer.paged.block_table.shape[-1] * self.page_size
         statics = []
         for head in plan.leaders:
@@ -415,6 +424,7 @@ class SyncKV:
         A multi-token call with ``reanchor`` re-anchors and recalls *before* it attends; in a rehearsal
         (``ctx.rehearsal``) the state is returned without its tokens."""
         plan = state.plan
+        state = land_pending(state, ctx.mesh)
         if q.shape[1] > 1 and self.reanchor and self.anticipation:
             return reanchor_then_attend(state, q, k, v, ctx, lambda st: self.reanchor_for(
                 st, leader_queries(q, plan.leaders, len(plan.capacities)), ctx.pad))
@@ -426,8 +436,9 @@ class SyncKV:
             else:
                 state = lax.cond(state.steps % self.stride == 0, lambda st: self.anticipate(st, qg, ctx.pad),
                                  lambda st: st, state)
-        spread = self.stride if self.recall_schedule == "spread" and q.shape[1] == 1 else None
-        return out, apply_recalls(state, ctx, enabled=self.anticipation, spread_over=spread)
+        spread = self.stride if self.recall_schedule != "whole" and q.shape[1] == 1 else None
+        return out, apply_recalls(state, ctx, enabled=self.anticipation, spread_over=spread,
+                                  ahead=spread is not None and self.recall_schedule == "ahead" and self.anticipation)
 
     def question_passes(self) -> int:
         """``1 + rehearsals`` with ``reanchor`` (and anticipation): each rehearsal re-anchors every layer's NR-heads,
