@@ -481,16 +481,16 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         W = min(held.shape[-1], chosen)  # a region's positions a choice can reach
         ids, positions, count = spread_moves(held[..., :W], picks[..., :W], jnp.where(versions > 0, region, 0),
                                              spread_over, host.length)
-        dst = state.region_start[..., None] + positions
-        if ahead:  # gathered now, written at the next call (land_pending)
-            flat_ids, flat_count, flat_dst = (flatten_heads(x, ctx.mesh) for x in (ids, count, dst))
-            rk, rv = gather_followers(host, flat_ids, flat_count, ctx.mesh)
+        flat_ids, flat_count, flat_dst = (flatten_heads(x, ctx.mesh)
+                                          for x in (ids, count, state.region_start[..., None] + positions))
+        rk, rv = gather_followers(host, flat_ids, flat_count, ctx.mesh)
+        if ahead:  # written at the next call (land_pending)
             if rk.shape != pending.k.shape:
                 raise ValueError(f"apply_recalls: {rk.shape[1]} rows per follower to move, room for "
                                  f"{pending.k.shape[1]} (build the layer with pending_rows)")
             pending = PendingRecall(k=rk, v=rv, dst=flat_dst, count=flat_count)
         else:
-            paged = refresh(paged, ids, count, dst)
+            paged = write_followers(paged, host, rk, rv, flat_dst, flat_count, ctx.mesh)
         flat = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(  # positions W: dropped
             held.reshape(-1, held.shape[-1]), positions.reshape(-1, positions.shape[-1]), ids.reshape(-1, ids.shape[-1]))
         held = flat.reshape(held.shape)
