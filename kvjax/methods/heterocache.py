@@ -290,6 +290,11 @@ class HeteroCache:
             ))
         return tuple(plans), base
 
+    @property
+    def recalls_ahead(self) -> bool:
+        """Whether decode steps write their recalled rows one call after gathering them (``recall_schedule="ahead"``)."""
+        return self.recall_schedule == "ahead" and self.retrieval
+
     # -- protocol
     def recording(self) -> Recording:
         """A dense staging that keeps the prompt's last query (shareable with other methods)."""
@@ -328,7 +333,7 @@ class HeteroCache:
         layer = build_layer(state, idx, lengths, ctx.pad, spec, plan, page_size=self.page_size,
                             region_start=jnp.zeros_like(region_count), region_count=region_count,
                             picks=jnp.zeros((B, nl, max(plan.picks, 1)), jnp.int32), tracker=None,
-                            pending=pending_rows(plans, plan, self.window) if self.recall_schedule == "ahead" and self.retrieval else 0)
+                            pending=pending_rows(plans, plan, self.window) if self.recalls_ahead else 0)
         positions = layer.paged.block_table.shape[-1] * self.page_size
         if nl:
             lead = jnp.asarray(plan.leaders, jnp.int32)
@@ -382,7 +387,7 @@ class HeteroCache:
             state = self.track(state, q, ctx.pad)
         spread = self.window if self.recall_schedule != "whole" and q.shape[1] == 1 else None
         return out, apply_recalls(state, ctx, enabled=self.retrieval, spread_over=spread,
-                                  ahead=spread is not None and self.recall_schedule == "ahead" and self.retrieval)
+                                  ahead=spread is not None and self.recalls_ahead)
 
     def question_passes(self) -> int:
         """``1 + rehearsals`` with ``reanchor`` (and retrieval): each rehearsal lets every pivot publish its question

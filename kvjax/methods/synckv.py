@@ -327,6 +327,11 @@ class SyncKV:
                                    anchor_picks=k if reps[l] and self.reanchor and self.anticipation else 0))
         return tuple(plans), k
 
+    @property
+    def recalls_ahead(self) -> bool:
+        """Whether decode steps write their recalled rows one call after gathering them (``recall_schedule="ahead"``)."""
+        return self.recall_schedule == "ahead" and self.anticipation
+
     # -- protocol
     def recording(self) -> Recording:
         """A dense staging that keeps the prompt's last query (shareable with other methods)."""
@@ -382,7 +387,7 @@ class SyncKV:
                             region_start=jnp.broadcast_to(static_rows[:, None], (B, nf)),
                             region_count=jnp.broadcast_to((k_rows - static_rows)[:, None], (B, nf)),
                             picks=jnp.zeros((B, len(plan.leaders), max(plan.picks, 1)), jnp.int32), tracker=None,
-                            pending=pending_rows(plans, plan, self.stride) if self.recall_schedule == "ahead" and self.anticipation else 0)
+                            pending=pending_rows(plans, plan, self.stride) if self.recalls_ahead else 0)
         positions = layer.paged.block_table.shape[-1] * self.page_size
         statics = []
         for head in plan.leaders:
@@ -438,7 +443,7 @@ class SyncKV:
                                  lambda st: st, state)
         spread = self.stride if self.recall_schedule != "whole" and q.shape[1] == 1 else None
         return out, apply_recalls(state, ctx, enabled=self.anticipation, spread_over=spread,
-                                  ahead=spread is not None and self.recall_schedule == "ahead" and self.anticipation)
+                                  ahead=spread is not None and self.recalls_ahead)
 
     def question_passes(self) -> int:
         """``1 + rehearsals`` with ``reanchor`` (and anticipation): each rehearsal re-anchors every layer's NR-heads,
