@@ -411,7 +411,7 @@ def land_pending(state: RecallKV, mesh=None) -> RecallKV:
     return state.replace(paged=paged, pending=p.replace(count=jnp.zeros_like(p.count)))
 
 
-def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: int | None = None, ahead: bool = False):
+def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: int | None = None):
     """Refresh every follower whose leader published a version it does not hold, from the host (one transfer;
     a re-anchoring it has not applied first, in a transfer of its own, then any newer region).
 
@@ -421,9 +421,9 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
     with chosen tokens it lacks (best first; :func:`spread_moves`), ``W`` the most tokens a choice or a region of
     the layer holds. The transfer has that fixed size; ``rows_moved`` counts the tokens replaced.
 
-    ``ahead`` (with ``spread_over``; the layer built with :func:`pending_rows` of room): the rows are gathered now
-    but written at the layer's next call (:func:`land_pending`), so nothing in this call waits for the transfer.
-    The next call attends over the same tokens as with the plain spread schedule.
+    A layer built with a :class:`PendingRecall` (``recall_schedule="ahead"``, :func:`pending_rows` of room) keeps
+    the rows ``spread_over`` gathers for its next call (:func:`land_pending`) instead of writing them now, so nothing
+    in this call waits for the transfer. The next call attends over the same tokens as with the plain spread schedule.
     """
     plan = state.plan
     if not plan.followers or not enabled:
@@ -441,8 +441,6 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         vals = jnp.stack(vals, axis=1)[:, follower]
         return vals if vals.ndim == 3 else jnp.where(live[None], vals, 0)
 
-    if ahead and (spread_over is None or state.pending is None):
-        raise ValueError("apply_recalls: ahead needs spread_over and a layer built with pending rows")
     versions = leader_values(lambda st: st.version)
     host = state.host
     moved = jnp.zeros((), jnp.int32)
@@ -484,7 +482,7 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         flat_ids, flat_count, flat_dst = (flatten_heads(x, ctx.mesh)
                                           for x in (ids, count, state.region_start[..., None] + positions))
         rk, rv = gather_followers(host, flat_ids, flat_count, ctx.mesh)
-        if ahead:  # written at the next call (land_pending)
+        if pending is not None:  # the "ahead" schedule: written at the next call (land_pending)
             if rk.shape != pending.k.shape:
                 raise ValueError(f"apply_recalls: {rk.shape[1]} rows per follower to move, room for "
                                  f"{pending.k.shape[1]} (build the layer with pending_rows)")

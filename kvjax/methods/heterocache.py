@@ -386,8 +386,7 @@ class HeteroCache:
         if state.plan.leaders and self.retrieval:
             state = self.track(state, q, ctx.pad)
         spread = self.window if self.recall_schedule != "whole" and q.shape[1] == 1 else None
-        return out, apply_recalls(state, ctx, enabled=self.retrieval, spread_over=spread,
-                                  ahead=spread is not None and self.recalls_ahead)
+        return out, apply_recalls(state, ctx, enabled=self.retrieval, spread_over=spread)
 
     def question_passes(self) -> int:
         """``1 + rehearsals`` with ``reanchor`` (and retrieval): each rehearsal lets every pivot publish its question

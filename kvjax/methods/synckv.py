@@ -442,8 +442,7 @@ class SyncKV:
                 state = lax.cond(state.steps % self.stride == 0, lambda st: self.anticipate(st, qg, ctx.pad),
                                  lambda st: st, state)
         spread = self.stride if self.recall_schedule != "whole" and q.shape[1] == 1 else None
-        return out, apply_recalls(state, ctx, enabled=self.anticipation, spread_over=spread,
-                                  ahead=spread is not None and self.recalls_ahead)
+        return out, apply_recalls(state, ctx, enabled=self.anticipation, spread_over=spread)
 
     def question_passes(self) -> int:
         """``1 + rehearsals`` with ``reanchor`` (and anticipation): each rehearsal re-anchors every layer's NR-heads,
