@@ -80,7 +80,7 @@ from flax import struct
 from jax import lax
 
 from kvjax.attention import MASK_VALUE
-from kvjax.host_tier import HostKV, recall, scatter_to_slots, to_host
+from kvjax.host_tier import HostKV, Prefetch, empty_prefetch, issue, scatter_to_slots, take, to_host
 from kvjax.paged import (PagedKV, append, paged_attention, paged_chunk_attention, paged_device_bytes, paged_partition,
                          paged_read_bytes, shard_map)
 from kvjax.selection import gqa_aggregate, pool1d, window_attention
@@ -122,14 +122,12 @@ class LayerPlan:
 @struct.dataclass
 class PendingRecall:
     """Follower rows gathered from the host in one decode call, written into their slots at the layer's next call
-    (``recall_schedule="ahead"``). One entry per (row, follower slot) in :func:`kvjax.sharding.flatten_heads`
-    order, like the host copy: ``k, v[B * n_slots, S, D]`` (device), ``dst[B * n_slots, S]`` the region slot
-    each row goes to, ``count[B * n_slots]`` the live rows (0: nothing pending)."""
+    (``recall_schedule="ahead"``): the gather as a :class:`kvjax.host_tier.Prefetch` (one host head per (row,
+    follower slot), in :func:`kvjax.sharding.flatten_heads` order like the host copy; ``count`` 0: nothing
+    pending) and ``dst[B * n_slots, S]``, the region slot each row goes to."""
 
-    k: jax.Array
-    v: jax.Array
+    fetched: Prefetch
     dst: jax.Array
-    count: jax.Array
 
 
 @struct.dataclass
@@ -332,9 +330,7 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
     held = jnp.take_along_axis(keep_idx[:, heads_of_slots], at, axis=-1).astype(jnp.int32)
     waiting = None
     if pending and nf:
-        n = B * len(slots)
-        rows = jnp.zeros((n, pending, st.k.shape[-1]), st.k.dtype)
-        waiting = PendingRecall(k=rows, v=rows, dst=jnp.zeros((n, pending), jnp.int32), count=jnp.zeros((n,), jnp.int32))
+        waiting = PendingRecall(fetched=empty_prefetch(host, pending), dst=jnp.zeros((host.n_heads, pending), jnp.int32))
     return RecallKV(
         paged=paged, host=host, slots=slots, region_start=start, region_count=count, held=held,
         applied=jnp.zeros((B, len(slots)), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
@@ -376,20 +372,23 @@ def per_device(fn, mesh, in_specs, out_specs, *args):
     return fn(*args)
 
 
-def gather_followers(host: HostKV, ids, count, mesh):
+def gather_followers(host: HostKV, ids, count, mesh) -> Prefetch:
     """Host rows ``ids[B * n_slots, R]`` (flattened follower slots, :func:`kvjax.sharding.flatten_heads`) brought to
-    the device in one transfer per device: ``k, v[B * n_slots, R, D]``, zero past ``count[B * n_slots]``."""
+    the device in one transfer per device (:func:`kvjax.host_tier.issue`): ``k, v[B * n_slots, R, D]``, zero past
+    ``count[B * n_slots]``."""
 
     def local(host_k, host_v, ids, count):  # one device's followers (or all)
-        return recall(host.replace(k=host_k, v=host_v), ids, count)
+        return issue(host.replace(k=host_k, v=host_v), ids, count)
 
-    return per_device(local, mesh, (BY_DEVICE,) * 4, (BY_DEVICE, BY_DEVICE), host.k, host.v, ids, count)
+    specs = Prefetch(k=BY_DEVICE, v=BY_DEVICE, idx=BY_DEVICE, count=BY_DEVICE)
+    return per_device(local, mesh, (BY_DEVICE,) * 4, specs, host.k, host.v, ids, count)
 
 
-def write_followers(paged: PagedKV, host: HostKV, rk, rv, dst, count, mesh) -> PagedKV:
-    """Write gathered rows ``rk, rv[B * n_slots, R, D]`` into the followers' region slots ``dst[B * n_slots, R]``
-    (the first ``count`` of each), per device on a mesh (each device into its own pages)."""
+def write_followers(paged: PagedKV, host: HostKV, fetched: Prefetch, dst, mesh) -> PagedKV:
+    """Write gathered rows (:func:`gather_followers`) into the followers' region slots ``dst[B * n_slots, R]`` (the
+    first ``fetched.count`` of each), per device on a mesh (each device into its own pages)."""
     pairs = jnp.asarray(host.heads, jnp.int32)  # [B * n_slots, 2] (row, KV head) of each host head
+    rk, rv = take(fetched)
 
     def local(k_pages, v_pages, table, pairs, rk, rv, dst, count):
         block, row, head = device_block(mesh, *table.shape[:2])  # local page ids, rows and heads
@@ -397,7 +396,7 @@ def write_followers(paged: PagedKV, host: HostKV, rk, rv, dst, count, mesh) -> P
                                 pairs[:, 1] - head, dst, count)
 
     kp, vp = per_device(local, mesh, (BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * 5, (BY_DEVICE, BY_DEVICE),
-                        paged.k_pages, paged.v_pages, paged.block_table, pairs, rk, rv, dst, count)
+                        paged.k_pages, paged.v_pages, paged.block_table, pairs, rk, rv, dst, fetched.count)
     return paged.replace(k_pages=kp, v_pages=vp)
 
 
@@ -407,8 +406,9 @@ def land_pending(state: RecallKV, mesh=None) -> RecallKV:
     p = state.pending
     if p is None:
         return state
-    paged = write_followers(state.paged, state.host, p.k, p.v, p.dst, p.count, mesh)
-    return state.replace(paged=paged, pending=p.replace(count=jnp.zeros_like(p.count)))
+    paged = write_followers(state.paged, state.host, p.fetched, p.dst, mesh)
+    done = p.fetched.replace(count=jnp.zeros_like(p.fetched.count))
+    return state.replace(paged=paged, pending=p.replace(fetched=done))
 
 
 def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: int | None = None):
@@ -450,8 +450,7 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
 
     def refresh(paged, picks, count, dst):  # picks, dst [B, n_slots, R]: host rows and the device slots they go to
         picks, count, dst = (flatten_heads(x, ctx.mesh) for x in (picks, count, dst))
-        rk, rv = gather_followers(host, picks, count, ctx.mesh)
-        return write_followers(paged, host, rk, rv, dst, count, ctx.mesh)
+        return write_followers(paged, host, gather_followers(host, picks, count, ctx.mesh), dst, ctx.mesh)
 
     if any(leader_plan(state, ctx, f).anchor_picks for f in plan.followers):
         # a re-anchoring the follower has not applied: its whole kept prompt set, then any newer region
@@ -481,14 +480,14 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
                                              spread_over, host.length)
         flat_ids, flat_count, flat_dst = (flatten_heads(x, ctx.mesh)
                                           for x in (ids, count, state.region_start[..., None] + positions))
-        rk, rv = gather_followers(host, flat_ids, flat_count, ctx.mesh)
+        fetched = gather_followers(host, flat_ids, flat_count, ctx.mesh)
         if pending is not None:  # the "ahead" schedule: written at the next call (land_pending)
-            if rk.shape != pending.k.shape:
-                raise ValueError(f"apply_recalls: {rk.shape[1]} rows per follower to move, room for "
-                                 f"{pending.k.shape[1]} (build the layer with pending_rows)")
-            pending = PendingRecall(k=rk, v=rv, dst=flat_dst, count=flat_count)
+            if fetched.k.shape != pending.fetched.k.shape:
+                raise ValueError(f"apply_recalls: {fetched.k.shape[1]} rows per follower to move, room for "
+                                 f"{pending.fetched.k.shape[1]} (build the layer with pending_rows)")
+            pending = PendingRecall(fetched=fetched, dst=flat_dst)
         else:
-            paged = write_followers(paged, host, rk, rv, flat_dst, flat_count, ctx.mesh)
+            paged = write_followers(paged, host, fetched, flat_dst, ctx.mesh)
         flat = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(  # positions W: dropped
             held.reshape(-1, held.shape[-1]), positions.reshape(-1, positions.shape[-1]), ids.reshape(-1, ids.shape[-1]))
         held = flat.reshape(held.shape)
@@ -571,7 +570,8 @@ def leader_plan(state: RecallKV, ctx, f: Follower) -> LayerPlan:
 def recall_partition(state: RecallKV, tracker) -> RecallKV:
     """Partition specs of a :class:`RecallKV` (see the module docstring), with the method's ``tracker`` specs."""
     host = None if state.host is None else state.host.replace(k=OnHost(BY_DEVICE), v=OnHost(BY_DEVICE))
-    pending = None if state.pending is None else PendingRecall(k=BY_DEVICE, v=BY_DEVICE, dst=BY_DEVICE, count=BY_DEVICE)
+    pending = None if state.pending is None else PendingRecall(
+        fetched=Prefetch(k=BY_DEVICE, v=BY_DEVICE, idx=BY_DEVICE, count=BY_DEVICE), dst=BY_DEVICE)
     rows = jax.sharding.PartitionSpec(DATA)
     return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, region_start=ROWS_HEADS,
                          region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS, prompt_len=rows, picks=rows, version=rows,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import transformers
 
-import kvjax.head_recall as head_recall
+import kvjax.host_tier as host_tier
 from kvjax.api import generate_tokens
 from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
@@ -243,8 +243,7 @@ def test_ahead_schedule_generates_the_spread_schedules_tokens(tiny, which):
     (spread, s_stats, _), (ahead, a_stats, cache) = out["spread"], out["ahead"]
     np.testing.assert_array_equal(ahead, spread)
     assert a_stats["rows_recalled"] == s_stats["rows_recalled"] > 0
-    pending = sum(st.pending.k.nbytes + st.pending.v.nbytes + st.pending.dst.nbytes + st.pending.count.nbytes
-                  for st in cache.layers if st.pending is not None)
+    pending = sum(x.nbytes for st in cache.layers if st.pending is not None for x in jax.tree.leaves(st.pending))
     assert pending > 0 and a_stats["device_bytes"] == s_stats["device_bytes"] + pending
 
 
@@ -354,13 +353,13 @@ def test_synckv_recall_moves_the_dynamic_set_not_the_whole_capacity(tiny, monkey
     transfer, traced first) moves the whole kept set. A recall that moved the capacity produced the same
     tokens (the extra rows were masked) at twice the bytes."""
     widths = []
-    real = head_recall.recall
+    real = host_tier.recall  # every follower gather goes through it (host_tier.issue)
 
     def recording(host, idx, count, **kw):
         widths.append(idx.shape[-1])
         return real(host, idx, count, **kw)
 
-    monkeypatch.setattr(head_recall, "recall", recording)
+    monkeypatch.setattr(host_tier, "recall", recording)
     rng = np.random.default_rng(6)
     tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
     method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, static_ratio=0.5, recall_schedule=schedule,
@@ -377,7 +376,7 @@ def test_synckv_recall_moves_the_dynamic_set_not_the_whole_capacity(tiny, monkey
     assert 0 < dynamic < capacity  # a static part exists: moving the capacity would be wider
     assert widths == ([capacity] if reanchor else []) + [want]
     if schedule == "ahead":  # the device buffer for the next call's rows is as wide as the transfer
-        assert after.pending.k.shape[1] == want and st.pending.k.shape[1] == want
+        assert after.pending.fetched.k.shape[1] == want and st.pending.fetched.k.shape[1] == want
 
 
 def _ref_attention(q, k, v):

@@ -154,7 +154,8 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
                    ".tracker.static", ".tracker.static_rows", ".tracker.keep_rows"}
     # padded per device block: pools of unequal capacities, follower slots (host copies and per-slot arrays)
     padded = {".paged.k_pages", ".paged.v_pages", ".host.k", ".host.v", ".region_start", ".region_count", ".applied",
-              ".held", ".pending.k", ".pending.v", ".pending.dst", ".pending.count"}
+              ".held", ".pending.fetched.k", ".pending.fetched.v", ".pending.fetched.idx", ".pending.fetched.count",
+              ".pending.dst"}
     recall_methods = ("heterocache", "synckv", "synckv_ahead")
     for mesh in ("data=2,model=4", "data=1,model=8"):
         rows = parse_mesh(mesh)["data"]
