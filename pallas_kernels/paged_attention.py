@@ -80,6 +80,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.backend import resolve_backend
+
 __all__ = [
     "MASK_VALUE",
     "check_block_table",
@@ -219,21 +221,6 @@ def _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend
     ):
         raise ValueError(f"num_splits={num_splits!r}; must be a positive int or None")
 
-
-def _resolve_backend(implementation: str, backend: str | None) -> str:
-    if backend is not None:
-        return backend
-    platform = jax.default_backend()
-    if platform == "tpu":
-        return "tpu"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    if implementation == "pallas":
-        raise ValueError(
-            f"implementation='pallas' needs a TPU or GPU, but jax.default_backend() is "
-            f"{platform!r}; use implementation='xla' or 'pallas_interpret' on CPU"
-        )
-    return "gpu"  # interpret mode on CPU: the GPU form (no host callbacks; module docstring)
 
 
 def _gpu_max_block_tokens(head_dim: int, dtype) -> int:
@@ -641,7 +628,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
     if not (_is_tracer(block_table) or _is_tracer(lengths)):
         check_block_table(block_table, lengths, num_pages, page_size)
     if implementation != "xla":
-        backend = _resolve_backend(implementation, backend)
+        backend = resolve_backend(implementation, backend)
     else:
         backend = None
     if pages_per_block is None:

@@ -58,6 +58,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.backend import resolve_backend
+
 __all__ = ["MASK_VALUE", "pq_scores", "pq_scores_reference", "pq_lookup_table"]
 
 MASK_VALUE = 0.7 * float(np.finfo(np.float32).min)
@@ -115,20 +117,6 @@ def _validate(q, codebooks, codes, lengths, implementation, backend, block_s):
     if block_s is not None and (not isinstance(block_s, (int, np.integer)) or block_s < 1):
         raise ValueError(f"block_s={block_s!r}; must be a positive int or None")
 
-
-def _resolve_backend(implementation, backend):
-    if backend is not None:
-        return backend
-    platform = jax.default_backend()
-    if platform == "tpu":
-        return "tpu"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    if implementation == "pallas":
-        raise ValueError(
-            f"implementation='pallas' needs a TPU or GPU, but jax.default_backend() is "
-            f"{platform!r}; use implementation='xla' or 'pallas_interpret' on CPU")
-    return "gpu"  # interpret mode on CPU: the GPU form (no host callbacks; module docstring)
 
 
 def pq_lookup_table(q, codebooks, *, scale=None):
@@ -394,7 +382,7 @@ def pq_scores(q, codebooks, codes, lengths=None, *, return_stats=False,
     seq = codes.shape[2]
     _, groups, num_centroids, _ = codebooks.shape
     if implementation != "xla":
-        backend = _resolve_backend(implementation, backend)
+        backend = resolve_backend(implementation, backend)
         if block_s is None:
             block_s = _default_block_s(backend, seq, groups, num_centroids)
     else:
