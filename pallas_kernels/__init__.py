@@ -2,7 +2,7 @@
 
 Each module holds a kernel, its ``pallas_call`` builder(s) (a TPU and a GPU form), a public
 jitted op taking ``implementation="pallas" | "pallas_interpret" | "xla"`` and a plain-``jnp``
-``*_reference``.
+``*_reference``. ``backend`` picks which form a call builds.
 """
 
 from pallas_kernels.paged_attention import (

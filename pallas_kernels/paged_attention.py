@@ -222,7 +222,6 @@ def _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend
         raise ValueError(f"num_splits={num_splits!r}; must be a positive int or None")
 
 
-
 def _gpu_max_block_tokens(head_dim: int, dtype) -> int:
     """Most tokens per GPU-form block whose K block fits ``_GPU_MAX_BLOCK_BYTES`` (a power of
     two, at least 16)."""

@@ -118,7 +118,6 @@ def _validate(q, codebooks, codes, lengths, implementation, backend, block_s):
         raise ValueError(f"block_s={block_s!r}; must be a positive int or None")
 
 
-
 def pq_lookup_table(q, codebooks, *, scale=None):
     """Scaled lookup tables ``T[b, h_kv, G, g, c] = scale * q_g . C[h_kv, g, c]`` in f32."""
     batch, num_q_heads, head_dim = q.shape
