@@ -1,8 +1,8 @@
 """Pallas kernels for kvjax (imports jax only).
 
-Each module holds a kernel, its ``pallas_call`` builder(s) (a TPU and a GPU form), a public
+Each kernel module holds a kernel, its ``pallas_call`` builder(s) (a TPU and a GPU form), a public
 jitted op taking ``implementation="pallas" | "pallas_interpret" | "xla"`` and a plain-``jnp``
-``*_reference``. ``backend`` picks which form a call builds.
+``*_reference``; the ``backend`` module picks which form a call builds.
 """
 
 from pallas_kernels.paged_attention import (
