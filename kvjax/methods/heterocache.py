@@ -53,7 +53,8 @@ kvjax's choices where the paper is silent or the model differs (each documented)
   prompts: **95.8** against 14.6 for the shipped default (full cache 95.8;
   ``docs/results/qwen2.5-coder-0.5b-4k-heterocache-g24-reanchor-query-agnostic``); at 25% **100.0** against 31.2
   (``...-g24-reanchor-25-query-agnostic``); at 8K, 12 prompts, 91.7 / 91.7 at 10 / 25% against 33.3 / 33.3 (full
-  cache 91.7; ``docs/results/qwen2.5-coder-0.5b-8k-recall-configs-query-agnostic``). The same groups without
+  cache 91.7; ``docs/results/qwen2.5-coder-0.5b-8k-recall-configs-query-agnostic``), and on 48 prompts 89.6 / 95.8
+  (full cache 93.8; ``...-8k-recall-configs-48-query-agnostic``). The same groups without
   it scored 0 of 4 on a first screen. Its parts (groups, re-anchoring, the second rehearsal) were not measured
   apart, nor the ``-g24`` groups in the query-aware protocol.
 * ``recall_schedule="spread"``: see :func:`kvjax.head_recall.apply_recalls` (no recall conditional; a new
