@@ -119,6 +119,11 @@ class LayerPlan:
     anchor_picks: int = 0
 
 
+# Partition specs of a follower gather (:func:`gather_followers`, :class:`PendingRecall`): split by device, like the
+# host copy it comes from.
+FETCHED_BY_DEVICE = Prefetch(k=BY_DEVICE, v=BY_DEVICE, idx=BY_DEVICE, count=BY_DEVICE)
+
+
 @struct.dataclass
 class PendingRecall:
     """Follower rows gathered from the host in one decode call, written into their slots at the layer's next call
@@ -380,8 +385,7 @@ def gather_followers(host: HostKV, ids, count, mesh) -> Prefetch:
     def local(host_k, host_v, ids, count):  # one device's followers (or all)
         return issue(host.replace(k=host_k, v=host_v), ids, count)
 
-    specs = Prefetch(k=BY_DEVICE, v=BY_DEVICE, idx=BY_DEVICE, count=BY_DEVICE)
-    return per_device(local, mesh, (BY_DEVICE,) * 4, specs, host.k, host.v, ids, count)
+    return per_device(local, mesh, (BY_DEVICE,) * 4, FETCHED_BY_DEVICE, host.k, host.v, ids, count)
 
 
 def write_followers(paged: PagedKV, host: HostKV, fetched: Prefetch, dst, mesh) -> PagedKV:
@@ -570,8 +574,7 @@ def leader_plan(state: RecallKV, ctx, f: Follower) -> LayerPlan:
 def recall_partition(state: RecallKV, tracker) -> RecallKV:
     """Partition specs of a :class:`RecallKV` (see the module docstring), with the method's ``tracker`` specs."""
     host = None if state.host is None else state.host.replace(k=OnHost(BY_DEVICE), v=OnHost(BY_DEVICE))
-    pending = None if state.pending is None else PendingRecall(
-        fetched=Prefetch(k=BY_DEVICE, v=BY_DEVICE, idx=BY_DEVICE, count=BY_DEVICE), dst=BY_DEVICE)
+    pending = None if state.pending is None else PendingRecall(fetched=FETCHED_BY_DEVICE, dst=BY_DEVICE)
     rows = jax.sharding.PartitionSpec(DATA)
     return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, region_start=ROWS_HEADS,
                          region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS, prompt_len=rows, picks=rows, version=rows,
