@@ -19,12 +19,6 @@ DEPTH_BINS = 5
 SHORTFALL_POINTS = 5.0  # a method "falls short" when its mean, or any one task, is this many points below the full cache
 
 
-def _read_jsonl(path: str) -> list[dict]:
-    from evals.runner import _read_jsonl as read
-
-    return read(path)
-
-
 def _budget_key(label: str):
     return (0, 0.0) if label == "full" else (1, float(label))
 
@@ -261,10 +255,12 @@ def plot(summary: dict, out_dir: str) -> list[str]:
 
 def write_report(out_dir: str) -> dict:
     """Rebuild ``summary.json``, ``README.md`` and the plots of the run in ``out_dir``; returns the summary."""
+    from evals.runner import read_jsonl  # imported here: the runner loads jax, a report needs only numpy
+
     with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    records = _read_jsonl(os.path.join(out_dir, "samples.jsonl"))
-    fidelity = _read_jsonl(os.path.join(out_dir, "fidelity.jsonl"))
+    records = read_jsonl(os.path.join(out_dir, "samples.jsonl"))
+    fidelity = read_jsonl(os.path.join(out_dir, "fidelity.jsonl"))
     summary = summarize(records, fidelity, config)
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump({"config": config, **summary}, f, indent=1)

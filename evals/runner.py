@@ -184,7 +184,8 @@ def batches(samples, batch_size: int, protocol: str) -> list[list]:
     return [group[i:i + batch_size] for _, group in sorted(by_len.items()) for i in range(0, len(group), batch_size)]
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSON-lines file ([] when it does not exist); a line cut by an interrupted write is skipped."""
     if not os.path.exists(path):
         return []
     out = []
@@ -228,7 +229,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
 
     tok = model.tokenizer
     path = os.path.join(cfg.out_dir, "samples.jsonl")
-    done = {_record_key(r) for r in _read_jsonl(path)}
+    done = {_record_key(r) for r in read_jsonl(path)}
     grid = method_grid(cfg)
     eos = stop_token_ids(tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
@@ -339,7 +340,7 @@ def run_fidelity_checks(cfg: EvalConfig, model, *, progress: bool = True) -> int
     if cfg.fidelity_texts <= 0:
         return 0
     path = os.path.join(cfg.out_dir, "fidelity.jsonl")
-    done = {(r["method"], r["budget"], r["prefix_tokens"]) for r in _read_jsonl(path)}
+    done = {(r["method"], r["budget"], r["prefix_tokens"]) for r in read_jsonl(path)}
     full_done = ("full", "full", cfg.fidelity_prefix) in done
     missing = [g for g in method_grid(cfg) if g[0] != "full" and (g[0], g[1], cfg.fidelity_prefix) not in done]
     if not missing and full_done:

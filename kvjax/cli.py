@@ -41,7 +41,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 HCATTENTION_OPTIONS = ("groups", "centroids", "tau", "value_path", "local")
 
 
-def _method(args):
+def method_from_args(args):
+    """The method a parsed command line names (``--method`` with ``--budget``, ``--implementation`` and HCAttention's flags); ValueError for flags that do not apply."""
     from kvjax.methods import get_method
 
     if args.method.split(":")[0] == "full":
@@ -68,7 +69,7 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
     model = kvjax.load(args.model, args.dtype, progress=True, mesh=setup_devices(args))
     result = kvjax.generate(
-        model, prompt, method=_method(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
+        model, prompt, method=method_from_args(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size,
         stream=lambda s: print(s, end="", flush=True), progress=True,
     )
@@ -116,7 +117,7 @@ def cmd_demo(args) -> int:
     print(f"prompt: {sample.num_tokens} tokens of filler with a pass key at depth {sample.depth:.0%}; expected answer {sample.answer}")
     print("answer: ", end="", flush=True)
     result = kvjax.generate(
-        model, sample.prompt, method=_method(args), max_new_tokens=16, chat=True,
+        model, sample.prompt, method=method_from_args(args), max_new_tokens=16, chat=True,
         chunk_size=args.chunk_size, stream=lambda s: print(s, end="", flush=True), progress=True,
     )
     s, t = result.cache_stats, result.timings

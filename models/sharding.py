@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.sharding import MODEL, REPLICATED, axis_size, check_mesh, make_mesh, named
 from models.config import ModelConfig
 from models.llama import abstract_model
-from models.weights import _param_name
+from models.weights import param_name
 
 # parameter (last two names of its path) -> partition spec of its array
 _COLUMN_PARALLEL = P(MODEL, None)  # weight[out, in] split by output rows
@@ -39,7 +39,7 @@ _PARTITIONS = {
 
 
 def _names(path) -> tuple[str, ...]:
-    return tuple(_param_name(path).split("."))
+    return tuple(param_name(path).split("."))
 
 
 def param_partition(params):

@@ -26,7 +26,8 @@ SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def _param_name(path) -> str:
+def param_name(path) -> str:
+    """The dotted parameter name of a pytree key path (``layers.0.attn.q_proj.weight``; a trailing ``value`` dropped)."""
     parts = [str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path]
     if parts and parts[-1] == "value":
         parts = parts[:-1]
@@ -96,7 +97,7 @@ def build_params(config: ModelConfig, tensors: Iterator[tuple[str, Callable[[], 
     """
     graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    wanted = {_param_name(path): leaf for path, leaf in leaves}
+    wanted = {param_name(path): leaf for path, leaf in leaves}
     loaded: dict[str, jax.Array] = {}
     fused_buffers: dict[str, np.ndarray] = {}  # fused name -> float32 host buffer being filled
     fused_filled: dict[str, set[str]] = {}  # fused name -> part names written so far
@@ -136,7 +137,7 @@ def build_params(config: ModelConfig, tensors: Iterator[tuple[str, Callable[[], 
     )
     if missing:
         raise ValueError(f"{source}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    params = jax.tree_util.tree_unflatten(treedef, [loaded[_param_name(path)] for path, _ in leaves])
+    params = jax.tree_util.tree_unflatten(treedef, [loaded[param_name(path)] for path, _ in leaves])
     return graphdef, params
 
 

@@ -330,15 +330,15 @@ def test_artifact_errors(tiny):
 
 
 def test_method_spec_and_cli_flags():
-    from kvjax.cli import _method, build_parser
+    from kvjax.cli import build_parser, method_from_args
 
     m = get_method("hcattention:groups=16:tau=0.5:value_path=device")
     assert (m.groups, m.tau, m.value_path) == (16, 0.5, "device")
     args = build_parser().parse_args(["generate", "--prompt", "x", "--method", "hcattention", "--groups", "32", "--tau", "0.7",
                                       "--local", "64"])
-    m = _method(args)
+    m = method_from_args(args)
     assert (m.groups, m.tau, m.local) == (32, 0.7, 64)
     for flag in (["--tau", "0.7"], ["--local", "64"]):
         args = build_parser().parse_args(["generate", "--prompt", "x", "--method", "snapkv", *flag])
         with pytest.raises(ValueError, match="apply to --method hcattention only"):
-            _method(args)
+            method_from_args(args)
