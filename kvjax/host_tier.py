@@ -129,10 +129,12 @@ class HostKV:
 
     @property
     def n_heads(self) -> int:
+        """Heads held (the leading axis of ``k`` and ``v``)."""
         return self.k.shape[0]
 
     @property
     def num_pages(self) -> int:
+        """Whole pages of ``page_size`` rows per head."""
         return self.k.shape[1] // self.page_size
 
 
