@@ -200,7 +200,8 @@ def _held_rows(state, b, h):
     return np.asarray(p.k_pages[p.block_table[b, h]]).reshape(-1, p.k_pages.shape[-1])[:n]
 
 
-@pytest.mark.parametrize("which,schedule", [("heterocache", "whole"), ("heterocache-reanchor", "whole"), ("synckv", "whole"),
+@pytest.mark.parametrize("which,schedule", [("heterocache", "whole"), ("heterocache-reanchor", "whole"),
+                                            ("heterocache-pivot", "whole"), ("synckv", "whole"),
                                             ("synckv", "spread"), ("synckv", "ahead")])
 def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, which, schedule):
     rng = np.random.default_rng(11)
@@ -208,7 +209,7 @@ def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny,
     full, _, _, _ = generate_tokens(tiny, rows, method=FullCache(block=16), max_new_tokens=8)
     if which.startswith("heterocache"):
         method = HeteroCache(budget=1.0, block=16, window=2, tau_drift=1.0, recall_schedule=schedule,
-                             reanchor=which.endswith("reanchor"))
+                             reanchor=which.endswith("reanchor"), prefill_from_pivot=which.endswith("pivot"))
         art = hc_artifact(tiny)
     else:
         method = SyncKV(budget=1.0, block=16, stride=2, num_representatives=1, recall_schedule=schedule)
@@ -473,6 +474,74 @@ def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor, window):
             np.testing.assert_array_equal(_held_rows(new0, b, 1)[:n_static], _held_rows(st0, b, 1)[:n_static])
     if reanchor:
         assert int(new0.recalls) == 2 and int(new1.recalls) == 4  # one per follower and row
+
+
+def _hf_last_query_scores(hf, row, kernel=5):
+    """Per layer ``[Hkv, T]``: HF softmax of the last query per query head, average pooling (zeros outside,
+    ``/kernel``), max over each KV head's query group."""
+    import torch
+
+    with torch.no_grad():
+        out = hf(torch.tensor([row]), output_attentions=True)
+    scores = []
+    for a in out.attentions:  # [1, Hq, T, T]
+        last = a[0, :, -1].numpy()  # [Hq, T]
+        padded = np.pad(last, ((0, 0), (kernel // 2, kernel // 2)))
+        pooled = np.stack([padded[:, i:i + kernel].sum(1) / kernel for i in range(last.shape[1])], axis=1)
+        scores.append(pooled.reshape(2, -1, pooled.shape[1]).max(axis=1))
+    return scores
+
+
+@pytest.mark.parametrize("from_pivot", [True, False])
+def test_heterocache_prefill_from_pivot_keeps_the_pivots_top_tokens(tiny_pair, from_pivot):
+    """``prefill_from_pivot``: after compression each satellite holds the prompt rows of its pivot's top tokens for
+    the last prompt query (a same-layer and a cross-layer satellite; a full row and a left-padded one), the
+    scores taken from HF's attention; without it, its own top tokens. The anchor keeps its own either way."""
+    model, path = tiny_pair
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    rng = np.random.default_rng(14)
+    rows = [list(rng.integers(0, 97, size=L)), list(rng.integers(0, 97, size=L - 13))]
+    pad = [L - len(r) for r in rows]
+    tokens = np.zeros((2, L), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, pad[b]:] = r
+    method = HeteroCache(budget=0.4, block=16, prefill_from_pivot=from_pivot)
+    cache = new_cache(method, model.config, 2, L, 8, model.dtype, artifact=hc_artifact(model))
+    _, cache = prefill(model.graphdef, model.params, jnp.asarray(tokens), cache.replace(pad=jnp.asarray(pad, jnp.int32)))
+    cache = compress(cache)
+    full = FullCache(block=16).init_cache(cache.spec).replace(pad=jnp.asarray(pad, jnp.int32))
+    _, full = prefill(model.graphdef, model.params, jnp.asarray(tokens), full)
+    whose = {(0, 1): (0, 0) if from_pivot else (0, 1), (1, 0): (0, 0) if from_pivot else (1, 0), (1, 1): (1, 1)}
+    differs = False
+    for b, row in enumerate(rows):
+        ref = _hf_last_query_scores(hf, row)
+        for (layer, head), (sl, sh) in whose.items():
+            held = _held_rows(cache.layers[layer], b, head)
+            top = np.sort(np.argsort(-ref[sl][sh], kind="stable")[:len(held)])  # the top tokens in position order
+            assert 0 < len(held) < len(row)
+            want = np.asarray(full.layers[layer].k)[b, head, pad[b] + top]
+            np.testing.assert_allclose(held, want, atol=1e-5, err_msg=f"row {b}, layer {layer}, head {head}")
+            own = np.sort(np.argsort(-ref[layer][head], kind="stable")[:len(held)])
+            differs |= not np.array_equal(own, top)
+    assert differs == from_pivot  # the option changes what some satellite holds
+
+
+def test_heterocache_prefill_from_pivot_changes_nothing_once_a_question_reanchors(tiny):
+    """With ``reanchor``, a question asked after compression overwrites every satellite's whole kept set with its
+    pivot's choice, so ``prefill_from_pivot`` (which only changes the prefill's set) generates the same tokens
+    there; inside the prompt it generates others (a ragged batch at 40% of the prompt)."""
+    rng = np.random.default_rng(15)
+    rows = [list(rng.integers(0, 97, size=L)), list(rng.integers(0, 97, size=L - 13))]
+    question = [list(rng.integers(0, 97, size=5)) for _ in rows]
+    after, inside = {}, {}
+    for from_pivot in (False, True):
+        method = HeteroCache(budget=0.4, block=16, reanchor=True, prefill_from_pivot=from_pivot)
+        after[from_pivot], _, _, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=8, question_rows=question,
+                                                     artifact=hc_artifact(tiny))
+        inside[from_pivot], _, _, _ = generate_tokens(tiny, [r + q for r, q in zip(rows, question)], method=method,
+                                                      max_new_tokens=8, artifact=hc_artifact(tiny))
+    np.testing.assert_array_equal(after[True], after[False])
+    assert not np.array_equal(inside[True], inside[False])
 
 
 def test_heterocache_question_rehearsal_reanchors_satellites_before_their_pivot(tiny):

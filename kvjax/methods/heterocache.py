@@ -219,6 +219,9 @@ class HeteroCache:
         query, recalled *before* the question attends, after ``rehearsals`` rehearsals of the question (a
         deviation, off by default; see the module docstring).
       rehearsals: passes of such a question before the one that counts (with ``reanchor``).
+      prefill_from_pivot: each satellite's prefill set is its pivot's top-``l_i`` for the prompt's last query
+        instead of its own (a deviation, off by default: the choice ``reanchor`` gives a question asked after
+        compression, given to one inside the prompt; see the module docstring).
       recall_schedule: ``"whole"`` (a satellite's whole kept set is refreshed in the step its pivot's new choice
         reaches it), ``"spread"`` (each decode step moves up to ``1/window`` of it, the tokens it lacks for
         those it no longer needs: no conditional per layer; a deviation, see :func:`kvjax.head_recall.apply_recalls`)
@@ -235,6 +238,7 @@ class HeteroCache:
     retrieval: bool = True
     reanchor: bool = False
     rehearsals: int = 1
+    prefill_from_pivot: bool = False
     recall_schedule: str = "whole"
     page_size: int = 16
     block: int = 256
@@ -319,6 +323,8 @@ class HeteroCache:
         P, H = spec.prompt_slots, spec.num_kv_heads
         probs = last_query_probs(state, ctx.pad, P)
         scores = prompt_scores(probs, ctx.pad, P, H, kernel=self.kernel, gqa="max")  # [B, H, S]
+        if self.prefill_from_pivot and plan.followers:
+            scores = self.pivot_scores(scores, plans, ctx)
         caps = row_capacities(plan.capacities, self.budget, spec, ctx.pad)
         n = (P - ctx.pad)[:, None]
         full = jnp.asarray([h in plan.full for h in range(H)])[None, :]
@@ -346,6 +352,24 @@ class HeteroCache:
             tracker = PivotTracker(q=jnp.zeros((self.window, B, 0, 1, spec.head_dim), state.k.dtype),
                                    ref=jnp.zeros((B, 0, positions), bool), base=base)
         return layer.replace(tracker=tracker)
+
+    def pivot_scores(self, scores, plans, ctx):
+        """``scores[B, H, S]`` of this layer with each satellite's row replaced by its pivot's last-query scores
+        (a pivot in any layer: every layer is still staged when :func:`kvjax.generate.compress` runs)."""
+        P, H = ctx.spec.prompt_slots, ctx.spec.num_kv_heads
+        by_layer = {ctx.layer: scores}
+        rows = []
+        followers = {f.head: f for f in plans[ctx.layer].followers}
+        for h in range(H):
+            f = followers.get(h)
+            if f is None:
+                rows.append(scores[:, h])
+                continue
+            if f.leader_layer not in by_layer:
+                probs = last_query_probs(ctx.layers[f.leader_layer], ctx.pad, P)
+                by_layer[f.leader_layer] = prompt_scores(probs, ctx.pad, P, H, kernel=self.kernel, gqa="max")
+            rows.append(by_layer[f.leader_layer][:, plans[f.leader_layer].leaders[f.leader_index]])
+        return jnp.stack(rows, axis=1)
 
     def drift_check(self, state, qg, pad, *, force: bool = False):
         """Pivots score their queries ``qg[B, T, n, G, D]``; where the median overlap with the reference set is
