@@ -526,10 +526,12 @@ def test_heterocache_prefill_from_pivot_keeps_the_pivots_top_tokens(tiny_pair, f
     assert differs == from_pivot  # the option changes what some satellite holds
 
 
-def test_heterocache_prefill_from_pivot_changes_nothing_once_a_question_reanchors(tiny):
+def test_heterocache_prefill_from_pivot_is_overwritten_by_a_reanchoring_question(tiny):
     """With ``reanchor``, a question asked after compression overwrites every satellite's whole kept set with its
-    pivot's choice, so ``prefill_from_pivot`` (which only changes the prefill's set) generates the same tokens
-    there; inside the prompt it generates others (a ragged batch at 40% of the prompt)."""
+    pivot's choice. Where no satellite sits in a layer before its pivot's (here the pivot is in layer 0), that
+    choice does not depend on the satellites' prefill sets, so ``prefill_from_pivot`` generates the same tokens
+    there; inside the prompt it generates others (a ragged batch at 40% of the prompt). With a pivot in a later
+    layer the rehearsal's choice depends on the earlier satellites' sets: measured, not asserted."""
     rng = np.random.default_rng(15)
     rows = [list(rng.integers(0, 97, size=L)), list(rng.integers(0, 97, size=L - 13))]
     question = [list(rng.integers(0, 97, size=5)) for _ in rows]

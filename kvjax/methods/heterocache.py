@@ -55,8 +55,22 @@ kvjax's choices where the paper is silent or the model differs (each documented)
   (``...-g24-reanchor-25-query-agnostic``); at 8K, 12 prompts, 91.7 / 91.7 at 10 / 25% against 33.3 / 33.3 (full
   cache 91.7; ``docs/results/qwen2.5-coder-0.5b-8k-recall-configs-query-agnostic``), and on 48 prompts 89.6 / 95.8
   (full cache 93.8; ``...-8k-recall-configs-48-query-agnostic``). The same groups without
-  it scored 0 of 4 on a first screen. Its parts (groups, re-anchoring, the second rehearsal) were not measured
-  apart, nor the ``-g24`` groups in the query-aware protocol.
+  it scored 0 of 4 on a first screen; its parts are compared in ``docs/RESULTS.md`` ("HeteroCache: re-anchoring
+  on the question"). In the query-aware protocol re-anchoring does not act (no multi-token call follows
+  compression): there the configuration scores 91.7 / 93.8 at 4K (full cache 95.8) but only **77.1 / 83.3** at
+  8K on 48 prompts (full cache 93.8; ``...-8k-recall-configs-48-query-aware``), below both targets.
+* **The pivot's choice at prefill** (``prefill_from_pivot=True``; off by default, a deviation). Each satellite's
+  prefill set is its pivot's top-``l_i`` tokens for the prompt's last query (pooled, group max, as its own would
+  be) instead of its own: the choice re-anchoring gives a question asked after compression, given to a question
+  inside the prompt. The reference code keeps each head's own set. Why: in the 8K query-aware run above, 10 of
+  the 19 wrong answers were the right needle cut short (``'8367'`` for ``'8367603'``) and 3 more began right and
+  went wrong: a satellite's own set, from the one query before the answer, holds the needle's first tokens but
+  not the last, and the pivot's drift test (median overlap of sets of ``base`` tokens) does not fire for a few
+  tokens, so no recall brings them. The pivot's set holds them. With it the same configuration scores
+  **93.8 / 93.8** on those 48 prompts, the full cache's score, with the full cache's three wrong answers and no
+  others (13 won, none lost; ``...-8k-heterocache-prefill-from-pivot-48-query-aware``). In the query-agnostic
+  protocol a re-anchoring question overwrites every satellite's set, but the rehearsal's choice depends on the
+  prefill sets of satellites before the pivot's layer, so the results there are measured, not inherited.
 * ``recall_schedule="spread"``: see :func:`kvjax.head_recall.apply_recalls` (no recall conditional; a new
   choice lands over ``window`` steps). ``"ahead"``: the same moves, written into the satellites' slots one call
   after they are gathered (:func:`kvjax.head_recall.land_pending`; same tokens as ``"spread"``, tested; built for

@@ -73,7 +73,8 @@ kvjax's choices (documented deviations):
   ``-query-agnostic``), and 87.5 at 10% query-agnostic with ``rehearsals=2`` (above); with ``rehearsals=2`` at 8K
   query-agnostic (12 prompts, full cache 91.7) 83.3 / 100.0 at 10 / 25%
   (``docs/results/qwen2.5-coder-0.5b-8k-recall-configs-query-agnostic``), on 48 prompts 85.4 / 95.8 (full cache
-  93.8; ``...-8k-recall-configs-48-query-agnostic``). Not the default, for the same reason as
+  93.8; ``...-8k-recall-configs-48-query-agnostic``), and query-aware on those 48 prompts 85.4 / 93.8
+  (``...-8k-recall-configs-48-query-aware``). Not the default, for the same reason as
   ``kernel``.
 * ``recall_schedule="spread"`` (default ``"whole"``, the paper's): no recall conditional per layer and step,
   which on a GPU runs the host gather serialised. Each decode step, every NR-head replaces up to
