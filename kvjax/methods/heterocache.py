@@ -68,7 +68,9 @@ kvjax's choices where the paper is silent or the model differs (each documented)
   not the last, and the pivot's drift test (median overlap of sets of ``base`` tokens) does not fire for a few
   tokens, so no recall brings them. The pivot's set holds them. With it the same configuration scores
   **93.8 / 93.8** on those 48 prompts, the full cache's score, with the full cache's three wrong answers and no
-  others (13 won, none lost; ``...-8k-heterocache-prefill-from-pivot-48-query-aware``). In the query-agnostic
+  others (13 won, none lost; ``...-8k-heterocache-prefill-from-pivot-48-query-aware``); at 4K, prompts it was not
+  found on, 95.8 / 95.8 against 91.7 / 93.8 without it (full cache 95.8; 3 won, none lost;
+  ``...-4k-heterocache-prefill-from-pivot-48-query-aware``). In the query-agnostic
   protocol a re-anchoring question overwrites every satellite's set, but the rehearsal's choice depends on the
   prefill sets of satellites before the pivot's layer, so the results there are measured, not inherited.
 * ``recall_schedule="spread"``: see :func:`kvjax.head_recall.apply_recalls` (no recall conditional; a new
