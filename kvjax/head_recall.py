@@ -216,6 +216,26 @@ def prompt_scores(probs, pad, prompt_slots: int, num_kv_heads: int, *, kernel: i
     return jnp.where(real[:, None, :], gqa_aggregate(pooled, num_kv_heads, gqa), -jnp.inf)
 
 
+def staged_scores(state, ctx, *, kernel: int):
+    """Last-query prompt scores of staged layers during ``finish_prefill``: returns ``scores(layer) -> [B, Hkv, S]``.
+
+    Each layer is scored once (:func:`last_query_probs`, :func:`prompt_scores` with ``gqa="max"``) and
+    remembered; ``state`` is this layer's staging, ``ctx.layers`` the others' (every layer is still staged
+    while :func:`kvjax.generate.compress` runs), so a leader in any layer can be scored.
+    """
+    P, H = ctx.spec.prompt_slots, ctx.spec.num_kv_heads
+    done = {}
+
+    def scores(layer: int):
+        if layer not in done:
+            staged = state if layer == ctx.layer else ctx.layers[layer]
+            probs = last_query_probs(staged, ctx.pad, P)
+            done[layer] = prompt_scores(probs, ctx.pad, P, H, kernel=kernel, gqa="max")
+        return done[layer]
+
+    return scores
+
+
 def to_stored(slot_values, pad, positions: int, fill):
     """Values per prompt slot ``[B, n, S]`` -> per stored position ``[B, n, positions]`` of a full head (``j`` <-> slot ``pad + j``)."""
     S = slot_values.shape[-1]
@@ -608,7 +628,7 @@ def attention_read_bytes(states) -> int:
     return sum(paged_read_bytes(st.paged) for st in states)
 
 
-__all__ = ["RECALL_SCHEDULES", "check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "PendingRecall", "RecallKV", "last_query_probs", "prompt_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
+__all__ = ["RECALL_SCHEDULES", "check_calibrated", "calibrated_artifact", "Follower", "LayerPlan", "PendingRecall", "RecallKV", "last_query_probs", "prompt_scores", "staged_scores", "to_stored", "leader_queries", "leader_probs", "prompt_only",
            "top_mask", "top_slots", "follower_slots", "slot_followers", "host_copy", "pending_rows", "build_layer", "append_attend", "publish", "publish_anchor", "per_device",
            "gather_followers", "write_followers", "land_pending", "apply_recalls", "reanchor_then_attend", "fit_width", "members", "first_set", "spread_moves", "leader_plan", "recall_partition", "recall_stats",
            "attention_read_bytes"]

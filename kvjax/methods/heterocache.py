@@ -96,7 +96,7 @@ from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
 from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer,
                                land_pending, pending_rows,
-                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish,
+                               leader_probs, leader_queries, prompt_only, publish, staged_scores,
                                reanchor_then_attend, recall_partition, recall_stats, to_stored, top_mask, top_slots)
 from kvjax.methods.base import check_common
 from kvjax.selection import keep_to_indices, keep_top, row_capacities
@@ -338,10 +338,10 @@ class HeteroCache:
         plans, base = self.plans(spec, ctx.artifact)
         plan = plans[ctx.layer]
         P, H = spec.prompt_slots, spec.num_kv_heads
-        probs = last_query_probs(state, ctx.pad, P)
-        scores = prompt_scores(probs, ctx.pad, P, H, kernel=self.kernel, gqa="max")  # [B, H, S]
+        layer_scores = staged_scores(state, ctx, kernel=self.kernel)
+        scores = layer_scores(ctx.layer)  # [B, H, S]
         if self.prefill_from_pivot and plan.followers:
-            scores = self.pivot_scores(scores, plans, ctx)
+            scores = self.pivot_scores(layer_scores, plans, ctx)
         caps = row_capacities(plan.capacities, self.budget, spec, ctx.pad)
         n = (P - ctx.pad)[:, None]
         full = jnp.asarray([h in plan.full for h in range(H)])[None, :]
@@ -370,22 +370,18 @@ class HeteroCache:
                                    ref=jnp.zeros((B, 0, positions), bool), base=base)
         return layer.replace(tracker=tracker)
 
-    def pivot_scores(self, scores, plans, ctx):
-        """``scores[B, H, S]`` of this layer with each satellite's row replaced by its pivot's last-query scores
-        (a pivot in any layer: every layer is still staged when :func:`kvjax.generate.compress` runs)."""
-        P, H = ctx.spec.prompt_slots, ctx.spec.num_kv_heads
-        by_layer = {ctx.layer: scores}
-        rows = []
+    def pivot_scores(self, layer_scores, plans, ctx):
+        """This layer's scores ``[B, H, S]`` with each satellite's row replaced by its pivot's last-query scores
+        (``layer_scores``: :func:`kvjax.head_recall.staged_scores`; a pivot may sit in any layer)."""
+        own = layer_scores(ctx.layer)
         followers = {f.head: f for f in plans[ctx.layer].followers}
-        for h in range(H):
+        rows = []
+        for h in range(ctx.spec.num_kv_heads):
             f = followers.get(h)
             if f is None:
-                rows.append(scores[:, h])
-                continue
-            if f.leader_layer not in by_layer:
-                probs = last_query_probs(ctx.layers[f.leader_layer], ctx.pad, P)
-                by_layer[f.leader_layer] = prompt_scores(probs, ctx.pad, P, H, kernel=self.kernel, gqa="max")
-            rows.append(by_layer[f.leader_layer][:, plans[f.leader_layer].leaders[f.leader_index]])
+                rows.append(own[:, h])
+            else:
+                rows.append(layer_scores(f.leader_layer)[:, plans[f.leader_layer].leaders[f.leader_index]])
         return jnp.stack(rows, axis=1)
 
     def drift_check(self, state, qg, pad, *, force: bool = False):

@@ -110,7 +110,7 @@ from kvjax.budgets import check_budget
 from kvjax.cache import Cache, CacheSpec
 from kvjax.head_recall import (Follower, calibrated_artifact, check_calibrated, LayerPlan, append_attend, apply_recalls, attention_read_bytes, build_layer, land_pending,
                                pending_rows, reanchor_then_attend,
-                               last_query_probs, leader_probs, leader_queries, prompt_only, prompt_scores, publish, publish_anchor,
+                               leader_probs, leader_queries, prompt_only, publish, publish_anchor, staged_scores,
                                recall_partition, recall_stats, to_stored, top_slots)
 from kvjax.methods.base import check_common
 from kvjax.selection import row_capacities
@@ -360,14 +360,10 @@ class SyncKV:
         k_rows = row_capacities((k,), self.budget, spec, ctx.pad)[:, 0]  # [B] tokens each NR-head keeps
         static_rows = (self.static_ratio * k_rows).astype(jnp.int32)
 
-        layer_scores = {}  # layer -> [B, H, S]: each leader layer's last-query scores, computed once
+        layer_scores = staged_scores(state, ctx, kernel=self.kernel)
 
         def initial(layer: int, head: int):
-            if layer not in layer_scores:
-                staged = state if layer == ctx.layer else ctx.layers[layer]
-                probs = last_query_probs(staged, ctx.pad, P)
-                layer_scores[layer] = prompt_scores(probs, ctx.pad, P, H, kernel=self.kernel, gqa="max")
-            return lax.top_k(layer_scores[layer][:, head], k)[1].astype(jnp.int32)  # best first
+            return lax.top_k(layer_scores(layer)[:, head], k)[1].astype(jnp.int32)  # best first
 
         C = max(plan.capacities)
         in_order = jnp.clip(ctx.pad[:, None] + jnp.arange(C)[None, :], 0, P - 1).astype(jnp.int32)
