@@ -75,7 +75,9 @@ kvjax's choices where the paper is silent or the model differs (each documented)
   prefill sets of satellites before the pivot's layer, so the results there are measured, not inherited: at 8K,
   12 prompts, 91.7 / 91.7 with every output as without it (``...-8k-heterocache-prefill-from-pivot-query-agnostic``);
   at 4K, 48 prompts, 95.8 / 97.9 against 95.8 / 100 without it (full cache 95.8; 142 of 144 outputs the same, the
-  one lost answer is the full cache's own wrong one; ``...-4k-heterocache-prefill-from-pivot-48-query-agnostic``).
+  one lost answer is the full cache's own wrong one; ``...-4k-heterocache-prefill-from-pivot-48-query-agnostic``);
+  at 8K, 48 prompts, 89.6 / 95.8 (full cache 93.8), all 144 outputs as without it
+  (``...-8k-heterocache-prefill-from-pivot-48-query-agnostic``).
 * ``recall_schedule="spread"``: see :func:`kvjax.head_recall.apply_recalls` (no recall conditional; a new
   choice lands over ``window`` steps). ``"ahead"``: the same moves, written into the satellites' slots one call
   after they are gathered (:func:`kvjax.head_recall.land_pending`; same tokens as ``"spread"``, tested; built for
