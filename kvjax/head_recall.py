@@ -66,7 +66,14 @@ if the host gather can run beside the device's compute at all; ``recall_step.py`
 writes them into their slots before it attends (:func:`land_pending`). It attends over the same tokens as
 ``"spread"`` (the rows land before the first attention that could read them) and costs a device buffer of one
 step's rows per follower. Within a step nothing waits for the gather, so XLA may finish it as late as the end of
-the step (the loop carries it). Not yet run on a GPU.
+the step (the loop carries it).
+
+Measured on an H100 (session 46, docs/RESULTS.md "On a GPU, third session"), neither schedule overlaps: SyncKV
+decodes at 5.97 (``spread``) and 6.73 (``ahead``) ms/token against 1.42 without recall and 1.43 for the full cache.
+The profile shows XLA running the gathers of all layers as one host-offloaded computation per step. It needs every
+layer's indices, so it starts when the step's device work is done, and the loop must wait for it before the next
+step, with the GPU idle meanwhile (about 3.5 ms per step). The next step is a two-step pipeline: moves chosen in
+call ``t``, gathered at the start of call ``t + 1``, written in call ``t + 2`` (``docs/GPU.md``).
 """
 
 from __future__ import annotations

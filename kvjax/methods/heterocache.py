@@ -80,8 +80,8 @@ kvjax's choices where the paper is silent or the model differs (each documented)
   (``...-8k-heterocache-prefill-from-pivot-48-query-agnostic``).
 * ``recall_schedule="spread"``: see :func:`kvjax.head_recall.apply_recalls` (no recall conditional; a new
   choice lands over ``window`` steps). ``"ahead"``: the same moves, written into the satellites' slots one call
-  after they are gathered (:func:`kvjax.head_recall.land_pending`; same tokens as ``"spread"``, tested; built for
-  the GPU, where it has not run yet).
+  after they are gathered (:func:`kvjax.head_recall.land_pending`; same tokens as ``"spread"``, tested). On an H100
+  neither overlaps its recall: 7.99 / 8.41 ms/token against 1.25 without recall (:mod:`kvjax.head_recall`, "Timing").
 """
 
 from __future__ import annotations

@@ -26,6 +26,13 @@ from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a
   ``t+1``. If ``spread`` is cheap and ``dep-spread`` is not, the dependency (a device -> host -> device round
   trip per layer) is the cost; if ``dep-prefetch`` then costs about what ``prefetch`` does, issuing recalls a
   step ahead removes it.
+* ``dep-spread-ahead``, ``dep-pipelined`` (session 46): ``spread``'s bytes with indices from the step's compute.
+  ``dep-spread-ahead`` gathers them in the step that computes them and writes them at the layer in the next
+  step (kvjax's ``recall_schedule="ahead"``); ``dep-pipelined`` carries the indices to the next step, gathers
+  there at the layer's start and writes the rows the step after (a two-step pipeline: the gather's inputs are
+  ready when the step begins). On an H100 the real decode's ``ahead`` did not overlap its recall (docs/RESULTS.md,
+  "On a GPU, third session"): if ``dep-pipelined`` costs clearly less than ``dep-spread-ahead``, the pipeline is
+  the fix to build.
 
 Each row reports ms per step, the extra over ``none``, rows and MiB moved per step and the rate of the extra.
 If ``always`` costs about ``every`` times ``cond``'s extra and ``prefetch`` costs as much as ``always``, the
@@ -90,7 +97,16 @@ def make_loop(variant: str, args, hosts, table, heads):
     def scatter(pool_k, pool_v, rk, rv):
         return write_recalled(pool_k, pool_v, table, rk, rv, heads, 0, count)
 
+    def spread_slice(ids, step):  # the ``part`` indices ``spread`` moves in ``step``; their region offset
+        start = jnp.minimum((step % args.every) * part, R - part)
+        return lax.dynamic_slice_in_dim(ids, start, part, axis=1), start
+
     def layer_fn(layer, x, pk, pv, carry_kv, step, ids, pages, w1, w2):
+        if schedule in ("spread-ahead", "pipelined"):  # the rows gathered in the previous step land first
+            pk, pv = write_recalled(pk, pv, table, carry_kv[0], carry_kv[1], heads, carry_kv[2], part_count)
+        if schedule == "pipelined":  # then the indices the previous step chose are gathered, to land next step
+            rk, rv = recall(hosts[layer], carry_kv[3], part_count)
+            carry_kv = (rk, rv, carry_kv[4], carry_kv[3], carry_kv[4])
         x = jnp.tanh(x @ w1[layer]) @ w2[layer]
         x = x + (pk.astype(jnp.float32).sum() + pv.astype(jnp.float32).sum()).astype(x.dtype) * 1e-6  # use the pool
         if variant.startswith("dep-"):  # indices known only after this layer's compute; their values do not change
@@ -111,11 +127,22 @@ def make_loop(variant: str, args, hosts, table, heads):
         elif schedule == "prefetch":
             pk, pv = scatter(pk, pv, *carry_kv)  # issued in the previous step
             carry_kv = fetch(layer, ids, pages)
+        elif schedule == "spread-ahead":  # gathered now, written by the next step's call (above)
+            chosen, start = spread_slice(ids, step)
+            carry_kv = (*recall(hosts[layer], chosen, part_count), start)
+        elif schedule == "pipelined":  # chosen now, gathered by the next step's call, written the step after
+            chosen, start = spread_slice(ids, step)
+            carry_kv = (carry_kv[0], carry_kv[1], carry_kv[2], chosen, start)
         return x, pk, pv, carry_kv
 
     def run(w1, w2, pools_k, pools_v, ids, pages):
         x0 = jnp.ones((1, args.hidden), jnp.bfloat16)
-        empty = tuple(jnp.zeros((H, R, args.head_dim), jnp.bfloat16) for _ in range(2))
+        if schedule in ("spread-ahead", "pipelined"):  # rows (and indices) of one spread step, region offset 0
+            rows = tuple(jnp.zeros((H, part, args.head_dim), jnp.bfloat16) for _ in range(2))
+            zero = jnp.zeros((), jnp.int32)
+            empty = (*rows, zero) if schedule == "spread-ahead" else (*rows, zero, ids[:, :part], zero)
+        else:
+            empty = tuple(jnp.zeros((H, R, args.head_dim), jnp.bfloat16) for _ in range(2))
         carry0 = (x0, pools_k, pools_v, tuple(empty for _ in range(L)))
 
         def body(step, carry):
@@ -145,7 +172,7 @@ def main():
     p.add_argument("--ffn", type=int, default=4864)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="none,cond,cond-empty,spread,always,prefetch,cond-pages,"
-                                         "dep-cond,dep-spread,dep-always,dep-prefetch")
+                                         "dep-cond,dep-spread,dep-always,dep-prefetch,dep-spread-ahead,dep-pipelined")
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = p.parse_args()
     if args.rows % PAGE or args.length % PAGE:

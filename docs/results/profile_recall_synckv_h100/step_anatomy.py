@@ -1,0 +1,107 @@
+"""Where a traced decode step's time goes: one row per trace of ``profile_traces.tgz`` (``scripts/gpu_checks.sh profile``).
+
+Run: ``python docs/results/profile_recall_synckv_h100/step_anatomy.py [--traces DIR_OR_TGZ] [--out FILE]``.
+
+Columns, per traced decode loop (the bench's untimed profiled run; tracing slows launches, so compare the
+columns between methods, not with the bench's ms/token):
+
+* ``loop ms``: the ``XLA GPU module`` span of the decode loop on the launching thread;
+* ``GPU busy ms``: union of the kernels and copies on the compute stream(s);
+* ``host-offload calls`` / ``waiting ms`` / ``computing ms``: XLA host-offloaded computations (the recall's
+  ``compute_on("device_host")`` gather, ``HostExecuteStartThunk``): how many, how long their thread waited for
+  the device inputs (``BlockUntilReady``), and how long the CPU gather ran (``HostOffloadingNanoRtExecutable``);
+* ``graph launches``: ``command_buffer::execute`` on the launching thread (CUDA graphs: the full cache's loop
+  body is one per step; anything XLA cannot capture splits a step into more);
+* ``D2H on launcher``: device-to-host copies issued by the launching thread (a data-dependent conditional's
+  predicate is one: a host synchronisation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import io
+import json
+import pathlib
+import tarfile
+
+
+def union(intervals):
+    """Merged, sorted ``[start, end]`` intervals."""
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def total(intervals) -> float:
+    """Summed length of merged intervals (trace units: µs)."""
+    return sum(e - s for s, e in union(intervals))
+
+
+def anatomy(trace: dict) -> dict:
+    """The columns above for one Chrome trace."""
+    events = trace["traceEvents"]
+    process, thread = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process[e["pid"]] = e["args"]["name"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread[(e["pid"], e["tid"])] = e["args"]["name"]
+    spans = [e for e in events if e.get("ph") == "X"]
+
+    def where(e):
+        return process.get(e["pid"], ""), thread.get((e["pid"], e["tid"]), "")
+
+    def iv(pred):
+        return [(e["ts"], e["ts"] + e["dur"]) for e in spans if pred(e)]
+
+    launcher = [e for e in spans if where(e) == ("/host:CPU", "python3")]
+    counts = collections.Counter(e["name"].split("(")[0].strip() for e in launcher)
+    return {
+        "loop ms": total(iv(lambda e: "XLA GPU module" in e["name"])) / 1e3,
+        "GPU busy ms": total(iv(lambda e: "GPU" in where(e)[0] and "Compute" in where(e)[1])) / 1e3,
+        "host-offload calls": sum("host_callback" in e["name"] for e in spans),
+        "waiting ms": total(iv(lambda e: "HostExecute" in e["name"] and "BlockUntilReady" in e["name"])) / 1e3,
+        "computing ms": total(iv(lambda e: e["name"] == "HostOffloadingNanoRtExecutable::Execute")) / 1e3,
+        "graph launches": counts["command_buffer::execute"],
+        "D2H on launcher": counts["MemcpyD2H"],
+    }
+
+
+def traces(source: pathlib.Path):
+    """``(name, trace)`` of every ``*.trace.json.gz`` under a directory or in a ``.tgz``."""
+    if source.is_dir():
+        for path in sorted(source.rglob("*.trace.json.gz")):
+            yield str(path.relative_to(source)).split("/")[0], json.load(gzip.open(path))
+        return
+    with tarfile.open(source) as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            if member.name.endswith(".trace.json.gz"):
+                data = tar.extractfile(member).read()
+                yield member.name.removeprefix("./").split("/")[0], json.load(gzip.open(io.BytesIO(data)))
+
+
+def main():
+    here = pathlib.Path(__file__).parent
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--traces", default=str(here / "profile_traces.tgz"))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = [(name, anatomy(t)) for name, t in traces(pathlib.Path(args.traces))]
+    cols = list(rows[0][1])
+    lines = ["| trace | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name, r in rows:
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        pathlib.Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
