@@ -72,7 +72,7 @@ Measured on an H100 (session 46, docs/RESULTS.md "On a GPU, third session"), nei
 decodes at 5.97 (``spread``) and 6.73 (``ahead``) ms/token against 1.42 without recall and 1.43 for the full cache.
 The profile shows XLA running the gathers of all layers as one host-offloaded computation per step. It needs every
 layer's indices, so it starts when the step's device work is done, and the loop must wait for it before the next
-step, with the GPU idle meanwhile (about 3.5 ms per step). The next step is a two-step pipeline: moves chosen in
+step, with the GPU idle meanwhile (3.5–4.3 ms per step). The next step is a two-step pipeline: moves chosen in
 call ``t``, gathered at the start of call ``t + 1``, written in call ``t + 2`` (``docs/GPU.md``).
 """
 
