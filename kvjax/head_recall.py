@@ -72,8 +72,14 @@ Measured on an H100 (session 46, docs/RESULTS.md "On a GPU, third session"), nei
 decodes at 5.97 (``spread``) and 6.73 (``ahead``) ms/token against 1.42 without recall and 1.43 for the full cache.
 The profile shows XLA running the gathers of all layers as one host-offloaded computation per step. It needs every
 layer's indices, so it starts when the step's device work is done, and the loop must wait for it before the next
-step, with the GPU idle meanwhile (3.5–4.3 ms per step). The next step is a two-step pipeline: moves chosen in
-call ``t``, gathered at the start of call ``t + 1``, written in call ``t + 2`` (``docs/GPU.md``).
+step, with the GPU idle meanwhile (3.5–4.3 ms per step).
+
+``recall_schedule="pipelined"`` is the next attempt: the moves chosen in call ``t`` are kept in the layer's
+:class:`PendingRecall`, gathered at the start of call ``t + 1`` (their inputs come from the loop carry, ready when
+the step begins) and written in call ``t + 2`` (:func:`land_pending`), so a whole step of device work can hide the
+gather. A follower holds a new choice one call later than with ``"ahead"``. A multi-token call writes everything
+in flight before it attends; a re-anchoring cancels the moves in flight for the followers it refreshes. Tested on
+the CPU; not yet run on a GPU (``docs/GPU.md``).
 """
 
 from __future__ import annotations
@@ -140,6 +146,12 @@ class PendingRecall:
 
     fetched: Prefetch
     dst: jax.Array
+    # ``recall_schedule="pipelined"`` only: the moves the previous call chose, gathered by the next call (into
+    # ``fetched``) and written by the one after: host rows ``chosen[B * n_slots, S]`` (the first ``chosen_count``
+    # of each) and their region slots ``chosen_dst``
+    chosen: jax.Array | None = None
+    chosen_count: jax.Array | None = None
+    chosen_dst: jax.Array | None = None
 
 
 @struct.dataclass
@@ -161,7 +173,7 @@ class RecallKV:
     steps: jax.Array  # int32 [] decode calls with one token
     recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
     rows_moved: jax.Array  # int32 [] token rows brought from the host
-    pending: PendingRecall | None = None  # rows gathered for the next call (``recall_schedule="ahead"`` only)
+    pending: PendingRecall | None = None  # rows in flight (``recall_schedule="ahead"`` or ``"pipelined"`` only)
     plan: LayerPlan = struct.field(pytree_node=False, default=None)
     slots: tuple = struct.field(pytree_node=False, default=())  # follower index of each slot, -1: padding
 
@@ -184,7 +196,7 @@ def slot_followers(slots: tuple):
 
 
 # --------------------------------------------------------------------------- calibrated methods
-RECALL_SCHEDULES = ("whole", "spread", "ahead")
+RECALL_SCHEDULES = ("whole", "spread", "ahead", "pipelined")
 
 
 def check_calibrated(kernel: int, group_layers, recall_schedule: str = "whole") -> None:
@@ -328,14 +340,14 @@ def pending_rows(plans, plan: LayerPlan, spread_over: int) -> int:
 
 
 def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size: int, region_start, region_count,
-                picks, tracker, pending: int = 0):
+                picks, tracker, pending: int = 0, pipelined: bool = False):
     """A :class:`RecallKV` from a staged layer, the kept slots per head, and the method's regions/picks/tracker.
 
     ``keep_idx[B, Hkv, C]`` / ``keep_len[B, Hkv]``: kept prompt slots per head (in storage order).
     ``region_start``, ``region_count``: ``[B, n_followers]`` (or broadcastable), in ``plan.followers`` order.
     ``picks[B, n_leaders, R]``: the leaders' initial choice (version 0: followers hold it already).
     ``pending``: rows per follower of an empty :class:`PendingRecall` (:func:`pending_rows`; the ``"ahead"``
-    schedule), 0 for none.
+    schedule, and with ``pipelined`` the ``"pipelined"`` one), 0 for none.
     """
     from kvjax.paged import build_paged
 
@@ -362,7 +374,10 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
     held = jnp.take_along_axis(keep_idx[:, heads_of_slots], at, axis=-1).astype(jnp.int32)
     waiting = None
     if pending and nf:
-        waiting = PendingRecall(fetched=empty_prefetch(host, pending), dst=jnp.zeros((host.n_heads, pending), jnp.int32))
+        rows = jnp.zeros((host.n_heads, pending), jnp.int32)
+        waiting = PendingRecall(fetched=empty_prefetch(host, pending), dst=rows)
+        if pipelined:
+            waiting = waiting.replace(chosen=rows, chosen_count=jnp.zeros((host.n_heads,), jnp.int32), chosen_dst=rows)
     return RecallKV(
         paged=paged, host=host, slots=slots, region_start=start, region_count=count, held=held,
         applied=jnp.zeros((B, len(slots)), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
@@ -431,15 +446,27 @@ def write_followers(paged: PagedKV, host: HostKV, fetched: Prefetch, dst, mesh) 
     return paged.replace(k_pages=kp, v_pages=vp)
 
 
-def land_pending(state: RecallKV, mesh=None) -> RecallKV:
-    """Write the rows the layer's previous call gathered (``recall_schedule="ahead"``) into their slots; call it
-    before the layer attends. A no-op for the other schedules (no pending rows)."""
+def land_pending(state: RecallKV, mesh=None, *, drain: bool = False) -> RecallKV:
+    """Write the rows the layer's previous call gathered (``recall_schedule="ahead"`` / ``"pipelined"``) into their
+    slots; call it before the layer attends. A no-op for the other schedules (no pending rows).
+
+    ``"pipelined"``: then gather the moves the previous call chose, for the next call to write (the gather's
+    inputs are ready when the call begins, so a whole step of device work can hide it). With ``drain`` (a
+    multi-token call, e.g. a question) they are written now too, so nothing is in flight across it.
+    """
     p = state.pending
     if p is None:
         return state
     paged = write_followers(state.paged, state.host, p.fetched, p.dst, mesh)
     done = p.fetched.replace(count=jnp.zeros_like(p.fetched.count))
-    return state.replace(paged=paged, pending=p.replace(fetched=done))
+    if p.chosen is None:
+        return state.replace(paged=paged, pending=p.replace(fetched=done))
+    fetched = gather_followers(state.host, p.chosen, p.chosen_count, mesh)
+    nothing = jnp.zeros_like(p.chosen_count)
+    if drain:
+        paged = write_followers(paged, state.host, fetched, p.chosen_dst, mesh)
+        return state.replace(paged=paged, pending=p.replace(fetched=done, chosen_count=nothing))
+    return state.replace(paged=paged, pending=p.replace(fetched=fetched, dst=p.chosen_dst, chosen_count=nothing))
 
 
 def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: int | None = None):
@@ -455,6 +482,9 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
     A layer built with a :class:`PendingRecall` (``recall_schedule="ahead"``, :func:`pending_rows` of room) keeps
     the rows ``spread_over`` gathers for its next call (:func:`land_pending`) instead of writing them now, so nothing
     in this call waits for the transfer. The next call attends over the same tokens as with the plain spread schedule.
+    With ``recall_schedule="pipelined"`` it keeps the moves themselves: the next call gathers them, the one after
+    writes them, so each lands one call later than with ``"ahead"``. A re-anchoring here cancels the moves still
+    in flight for the followers it refreshes (they were chosen from the set it replaces).
     """
     plan = state.plan
     if not plan.followers or not enabled:
@@ -495,6 +525,11 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         at = jnp.clip(state.region_start[..., None] + jnp.arange(held.shape[-1]), 0, K - 1)
         held = jnp.where(anchor_due[..., None], jnp.take_along_axis(anchor_picks, at, axis=-1), held)
         applied = jnp.where(anchor_due, anchor_at, applied)
+        if pending is not None:  # rows in flight were chosen from the set the re-anchoring replaces
+            keep = ~flatten_heads(anchor_due, ctx.mesh)
+            pending = pending.replace(fetched=pending.fetched.replace(count=jnp.where(keep, pending.fetched.count, 0)))
+            if pending.chosen is not None:
+                pending = pending.replace(chosen_count=jnp.where(keep, pending.chosen_count, 0))
         recalls, moved = recalls + anchor_due.sum().astype(jnp.int32), moved + count.sum().astype(jnp.int32)
     picks = leader_values(lambda st: st.picks)  # [B, n_slots, R]
     chosen = picks.shape[-1]  # tokens a choice holds (static): no region takes more
@@ -511,14 +546,16 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
                                              spread_over, host.length)
         flat_ids, flat_count, flat_dst = (flatten_heads(x, ctx.mesh)
                                           for x in (ids, count, state.region_start[..., None] + positions))
-        fetched = gather_followers(host, flat_ids, flat_count, ctx.mesh)
-        if pending is not None:  # the "ahead" schedule: written at the next call (land_pending)
-            if fetched.k.shape != pending.fetched.k.shape:
-                raise ValueError(f"apply_recalls: {fetched.k.shape[1]} rows per follower to move, room for "
-                                 f"{pending.fetched.k.shape[1]} (build the layer with pending_rows)")
-            pending = PendingRecall(fetched=fetched, dst=flat_dst)
+        if pending is not None and flat_ids.shape != pending.dst.shape:
+            raise ValueError(f"apply_recalls: {flat_ids.shape[1]} rows per follower to move, room for "
+                             f"{pending.dst.shape[1]} (build the layer with pending_rows)")
+        if pending is not None and pending.chosen is not None:  # "pipelined": gathered by the next call (land_pending)
+            pending = pending.replace(chosen=flat_ids, chosen_count=flat_count, chosen_dst=flat_dst)
+        elif pending is not None:  # the "ahead" schedule: written at the next call (land_pending)
+            pending = PendingRecall(fetched=gather_followers(host, flat_ids, flat_count, ctx.mesh), dst=flat_dst)
         else:
-            paged = write_followers(paged, host, fetched, flat_dst, ctx.mesh)
+            paged = write_followers(paged, host, gather_followers(host, flat_ids, flat_count, ctx.mesh), flat_dst,
+                                    ctx.mesh)
         flat = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(  # positions W: dropped
             held.reshape(-1, held.shape[-1]), positions.reshape(-1, positions.shape[-1]), ids.reshape(-1, ids.shape[-1]))
         held = flat.reshape(held.shape)
@@ -601,7 +638,11 @@ def leader_plan(state: RecallKV, ctx, f: Follower) -> LayerPlan:
 def recall_partition(state: RecallKV, tracker) -> RecallKV:
     """Partition specs of a :class:`RecallKV` (see the module docstring), with the method's ``tracker`` specs."""
     host = None if state.host is None else state.host.replace(k=OnHost(BY_DEVICE), v=OnHost(BY_DEVICE))
-    pending = None if state.pending is None else PendingRecall(fetched=FETCHED_BY_DEVICE, dst=BY_DEVICE)
+    pending = None
+    if state.pending is not None:
+        pending = PendingRecall(fetched=FETCHED_BY_DEVICE, dst=BY_DEVICE)
+        if state.pending.chosen is not None:
+            pending = pending.replace(chosen=BY_DEVICE, chosen_count=BY_DEVICE, chosen_dst=BY_DEVICE)
     rows = jax.sharding.PartitionSpec(DATA)
     return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, region_start=ROWS_HEADS,
                          region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS, prompt_len=rows, picks=rows, version=rows,

@@ -101,6 +101,9 @@ def methods():
         "synckv": (SyncKV(budget=0.5, stride=2, num_representatives=3, block=32), sync),
         # the spread moves, written one call after they are gathered (pending rows split like the host copy)
         "synckv_ahead": (SyncKV(budget=0.5, stride=2, num_representatives=3, block=32, recall_schedule="ahead"), sync),
+        # the same moves gathered one call after they are chosen, written the call after
+        "synckv_pipelined": (SyncKV(budget=0.5, stride=2, num_representatives=3, block=32, recall_schedule="pipelined"),
+                             sync),
     }
 
 

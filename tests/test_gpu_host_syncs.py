@@ -84,8 +84,8 @@ def test_static_method_decode_has_no_host_syncs(monkeypatch):
 def test_synckv_decode_conditionals_are_counted(monkeypatch):
     """SyncKV's anticipation, re-anchoring check and recall are per-layer conditionals today (a known cost on a
     GPU, see :mod:`kvjax.head_recall`): 3 per layer of the tiny model (2 layers, each with an R-head and
-    followers); the spread schedule has no recall conditional (2 per layer), nor has the ahead schedule (its rows
-    written one call later); without anticipation there are none."""
+    followers); the spread schedule has no recall conditional (2 per layer), nor have the ahead and pipelined
+    schedules (their rows written one or two calls later); without anticipation there are none."""
     artifact = recall_artifacts(CONFIG_D16)[1]
 
     def count(**kw):
@@ -95,5 +95,6 @@ def test_synckv_decode_conditionals_are_counted(monkeypatch):
     assert count() == 3 * CONFIG_D16.num_layers
     assert count(recall_schedule="spread") == 2 * CONFIG_D16.num_layers
     assert count(recall_schedule="ahead") == 2 * CONFIG_D16.num_layers
+    assert count(recall_schedule="pipelined") == 2 * CONFIG_D16.num_layers
     assert count(anticipation=False) == 0
 

@@ -202,7 +202,7 @@ def _held_rows(state, b, h):
 
 @pytest.mark.parametrize("which,schedule", [("heterocache", "whole"), ("heterocache-reanchor", "whole"),
                                             ("heterocache-pivot", "whole"), ("synckv", "whole"),
-                                            ("synckv", "spread"), ("synckv", "ahead")])
+                                            ("synckv", "spread"), ("synckv", "ahead"), ("synckv", "pipelined")])
 def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, which, schedule):
     rng = np.random.default_rng(11)
     rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
@@ -294,12 +294,13 @@ def test_spread_moves_hand_case():
 
 
 @pytest.mark.parametrize("which,schedule", [("heterocache", "spread"), ("synckv", "spread"), ("heterocache", "ahead"),
-                                            ("synckv", "ahead")])
+                                            ("synckv", "ahead"), ("heterocache", "pipelined"), ("synckv", "pipelined")])
 def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which, schedule):
     """``recall_schedule="spread"`` with a new choice every m=3 steps: m steps after it, each follower's region
     holds exactly the host rows of its leader's choice (matched to host rows in numpy, as a set, no row twice),
     same-layer and cross-layer followers; after the first of those steps only part of it. ``"ahead"`` holds the
-    same once the rows a step gathered are written (at the next call: :func:`land_pending`), and not before."""
+    same once the rows a step gathered are written (at the next call: :func:`land_pending`), and not before;
+    ``"pipelined"`` once the next call has gathered them and the one after has written them, and not before."""
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 97, size=(1, L + 6)).astype(np.int32)
     if which == "heterocache":
@@ -315,7 +316,7 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
         out = {}
         for layer, head in followers:
             st = state.layers[layer]
-            st = land_pending(st) if landed else st
+            st = land_pending(st, drain=True) if landed else st  # every move chosen so far written
             i = [f.head for f in st.plan.followers].index(head)
             start, count = int(st.region_start[0, i]), int(st.region_count[0, i])
             host_k = np.asarray(st.host.k)[st.host.heads.index((0, head))]
@@ -331,6 +332,10 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
         if schedule == "ahead" and t - L + 1 == 3:  # gathered in the 3rd step, not yet written
             assert regions(cache, landed=False) == per_step[2]
         if schedule == "ahead" and t - L + 1 == 4:  # the 4th step's call wrote them before it attended
+            assert regions(cache, landed=False) == per_step[3]
+        if schedule == "pipelined" and t - L + 1 in (3, 4):  # chosen in the 3rd step, gathered in the 4th
+            assert regions(cache, landed=False) == per_step[2]
+        if schedule == "pipelined" and t - L + 1 == 5:  # the 5th step's call wrote them before it attended
             assert regions(cache, landed=False) == per_step[3]
     assert int(cache.layers[0].version[0, 0]) == 1  # one choice, published at the 3rd step
     picks = np.asarray(cache.layers[0].picks)[0, 0]

@@ -245,8 +245,9 @@ class HeteroCache:
         compression, given to one inside the prompt; see the module docstring).
       recall_schedule: ``"whole"`` (a satellite's whole kept set is refreshed in the step its pivot's new choice
         reaches it), ``"spread"`` (each decode step moves up to ``1/window`` of it, the tokens it lacks for
-        those it no longer needs: no conditional per layer; a deviation, see :func:`kvjax.head_recall.apply_recalls`)
-        or ``"ahead"`` (``"spread"``'s moves, written one call after they are gathered).
+        those it no longer needs: no conditional per layer; a deviation, see :func:`kvjax.head_recall.apply_recalls`),
+        ``"ahead"`` (``"spread"``'s moves, written one call after they are gathered) or ``"pipelined"`` (gathered
+        one call after they are chosen, written the call after: not yet run on a GPU, ``docs/GPU.md``).
       page_size, implementation: paged layout and decode attention implementation.
     """
 
@@ -318,8 +319,8 @@ class HeteroCache:
 
     @property
     def recalls_ahead(self) -> bool:
-        """Whether decode steps write their recalled rows one call after gathering them (``recall_schedule="ahead"``)."""
-        return self.recall_schedule == "ahead" and self.retrieval
+        """Whether decode steps keep recalls in flight across calls (``recall_schedule="ahead"`` or ``"pipelined"``)."""
+        return self.recall_schedule in ("ahead", "pipelined") and self.retrieval
 
     # -- protocol
     def recording(self) -> Recording:
@@ -361,7 +362,8 @@ class HeteroCache:
         layer = build_layer(state, idx, lengths, ctx.pad, spec, plan, page_size=self.page_size,
                             region_start=jnp.zeros_like(region_count), region_count=region_count,
                             picks=jnp.zeros((B, nl, max(plan.picks, 1)), jnp.int32), tracker=None,
-                            pending=pending_rows(plans, plan, self.window) if self.recalls_ahead else 0)
+                            pending=pending_rows(plans, plan, self.window) if self.recalls_ahead else 0,
+                            pipelined=self.recall_schedule == "pipelined")
         positions = layer.paged.block_table.shape[-1] * self.page_size
         if nl:
             lead = jnp.asarray(plan.leaders, jnp.int32)
@@ -419,7 +421,7 @@ class HeteroCache:
         """Attend over every head's held tokens; pivots check drift; satellites of drifted pivots are refreshed.
         A multi-token call with ``reanchor`` publishes and recalls *before* it attends; in a rehearsal
         (``ctx.rehearsal``) the state is returned without its tokens."""
-        state = land_pending(state, ctx.mesh)
+        state = land_pending(state, ctx.mesh, drain=q.shape[1] > 1)
         if q.shape[1] > 1 and self.reanchor and self.retrieval:
             plan = state.plan
             return reanchor_then_attend(state, q, k, v, ctx, lambda st: self.drift_check(

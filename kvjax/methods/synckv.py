@@ -248,8 +248,9 @@ class SyncKV:
         ``question_window`` queries, summed (1: its last query, as Eq. 3 at prefill).
       recall_schedule: ``"whole"`` (the paper's: an NR-head's whole dynamic set is refreshed in the step its
         R-head's new choice reaches it), ``"spread"`` (each decode step moves up to ``1/m`` of it, the tokens
-        it lacks for those it no longer needs: no conditional per layer; a deviation, see the module docstring)
-        or ``"ahead"`` (``"spread"``'s moves, written one call after they are gathered).
+        it lacks for those it no longer needs: no conditional per layer; a deviation, see the module docstring),
+        ``"ahead"`` (``"spread"``'s moves, written one call after they are gathered) or ``"pipelined"`` (gathered
+        one call after they are chosen, written the call after: not yet run on a GPU, ``docs/GPU.md``).
       page_size, block, implementation: paged layout, prefill block, decode attention implementation.
     """
 
@@ -332,8 +333,8 @@ class SyncKV:
 
     @property
     def recalls_ahead(self) -> bool:
-        """Whether decode steps write their recalled rows one call after gathering them (``recall_schedule="ahead"``)."""
-        return self.recall_schedule == "ahead" and self.anticipation
+        """Whether decode steps keep recalls in flight across calls (``recall_schedule="ahead"`` or ``"pipelined"``)."""
+        return self.recall_schedule in ("ahead", "pipelined") and self.anticipation
 
     # -- protocol
     def recording(self) -> Recording:
@@ -386,7 +387,8 @@ class SyncKV:
                             region_start=jnp.broadcast_to(static_rows[:, None], (B, nf)),
                             region_count=jnp.broadcast_to((k_rows - static_rows)[:, None], (B, nf)),
                             picks=jnp.zeros((B, len(plan.leaders), max(plan.picks, 1)), jnp.int32), tracker=None,
-                            pending=pending_rows(plans, plan, self.stride) if self.recalls_ahead else 0)
+                            pending=pending_rows(plans, plan, self.stride) if self.recalls_ahead else 0,
+                            pipelined=self.recall_schedule == "pipelined")
         positions = layer.paged.block_table.shape[-1] * self.page_size
         statics = []
         for head in plan.leaders:
@@ -428,7 +430,7 @@ class SyncKV:
         A multi-token call with ``reanchor`` re-anchors and recalls *before* it attends; in a rehearsal
         (``ctx.rehearsal``) the state is returned without its tokens."""
         plan = state.plan
-        state = land_pending(state, ctx.mesh)
+        state = land_pending(state, ctx.mesh, drain=q.shape[1] > 1)
         if q.shape[1] > 1 and self.reanchor and self.anticipation:
             return reanchor_then_attend(state, q, k, v, ctx, lambda st: self.reanchor_for(
                 st, leader_queries(q, plan.leaders, len(plan.capacities)), ctx.pad))
