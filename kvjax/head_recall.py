@@ -79,7 +79,8 @@ step, with the GPU idle meanwhile (3.5–4.3 ms per step).
 the step begins) and written in call ``t + 2`` (:func:`land_pending`), so a whole step of device work can hide the
 gather. A follower holds a new choice one call later than with ``"ahead"``. A multi-token call writes everything
 in flight before it attends; a re-anchoring cancels the moves in flight for the followers it refreshes. Tested on
-the CPU; not yet run on a GPU (``docs/GPU.md``).
+the CPU (the same answers as ``"spread"`` on the 4K query-agnostic ablation prompts,
+``docs/results/qwen2.5-coder-0.5b-4k-g24-pipelined-query-agnostic``); not yet run on a GPU (``docs/GPU.md``).
 """
 
 from __future__ import annotations
