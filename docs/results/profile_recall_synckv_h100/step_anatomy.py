@@ -20,32 +20,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import io
-import json
 import pathlib
 import tarfile
+import tempfile
+
+from evals.trace_summary import find_traces, load_events, union_length
 
 
-def union(intervals):
-    """Merged, sorted ``[start, end]`` intervals."""
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
-def total(intervals) -> float:
-    """Summed length of merged intervals (trace units: µs)."""
-    return sum(e - s for s, e in union(intervals))
-
-
-def anatomy(trace: dict) -> dict:
-    """The columns above for one Chrome trace."""
-    events = trace["traceEvents"]
+def anatomy(events: list[dict]) -> dict:
+    """The columns above for one Chrome trace's events."""
     process, thread = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
@@ -63,27 +46,24 @@ def anatomy(trace: dict) -> dict:
     launcher = [e for e in spans if where(e) == ("/host:CPU", "python3")]
     counts = collections.Counter(e["name"].split("(")[0].strip() for e in launcher)
     return {
-        "loop ms": total(iv(lambda e: "XLA GPU module" in e["name"])) / 1e3,
-        "GPU busy ms": total(iv(lambda e: "GPU" in where(e)[0] and "Compute" in where(e)[1])) / 1e3,
+        "loop ms": union_length(iv(lambda e: "XLA GPU module" in e["name"])) / 1e3,
+        "GPU busy ms": union_length(iv(lambda e: "GPU" in where(e)[0] and "Compute" in where(e)[1])) / 1e3,
         "host-offload calls": sum("host_callback" in e["name"] for e in spans),
-        "waiting ms": total(iv(lambda e: "HostExecute" in e["name"] and "BlockUntilReady" in e["name"])) / 1e3,
-        "computing ms": total(iv(lambda e: e["name"] == "HostOffloadingNanoRtExecutable::Execute")) / 1e3,
+        "waiting ms": union_length(iv(lambda e: "HostExecute" in e["name"] and "BlockUntilReady" in e["name"])) / 1e3,
+        "computing ms": union_length(iv(lambda e: e["name"] == "HostOffloadingNanoRtExecutable::Execute")) / 1e3,
         "graph launches": counts["command_buffer::execute"],
         "D2H on launcher": counts["MemcpyD2H"],
     }
 
 
-def traces(source: pathlib.Path):
-    """``(name, trace)`` of every ``*.trace.json.gz`` under a directory or in a ``.tgz``."""
-    if source.is_dir():
-        for path in sorted(source.rglob("*.trace.json.gz")):
-            yield str(path.relative_to(source)).split("/")[0], json.load(gzip.open(path))
-        return
-    with tarfile.open(source) as tar:
-        for member in sorted(tar.getmembers(), key=lambda m: m.name):
-            if member.name.endswith(".trace.json.gz"):
-                data = tar.extractfile(member).read()
-                yield member.name.removeprefix("./").split("/")[0], json.load(gzip.open(io.BytesIO(data)))
+def traces(source: pathlib.Path, scratch: str):
+    """``(name, events)`` of every trace under a directory or in a ``.tgz`` (unpacked into ``scratch``)."""
+    if not source.is_dir():
+        with tarfile.open(source) as tar:
+            tar.extractall(scratch, filter="data")
+        source = pathlib.Path(scratch)
+    for name, path in find_traces([str(source)]):
+        yield name.split("/")[0], load_events(path)
 
 
 def main():
@@ -92,7 +72,8 @@ def main():
     p.add_argument("--traces", default=str(here / "profile_traces.tgz"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    rows = [(name, anatomy(t)) for name, t in traces(pathlib.Path(args.traces))]
+    with tempfile.TemporaryDirectory() as scratch:
+        rows = [(name, anatomy(events)) for name, events in traces(pathlib.Path(args.traces), scratch)]
     cols = list(rows[0][1])
     lines = ["| trace | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     for name, r in rows:
