@@ -78,9 +78,12 @@ step, with the GPU idle meanwhile (3.5–4.3 ms per step).
 :class:`PendingRecall`, gathered at the start of call ``t + 1`` (their inputs come from the loop carry, ready when
 the step begins) and written in call ``t + 2`` (:func:`land_pending`), so a whole step of device work can hide the
 gather. A follower holds a new choice one call later than with ``"ahead"``. A multi-token call writes everything
-in flight before it attends; a re-anchoring cancels the moves in flight for the followers it refreshes. Tested on
-the CPU (the same answers as ``"spread"`` on the 4K query-agnostic ablation prompts,
-``docs/results/qwen2.5-coder-0.5b-4k-g24-pipelined-query-agnostic``); not yet run on a GPU (``docs/GPU.md``).
+in flight before it attends; a re-anchoring cancels the moves in flight for the followers it refreshes (a guard:
+today a re-anchoring reaches a follower only after a multi-token call, which drains). Tested on the CPU: the
+same answers as ``"spread"`` on the 4K query-agnostic ablation prompts
+(``docs/results/qwen2.5-coder-0.5b-4k-g24-pipelined-query-agnostic``), and in the GPU lowering every layer's
+host gather depends only on the loop carry, where ``"ahead"``'s depend on the step's attention
+(``tests/test_gpu_host_syncs.py``). Not yet run on a GPU (``docs/GPU.md``).
 """
 
 from __future__ import annotations
@@ -526,11 +529,10 @@ def apply_recalls(state: RecallKV, ctx, *, enabled: bool = True, spread_over: in
         at = jnp.clip(state.region_start[..., None] + jnp.arange(held.shape[-1]), 0, K - 1)
         held = jnp.where(anchor_due[..., None], jnp.take_along_axis(anchor_picks, at, axis=-1), held)
         applied = jnp.where(anchor_due, anchor_at, applied)
-        if pending is not None:  # rows in flight were chosen from the set the re-anchoring replaces
+        if pending is not None:  # rows in flight were chosen from the set the re-anchoring replaces (moves chosen
+            # but not yet gathered, ``"pipelined"``, are replaced below by this call's, chosen from the new set)
             keep = ~flatten_heads(anchor_due, ctx.mesh)
             pending = pending.replace(fetched=pending.fetched.replace(count=jnp.where(keep, pending.fetched.count, 0)))
-            if pending.chosen is not None:
-                pending = pending.replace(chosen_count=jnp.where(keep, pending.chosen_count, 0))
         recalls, moved = recalls + anchor_due.sum().astype(jnp.int32), moved + count.sum().astype(jnp.int32)
     picks = leader_values(lambda st: st.picks)  # [B, n_slots, R]
     chosen = picks.shape[-1]  # tokens a choice holds (static): no region takes more

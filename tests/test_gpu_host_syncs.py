@@ -6,6 +6,10 @@ in a decode step is a host synchronisation per step. The full cache's and the st
 have none. XLA:CPU's decode attention keeps one per layer on purpose (:func:`kvjax.attention.dense_causal_attention`:
 it avoids copies of the cache there); ``lax.platform_dependent`` keeps it out of the GPU and TPU lowerings.
 HeteroCache and SyncKV have them by design today (:mod:`kvjax.head_recall`, "Timing"): counted, not forbidden.
+
+Also here: what the recall's host-offloaded gathers wait for. A gather whose indices come from the same step's
+attention cannot start before that attention is done; ``recall_schedule="pipelined"`` exists so that they come
+from the loop carry instead.
 """
 
 import jax
@@ -15,7 +19,7 @@ from jaxlib.mlir import ir
 
 from kvjax.cache import CacheSpec
 from kvjax.generate import compress, decode_loop_jit, prefill_prompt
-from kvjax.methods import FullCache, SnapKV, SyncKV
+from kvjax.methods import FullCache, HeteroCache, SnapKV, SyncKV
 from tests.mesh_worker import CONFIG, CONFIG_D16, recall_artifacts, tiny_model
 from tests.test_kernel_lowering import export_for
 
@@ -43,6 +47,58 @@ def dynamic_conditionals(text: str) -> int:
         module = ir.Module.parse(text)
         module.operation.walk(visit)
         return sum(not static(op.operands[0]) for op in found)
+
+
+def host_gathers_after_compute(text: str) -> list:
+    """For each host-offloaded call (``_xla_compute_type = "host"``) directly in a loop body of a module, whether its
+    operands depend on the same iteration's compute: a ``dot_general`` or ``custom_call`` (a kernel), or an op
+    or callee containing one, reached backwards from the operands before a loop-carried value."""
+    with mlir.make_ir_context(), ir.Location.unknown():
+        module = ir.Module.parse(text)
+        funcs = {ir.StringAttr(op.operation.attributes["sym_name"]).value: op.operation
+                 for op in module.body.operations if op.operation.name == "func.func"}
+        callees = {}
+
+        def computes(op) -> bool:
+            if op.name in ("stablehlo.dot_general", "stablehlo.custom_call"):
+                return True
+            if op.name == "func.call":
+                name = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+                if name not in callees:
+                    callees[name] = computes(funcs[name])
+                return callees[name]
+            return any(computes(inner.operation) for r in op.regions for b in r.blocks for inner in b.operations)
+
+        def on_host(op) -> bool:
+            attrs = op.attributes
+            return (op.name == "func.call" and "mhlo.frontend_attributes" in attrs
+                    and '_xla_compute_type = "host"' in str(attrs["mhlo.frontend_attributes"]))
+
+        def depends(op) -> bool:
+            seen, stack = set(), list(op.operands)
+            while stack:
+                owner = stack.pop().owner
+                if isinstance(owner, ir.Block):  # a loop-carried value
+                    continue
+                owner = owner.operation
+                if owner in seen:
+                    continue
+                seen.add(owner)
+                if computes(owner):
+                    return True
+                stack.extend(owner.operands)
+            return False
+
+        found = []
+
+        def visit(op):
+            if op.name == "stablehlo.while":
+                found.extend(depends(inner.operation) for inner in op.regions[1].blocks[0].operations
+                             if on_host(inner.operation))
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit)
+        return found
 
 
 def lowered_decode_loop(method, platform, monkeypatch, artifact=None, config=CONFIG) -> str:
@@ -98,3 +154,21 @@ def test_synckv_decode_conditionals_are_counted(monkeypatch):
     assert count(recall_schedule="pipelined") == 2 * CONFIG_D16.num_layers
     assert count(anticipation=False) == 0
 
+
+
+def test_pipelined_recall_gathers_only_what_the_loop_carries(monkeypatch):
+    """``recall_schedule="pipelined"``: the per-step host gathers of HeteroCache and SyncKV (one per layer with
+    followers, outside any conditional) take their indices from the loop carry, so on a GPU they can start when the
+    step starts. With ``"ahead"`` they depend on the same step's attention (the leader's choice), which the
+    check sees: it can fail."""
+    hetero, sync = recall_artifacts(CONFIG_D16)
+
+    def gathers(schedule):
+        out = []
+        for method, artifact in ((HeteroCache(budget=0.5, block=32, recall_schedule=schedule), hetero),
+                                 (SyncKV(budget=0.5, num_representatives=3, block=32, recall_schedule=schedule), sync)):
+            out.append(host_gathers_after_compute(lowered_decode_loop(method, "cuda", monkeypatch, artifact, CONFIG_D16)))
+        return out
+
+    assert gathers("pipelined") == [[False] * CONFIG_D16.num_layers] * 2
+    assert gathers("ahead") == [[True] * CONFIG_D16.num_layers] * 2

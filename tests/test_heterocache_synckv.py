@@ -15,7 +15,7 @@ from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
-from kvjax.head_recall import land_pending, leader_probs, leader_queries, prompt_only, spread_moves, top_slots
+from kvjax.head_recall import land_pending, leader_probs, publish_anchor, leader_queries, prompt_only, spread_moves, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.methods.heterocache import classify_group, head_capacities, spread_capped, star_clustering
 from kvjax.methods.synckv import cluster_group, kmeans
@@ -350,6 +350,43 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
         assert per_step[5][f] == want  # after m steps: exactly the choice
         changed += before
     assert changed > 0 and cache.stats()["rows_recalled"] == changed
+
+
+def test_pipelined_reanchoring_cancels_the_moves_in_flight(tiny):
+    """``recall_schedule="pipelined"``: a re-anchoring that reaches a follower in a one-token call while moves chosen
+    from the old set are in flight (gathered, not yet written) cancels them. After the call and a drain, each of
+    layer 1's followers holds exactly the host rows of the anchor's kept set, in order (numpy), though a write of the
+    cancelled moves would have changed it. (Today a re-anchoring arrives after a draining multi-token call, so the
+    state is built by hand: the leader layer re-anchors, layer 1 then runs a one-token call.)"""
+    rng = np.random.default_rng(13)
+    tokens = rng.integers(0, 97, size=(1, L + 4)).astype(np.int32)
+    method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule="pipelined")
+    cache = _prefilled(tiny, method, tokens[:, :L], sk_artifact(tiny))
+    key = jax.random.PRNGKey(0)
+    for t in range(L, L + 4):  # a choice at the 3rd step: moves chosen then, gathered at the 4th, more chosen
+        _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
+    st0, st1 = cache.layers
+    p = st1.pending
+    assert int(p.fetched.count.sum()) > 0 and int(p.chosen_count.sum()) > 0  # moves in flight, and more chosen
+    start = int(st1.region_start[0, 0])
+    assert (np.asarray(st1.region_start) == start).all()
+    K, R = st0.anchor_picks.shape[-1], st0.picks.shape[-1]
+    anchor = rng.permutation(L)[:K].astype(np.int32)  # the leader's new kept set, best first
+    lead = publish_anchor(st0, jnp.asarray(anchor)[None, None], jnp.asarray(anchor[start:start + R])[None, None])
+    # the moves gathered at the start of the call below would put these tokens at these region positions
+    n, ids, dst = (np.asarray(x) for x in (p.chosen_count, p.chosen, p.chosen_dst))
+    assert any(anchor[dst[i, j]] != ids[i, j] for i in range(len(n)) for j in range(n[i]))
+    D = np.asarray(st0.host.k).shape[-1]
+    q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(1, 1, 4, D), (1, 1, 2, D), (1, 1, 2, D)])
+    ctx = AttendContext(start=cache.length, pad=cache.pad, positions=jnp.array([[L + 4]]), layers=(lead, st1), layer=1)
+    _, new1 = method.decode_attend(st1, q, k, v, ctx)
+    assert int(new1.pending.fetched.count.sum()) == 0  # cancelled
+    assert int(new1.pending.chosen_count.sum()) == 0  # the region already holds the anchor's: nothing to move
+    landed = land_pending(new1, drain=True)
+    for i, f in enumerate(st1.plan.followers):
+        count = min(start + int(st1.region_count[0, i]), K)
+        host_k = np.asarray(st1.host.k)[st1.host.heads.index((0, f.head))]
+        np.testing.assert_array_equal(_held_rows(landed, 0, f.head)[:count], host_k[anchor[:count]])
 
 
 @pytest.mark.parametrize("schedule,reanchor", [("whole", True), ("whole", False), ("spread", True), ("ahead", True)])
