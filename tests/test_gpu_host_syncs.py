@@ -155,7 +155,6 @@ def test_synckv_decode_conditionals_are_counted(monkeypatch):
     assert count(anticipation=False) == 0
 
 
-
 def test_pipelined_recall_gathers_only_what_the_loop_carries(monkeypatch):
     """``recall_schedule="pipelined"``: the per-step host gathers of HeteroCache and SyncKV (one per layer with
     followers, outside any conditional) take their indices from the loop carry, so on a GPU they can start when the

@@ -15,7 +15,8 @@ from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
-from kvjax.head_recall import land_pending, leader_probs, publish_anchor, leader_queries, prompt_only, spread_moves, top_slots
+from kvjax.head_recall import (land_pending, leader_probs, leader_queries, prompt_only, publish_anchor, spread_moves,
+                               top_slots)
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.methods.heterocache import classify_group, head_capacities, spread_capped, star_clustering
 from kvjax.methods.synckv import cluster_group, kmeans
