@@ -203,7 +203,8 @@ def _held_rows(state, b, h):
 
 @pytest.mark.parametrize("which,schedule", [("heterocache", "whole"), ("heterocache-reanchor", "whole"),
                                             ("heterocache-pivot", "whole"), ("synckv", "whole"),
-                                            ("synckv", "spread"), ("synckv", "ahead"), ("synckv", "pipelined")])
+                                            ("heterocache", "pipelined"), ("synckv", "spread"), ("synckv", "ahead"),
+                                            ("synckv", "pipelined")])
 def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, which, schedule):
     rng = np.random.default_rng(11)
     rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
