@@ -176,7 +176,8 @@ class RecallKV:
     tracker: object  # the method's per-leader state
     steps: jax.Array  # int32 [] decode calls with one token
     recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
-    rows_moved: jax.Array  # int32 [] token rows brought from the host
+    # int32 [] token rows brought from the host, counted when chosen (``"pipelined"`` gathers them a call later)
+    rows_moved: jax.Array
     pending: PendingRecall | None = None  # rows in flight (``recall_schedule="ahead"`` or ``"pipelined"`` only)
     plan: LayerPlan = struct.field(pytree_node=False, default=None)
     slots: tuple = struct.field(pytree_node=False, default=())  # follower index of each slot, -1: padding
