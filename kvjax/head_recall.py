@@ -80,8 +80,8 @@ the step begins) and written in call ``t + 2`` (:func:`land_pending`), so a whol
 gather. A follower holds a new choice one call later than with ``"ahead"``. A multi-token call writes everything
 in flight before it attends; a re-anchoring cancels the moves in flight for the followers it refreshes (a guard:
 today a re-anchoring reaches a follower only after a multi-token call, which drains). Tested on the CPU: the
-same answers as ``"spread"`` on the 4K query-agnostic ablation prompts and as ``"whole"`` on the same tasks at 8K
-(``docs/results/qwen2.5-coder-0.5b-{4k-g24,8k}-pipelined-query-agnostic``), and in the GPU lowering every layer's
+same answers as ``"spread"`` on the 4K query-agnostic ablation prompts and as ``"whole"`` on the same tasks at 8K in
+both protocols (``docs/results/qwen2.5-coder-0.5b-{4k-g24,8k}-pipelined-query-*``), and in the GPU lowering every layer's
 host gather depends only on the loop carry, where ``"ahead"``'s depend on the step's attention
 (``tests/test_gpu_host_syncs.py``). Not yet run on a GPU (``docs/GPU.md``).
 """
