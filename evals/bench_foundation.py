@@ -247,7 +247,7 @@ def worker_kvjax(args) -> dict:
     import jax.numpy as jnp
 
     jax.config.update("jax_enable_compilation_cache", False)  # compile times are real compilations
-    from kvjax.generate import compress_jit, decode_loop_jit, prefill_jit, prefill_prompt
+    from kvjax.generate import compress_jit, decode_compiler_options, decode_loop_jit, prefill_jit, prefill_prompt
     from kvjax.methods import FullCache
     from models import load_model
 
@@ -295,7 +295,7 @@ def worker_kvjax(args) -> dict:
                                     max_new_tokens=N)
     lower_s["decode_loop"] = time.perf_counter() - t
     t = time.perf_counter()
-    decode_exe = lowered.compile()
+    decode_exe = lowered.compile(compiler_options=decode_compiler_options() or None)
     compile_s["decode_loop"] = time.perf_counter() - t
     del cache
 

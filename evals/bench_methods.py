@@ -145,6 +145,29 @@ def default_out(model: str) -> str:
     return os.path.join("docs", "results", f"bench_methods_{stem}.md")
 
 
+def parse_compiler_option(text: str) -> tuple[str, bool | int | float | str]:
+    """``KEY=VALUE`` -> (key, value): ``true``/``false`` -> bool, then int, float, else the string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (an XLA option, e.g. xla_gpu_enable_latency_hiding_scheduler=false), got {text!r}")
+    value = value.strip()
+    if value.lower() in ("true", "false"):
+        return key.strip(), value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return key.strip(), kind(value)
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def decode_options(args) -> dict:
+    """XLA options the decode loop is compiled with: kvjax's own for this backend, then ``--compiler-option``."""
+    from kvjax.generate import decode_compiler_options
+
+    return decode_compiler_options() | dict(args.compiler_option or ())
+
+
 def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     """Options of the methods benchmark."""
     methods = ",".join(registered_methods())
@@ -178,6 +201,10 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true",
                    help="the model's architecture with random weights (no weight files needed, e.g. on a machine "
                         "without the model's packages): timings and bytes only, recall rates are not the model's")
+    p.add_argument("--compiler-option", type=parse_compiler_option, action="append", metavar="KEY=VALUE",
+                   help="an XLA option for the decode loop's compilation, over kvjax's own for the backend "
+                        "(kvjax.generate.decode_compiler_options); repeatable. E.g. "
+                        "xla_gpu_enable_latency_hiding_scheduler=false times XLA's default schedule on a GPU")
     add_mesh_args(p)
     return p
 
@@ -394,7 +421,8 @@ def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
     warm = compress_exe(derive(False))
     jax.block_until_ready(warm)
     t = time.perf_counter()
-    decode_exe = decode_loop_jit.lower(model.graphdef, model.params, first, warm, key, max_new_tokens=N, eos_ids=()).compile()
+    decode_exe = decode_loop_jit.lower(model.graphdef, model.params, first, warm, key, max_new_tokens=N,
+                                       eos_ids=()).compile(compiler_options=decode_options(args) or None)
     compile_decode = time.perf_counter() - t
     jax.block_until_ready(decode_exe(model.params, first, warm, key))  # warm-up (donates `warm`)
     del warm
@@ -595,6 +623,9 @@ def render_markdown(report: dict) -> str:
         f"- versions: python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
         f"- date: {report['date']}, total time {report['total_s'] / 60:.1f} min",
     ]
+    options = report.get("decode_compiler_options")
+    lines.append("- decode loop compiled with XLA options " + (", ".join(f"`{k}={v}`" for k, v in options.items())
+                                                            if options else "none (XLA's defaults)"))
     if a.get("random_weights"):
         lines.append("- **random weights** (`--random-weights`): the model's shapes, not its trained weights. Times and "
                      "bytes are the model's; data-dependent figures (recall trigger rates, selections) are not")
@@ -807,6 +838,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         "machine": machine_info(),
         "versions": versions(),
         "backend": jax.default_backend(),
+        "decode_compiler_options": decode_options(args),
         "devices": [str(d) for d in jax.devices()],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "bandwidth": bandwidth,

@@ -2,7 +2,8 @@
 
 The model's forward comes from the loaded model itself (``nnx.merge(graphdef, params)``), so this
 module imports no model code. Each public function checks the cache's room on the host and calls
-its jitted body (``*_jit``, also usable for ahead-of-time lowering).
+its jitted body (``*_jit``, also usable for ahead-of-time lowering); on a GPU the decode functions compile with
+:data:`GPU_DECODE_COMPILER_OPTIONS` (the latency-hiding scheduler, so host recalls overlap decoding).
 
 On a device mesh (``cache.spec.mesh``, :mod:`kvjax.sharding`) every jitted call constrains the cache it
 returns to the mesh layout; the parameters carry their own shardings. Batches are left-padded: row ``b`` has ``pad[b]`` padding slots first, its real token at slot ``s``
@@ -27,6 +28,24 @@ from kvjax.sharding import constrain_cache
 
 # Incremented each time a function below is traced (= compiled for new shapes / static args).
 TRACE_COUNTS: Counter = Counter()
+
+# XLA options for the decode programs on a GPU. XLA:GPU's latency-hiding scheduler is off by default (jax 0.10.2 and
+# 0.11.2); without it the start and the done of a host-offloaded computation are scheduled back to back, so the host
+# gathers of a recall (HeteroCache, SyncKV, HCAttention) never overlap the step's device work. With it they span the
+# step's kernels that do not need their result (``python -m evals.gpu_schedule``, docs/results/gpu_schedule_h100/).
+GPU_DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+def decode_compiler_options(platform: str | None = None) -> dict:
+    """XLA options to compile a top-level decode program with on ``platform`` (default: jax's default backend):
+    :data:`GPU_DECODE_COMPILER_OPTIONS` on a GPU, none elsewhere.
+
+    :func:`decode_step` and :func:`decode_loop` use them. jax refuses compiler options on a jit nested in another,
+    so :func:`decode_step_jit` and :func:`decode_loop_jit` (nestable, for lowering) do not carry them: pass
+    ``compiler_options=decode_compiler_options()`` to ``.lower(...).compile`` when compiling those ahead of time.
+    """
+    platform = jax.default_backend() if platform is None else platform
+    return dict(GPU_DECODE_COMPILER_OPTIONS) if platform in ("gpu", "cuda", "rocm") else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,12 +217,16 @@ def forward_step(graphdef, params, tokens: jax.Array, cache: Cache):
     return logits[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def decode_step_jit(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Array, *, sampling: Sampling = Sampling()):
-    """Jitted body of :func:`decode_step`."""
+def _decode_step(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Array, *, sampling: Sampling = Sampling()):
+    """Jitted body of :func:`decode_step` (as ``decode_step_jit``: nestable, without :func:`decode_compiler_options`)."""
     TRACE_COUNTS["decode_step"] += 1
     logits, cache = forward_step(graphdef, params, tokens, cache)
     return sample(logits, key, sampling), logits, constrain_cache(cache)
+
+
+_DECODE_STEP_JIT = dict(static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
+decode_step_jit = jax.jit(_decode_step, **_DECODE_STEP_JIT)
+_decode_step_gpu = jax.jit(_decode_step, **_DECODE_STEP_JIT, compiler_options=GPU_DECODE_COMPILER_OPTIONS)
 
 
 def decode_step(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Array, *, sampling: Sampling = Sampling()):
@@ -212,13 +235,11 @@ def decode_step(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Arra
     Raises ValueError when the cache has no room left for the token.
     """
     check_room(cache, 1)
-    return decode_step_jit(graphdef, params, tokens, cache, key, sampling=sampling)
+    step = _decode_step_gpu if decode_compiler_options() else decode_step_jit
+    return step(graphdef, params, tokens, cache, key, sampling=sampling)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_ids", "sampling"), donate_argnames=("cache",)
-)
-def decode_loop_jit(
+def _decode_loop(
     graphdef, params, first_tokens: jax.Array, cache: Cache, key: jax.Array, *,
     max_new_tokens: int, eos_ids: tuple[int, ...] = (), sampling: Sampling = Sampling(),
 ):
@@ -227,7 +248,8 @@ def decode_loop_jit(
     ``first_tokens[B]`` are the tokens sampled from the prefill logits (they count as generated).
     Stops when every row has produced an EOS token or at the length limit. Returns
     ``(tokens int32 [B, max_new_tokens], num_generated int32 [B] (EOS included), cache)``; positions
-    after a row's EOS hold that EOS id.
+    after a row's EOS hold that EOS id. As ``decode_loop_jit`` it is nestable and compiles without
+    :func:`decode_compiler_options` (pass them to ``.lower(...).compile`` ahead of time).
     """
     TRACE_COUNTS["decode_loop"] += 1
     B = first_tokens.shape[0]
@@ -262,6 +284,11 @@ def decode_loop_jit(
     return jnp.take_along_axis(out, last, axis=1), count, cache
 
 
+_DECODE_LOOP_JIT = dict(static_argnames=("graphdef", "max_new_tokens", "eos_ids", "sampling"), donate_argnames=("cache",))
+decode_loop_jit = jax.jit(_decode_loop, **_DECODE_LOOP_JIT)
+_decode_loop_gpu = jax.jit(_decode_loop, **_DECODE_LOOP_JIT, compiler_options=GPU_DECODE_COMPILER_OPTIONS)
+
+
 def decode_loop(graphdef, params, first_tokens: jax.Array, cache: Cache, key: jax.Array, *,
                 max_new_tokens: int, eos_ids: tuple[int, ...] = (), sampling: Sampling = Sampling()):
     """Generate up to ``max_new_tokens`` tokens in one jitted ``lax.while_loop`` (cache donated).
@@ -273,5 +300,6 @@ def decode_loop(graphdef, params, first_tokens: jax.Array, cache: Cache, key: ja
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     check_room(cache, max_new_tokens - 1)
-    return decode_loop_jit(graphdef, params, first_tokens, cache, key, max_new_tokens=max_new_tokens,
-                           eos_ids=tuple(eos_ids), sampling=sampling)
+    loop = _decode_loop_gpu if decode_compiler_options() else decode_loop_jit
+    return loop(graphdef, params, first_tokens, cache, key, max_new_tokens=max_new_tokens, eos_ids=tuple(eos_ids),
+                sampling=sampling)

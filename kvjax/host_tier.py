@@ -24,7 +24,8 @@ or arithmetic touches a host array outside the host region.
 Why this mechanism (CPU: observed; GPU: read from XLA's source and jax's tests). On an H200 with
 jax 0.11.2 this module's tests pass compiled, but the recall of HeteroCache and SyncKV did not
 overlap decoding there (docs/RESULTS.md, "On a GPU"): a decode step with recall cost 5.5–8.5 ms more
-than one without, about what the host gather itself costs.
+than one without, about what the host gather itself costs. Those programs were compiled with XLA's
+default schedule, which overlaps nothing (below).
 
 * XLA:GPU runs a host region as ``HostExecuteStartThunk``/``HostExecuteDoneThunk``
   (``xla/backends/gpu/runtime/host_execute_thunk.cc``): the start thunk copies device arguments (our
@@ -37,6 +38,13 @@ than one without, about what the host gather itself costs.
   device array ``device_put`` to host inside the region, the pattern used here; ``test_scan_offload``:
   inside a loop). That test class skips CPU, but this module's tests pass on CPU with jax 0.10.2
   (``compute_on2``) and jax 0.11.2 (``compute_on``).
+* Only with XLA:GPU's latency-hiding scheduler, which is **off by default** (jax 0.10.2 and 0.11.2,
+  found by compiling for an H100 without one: ``python -m evals.gpu_schedule``), does XLA place the
+  start early and the done late; without it the two are scheduled back to back and nothing overlaps,
+  whatever the program's order. kvjax's decode programs turn it on for a GPU
+  (:data:`kvjax.generate.GPU_DECODE_COMPILER_OPTIONS`); a program of your own needs
+  ``jax.jit(..., compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True})`` at top level or
+  ``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true``.
 * Caveat (same source): the done thunk blocks the thread that launches GPU work until the host
   gather has run. The gather starts only after the device work enqueued before ``issue`` is done.
   The copy is hidden only when the device work between ``issue`` and first use takes longer than
@@ -83,8 +91,9 @@ carry it in the loop state::
 
     carry0 = (0, issue(host, idx_0, count_0), ...)   # or empty_prefetch(host, R) for step 0
 
-:class:`Prefetch` is a pytree. XLA schedules the start of the host computation where ``issue`` is
-called and its done thunk (the only wait) before the loop-carried output is needed.
+:class:`Prefetch` is a pytree. With the latency-hiding scheduler (above), XLA may start the host computation
+as soon as its indices are ready and wait for it (the done thunk, the only wait) only before the loop-carried
+output is needed; without it, it waits at once.
 
 Paged pools
 -----------

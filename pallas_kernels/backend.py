@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import jax
 
+# The custom call a Pallas kernel's GPU form (Triton) lowers to; ``jax.export`` must be told to allow it.
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+
 
 def resolve_backend(implementation: str, backend: str | None) -> str:
     """``backend`` if given, else the running platform's form (``"tpu"`` or ``"gpu"``).

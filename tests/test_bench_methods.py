@@ -30,6 +30,7 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tiny_chat_model, t
         "--model", tiny_chat_model, "--lengths", "256", "--methods", f"snapkv,{quest},{locret}", "--new-tokens", "4",
         "--budget", "0.25", "--chunk-size", "256", "--bandwidth-mib", "64", "--bandwidth-repeats", "2",
         "--out", str(out), "--profile", str(tmp_path / "profile"),
+        "--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=false",
     ])
     assert code == 0
     traces = [tmp_path / "profile" / p for p in sorted(os.listdir(tmp_path / "profile"))]  # --profile
@@ -45,6 +46,9 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tiny_chat_model, t
     assert report["machine"]["cpu"] and report["versions"]["jax"]
     assert report["bandwidth"]["machine"] > 0
     assert report["args"]["methods"] == ["full", "snapkv", quest, locret]
+    # --compiler-option over kvjax's own (none on CPU), recorded with the run
+    assert report["decode_compiler_options"] == {"xla_gpu_enable_latency_hiding_scheduler": False}
+    assert "- decode loop compiled with XLA options `xla_gpu_enable_latency_hiding_scheduler=False`" in md
 
     rows = report["rows"]
     assert [(r["prompt_tokens"], r["method"]) for r in rows] == [
@@ -91,12 +95,20 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tiny_chat_model, t
     (["--lengths", "128,0"], "lengths"),
     (["--budget", "1.5"], "budget"),
     (["--budget", "abc"], "budget"),
+    (["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler"], "KEY=VALUE"),
 ])
 def test_bad_options_are_argparse_errors(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         bench_methods.main(argv)
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_compiler_option_values_are_typed():
+    """``--compiler-option KEY=VALUE``: booleans, then numbers, else the string."""
+    parse = bench_methods.parse_compiler_option
+    assert parse("a=true") == ("a", True) and parse("a=False") == ("a", False)
+    assert parse("a=3") == ("a", 3) and parse("a=0.5") == ("a", 0.5) and parse("a=x=y") == ("a", "x=y")
 
 
 def test_bad_values_are_value_errors(tmp_path):

@@ -152,3 +152,14 @@ def test_ask_several_questions_over_one_compressed_context(tiny_chat_model):
     assert answers[0].tokens != answers[1].tokens  # the questions lead to different answers
     small = kvjax.ask(model, context, questions[:1], method=SnapKV(budget=32, window=8), chat=True, max_new_tokens=4)
     assert small[0].cache_stats["kept_tokens_per_head"][0] == [32, 32]
+
+
+def test_decode_compiler_options_turn_on_the_gpu_scheduler_only_on_a_gpu():
+    """XLA:GPU's latency-hiding scheduler for the top-level decode programs on a GPU (host recalls overlap the step,
+    tests/test_gpu_schedule.py); no option elsewhere, where the GPU flag would mean nothing."""
+    from kvjax.generate import GPU_DECODE_COMPILER_OPTIONS, decode_compiler_options
+
+    assert GPU_DECODE_COMPILER_OPTIONS == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    assert decode_compiler_options("gpu") == decode_compiler_options("cuda") == GPU_DECODE_COMPILER_OPTIONS
+    assert decode_compiler_options("cpu") == decode_compiler_options("tpu") == {}
+    assert decode_compiler_options() == {}  # this machine's backend is the CPU

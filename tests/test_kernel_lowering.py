@@ -40,11 +40,11 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.passmanager import PassManager
 
 from pallas_kernels import paged_attention as paged_mod
+from pallas_kernels.backend import TRITON_CUSTOM_CALL
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.pq_attention import pq_scores
 
 S = jax.ShapeDtypeStruct
-TRITON_TARGET = "__gpu$xla.gpu.triton"
 PLATFORMS = ["cuda", "tpu"]
 # (H_q, H_kv, D): Qwen2.5-0.5B, SmolLM2-135M, the tests' small GQA, Llama-3-8B.
 HEADS = [(14, 2, 64), (9, 3, 64), (4, 2, 16), (32, 8, 128)]
@@ -70,7 +70,7 @@ def _target(platform):
 
 def export_for(fn, args, platform):
     """``jax.export`` of ``jax.jit(fn)(*args)`` for one platform (the Triton custom call allowed on cuda)."""
-    checks = ([jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
+    checks = ([jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)]
               if platform == "cuda" else [])
     with _target(platform):
         return jax.export.export(jax.jit(fn), platforms=[platform],
@@ -156,7 +156,7 @@ def exported_kernels(exported, platform):
         calls = _ops(module.operation, "stablehlo.custom_call")
         targets = [ir.StringAttr(c.attributes["call_target_name"]).value for c in calls]
         if platform == "cuda":
-            kernels = [_triton_kernel(c) for c, t in zip(calls, targets) if t == TRITON_TARGET]
+            kernels = [_triton_kernel(c) for c, t in zip(calls, targets) if t == TRITON_CUSTOM_CALL]
         else:
             kernels = [_mosaic_kernel(c) for c, t in zip(calls, targets) if t == "tpu_custom_call"]
     assert kernels, f"no Pallas kernel in the {platform} lowering; custom calls: {targets}"

@@ -34,6 +34,11 @@ from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a
   "On a GPU, third session"): if ``dep-pipelined`` costs clearly less than ``dep-spread-ahead``, the pipeline is
   the fix to build.
 
+Every variant is timed twice (``--schedulers``): compiled with kvjax's decode options (``kvjax``:
+:data:`kvjax.generate.GPU_DECODE_COMPILER_OPTIONS` on a GPU, XLA:GPU's latency-hiding scheduler) and with XLA's
+defaults (``xla-default``), under which XLA:GPU schedules a host computation's start and done back to back (found in
+session 48 by compiling for an H100 without one: ``python -m evals.gpu_schedule``). Sessions 39-46 timed XLA's defaults.
+
 Each row reports ms per step, the extra over ``none``, rows and MiB moved per step and the rate of the extra.
 If ``always`` costs about ``every`` times ``cond``'s extra and ``prefetch`` costs as much as ``always``, the
 transfer is not overlapping anything and its own speed is the limit; if ``prefetch`` is much cheaper than
@@ -56,6 +61,7 @@ import numpy as np
 from jax import lax
 
 from host_gather import best_and_median  # this directory's timing helper (the script's directory is on sys.path)
+from kvjax.generate import decode_compiler_options
 from kvjax.host_tier import offload, recall, recall_pages, write_recalled
 
 PAGE = 16
@@ -80,8 +86,9 @@ def build(args):
     return w1, w2, hosts, pool, table, idx, pages, heads
 
 
-def make_loop(variant: str, args, hosts, table, heads):
-    """A jitted ``(w1, w2, pools, idx, pages) -> (x, pools)`` running ``args.steps`` decode steps."""
+def make_loop(variant: str, args, hosts, table, heads, options: dict):
+    """A jitted ``(w1, w2, pools, idx, pages) -> (x, pools)`` running ``args.steps`` decode steps, compiled with the
+    XLA ``options``."""
     H, R, L = args.heads, args.rows, args.layers
     count = jnp.full((H,), R, jnp.int32)
     part = -(-R // args.every)  # rows per step of ``spread``
@@ -156,7 +163,7 @@ def make_loop(variant: str, args, hosts, table, heads):
         x, pks, pvs, _ = lax.fori_loop(0, args.steps, body, carry0)
         return x, pks, pvs
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=options or None)
 
 
 def main():
@@ -173,8 +180,14 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="none,cond,cond-empty,spread,always,prefetch,cond-pages,"
                                          "dep-cond,dep-spread,dep-always,dep-prefetch,dep-spread-ahead,dep-pipelined")
+    p.add_argument("--schedulers", default="kvjax,xla-default",
+                   help="compile every variant with kvjax's decode options (kvjax) and/or XLA's defaults (xla-default)")
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = p.parse_args()
+    schedulers = {"kvjax": decode_compiler_options(), "xla-default": {}}
+    unknown = set(args.schedulers.split(",")) - set(schedulers)
+    if unknown:
+        p.error(f"--schedulers: unknown {sorted(unknown)}; choose from {sorted(schedulers)}")
     if args.rows % PAGE or args.length % PAGE:
         p.error(f"--rows and --length must be multiples of {PAGE}")
 
@@ -185,33 +198,36 @@ def main():
     lines = [f"# Recall structure on {jax.devices()[0].device_kind} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ})",
              "",
              f"Command: `python docs/results/microbench/recall_step.py --layers {args.layers} --heads {args.heads} "
-             f"--length {args.length} --rows {args.rows} --every {args.every} --steps {args.steps}`; jax {jax.__version__}, "
-             f"{platform.machine()}; best of {args.repeats}.",
+             f"--length {args.length} --rows {args.rows} --every {args.every} --steps {args.steps} --schedulers "
+             f"{args.schedulers}`; jax {jax.__version__}, {platform.machine()}; best of {args.repeats}. XLA options: "
+             + "; ".join(f"{name} = {schedulers[name] or 'none'}" for name in args.schedulers.split(",")) + ".",
              "",
-             "| variant | ms/step | extra ms/step | rows moved/step | MiB moved/step | GB/s of the extra |",
-             "|---|---:|---:|---:|---:|---:|"]
-    base = None
-    for variant in args.variants.split(","):
-        loop = make_loop(variant, args, hosts, table, heads)
-        ms = best_and_median(loop, w1, w2, pools, pools, idx, pages, repeats=args.repeats)[0] * 1e3 / args.steps
-        base = ms if variant == "none" else base
-        per_step = {"none": 0.0, "cond-empty": 0.0, "always": 1.0, "prefetch": 1.0}.get(variant.removeprefix("dep-"),
-                                                                                       1.0 / args.every) * args.layers
-        mib = per_step * mib_per_recall
-        extra = ms - base if base is not None else float("nan")
-        rate = mib * 2**20 / (extra * 1e-3) / 1e9 if extra > 0 and mib else float("nan")
-        lines.append(f"| {variant} | {ms:.3f} | {extra:.3f} | {per_step * rows_per_recall:.0f} | {mib:.2f} | {rate:.2f} |")
-        print(lines[-1], flush=True)
+             "| variant | XLA options | ms/step | extra ms/step | rows moved/step | MiB moved/step | GB/s of the extra |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for scheduler in args.schedulers.split(","):
+        base = None
+        for variant in args.variants.split(","):
+            loop = make_loop(variant, args, hosts, table, heads, schedulers[scheduler])
+            ms = best_and_median(loop, w1, w2, pools, pools, idx, pages, repeats=args.repeats)[0] * 1e3 / args.steps
+            base = ms if variant == "none" else base
+            per_step = {"none": 0.0, "cond-empty": 0.0, "always": 1.0, "prefetch": 1.0}.get(
+                variant.removeprefix("dep-"), 1.0 / args.every) * args.layers
+            mib = per_step * mib_per_recall
+            extra = ms - base if base is not None else float("nan")
+            rate = mib * 2**20 / (extra * 1e-3) / 1e9 if extra > 0 and mib else float("nan")
+            lines.append(f"| {variant} | {scheduler} | {ms:.3f} | {extra:.3f} | {per_step * rows_per_recall:.0f} | "
+                         f"{mib:.2f} | {rate:.2f} |")
+            print(lines[-1], flush=True)
     count = jnp.full((args.heads,), args.rows, jnp.int32)
     alone = jax.jit(lambda ids: recall(hosts[0], ids, count))
     ms = best_and_median(alone, idx, repeats=max(args.repeats, 10))[0] * 1e3
-    lines.append(f"| gather-alone (one layer, outside the loop) | {ms:.3f} | | {rows_per_recall} | "
+    lines.append(f"| gather-alone (one layer, outside the loop) | | {ms:.3f} | | {rows_per_recall} | "
                  f"{mib_per_recall:.2f} | {mib_per_recall * 2**20 / (ms * 1e-3) / 1e9:.2f} |")
     print(lines[-1])
     recalled = jnp.ones((args.heads, args.rows, args.head_dim), jnp.bfloat16)
     scatter = jax.jit(lambda pk, pv, rk, rv: write_recalled(pk, pv, table, rk, rv, heads, 0, count))
     ms = best_and_median(scatter, pool, pool, recalled, recalled, repeats=max(args.repeats, 10))[0] * 1e3
-    lines.append(f"| scatter-alone (one layer's rows into its page pool, on the device) | {ms:.3f} | | "
+    lines.append(f"| scatter-alone (one layer's rows into its page pool, on the device) | | {ms:.3f} | | "
                  f"{rows_per_recall} | {mib_per_recall:.2f} | |")
     print(lines[-1])
     if args.out:

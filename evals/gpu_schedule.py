@@ -1,0 +1,345 @@
+"""Where XLA:GPU schedules a decode step's host recalls, read from the program compiled for an H100 or H200 without one.
+
+``python -m evals.gpu_schedule [--methods ...] [--length 30720] [--target h100] [--out FILE.md]``
+
+A recall's host gather (HeteroCache, SyncKV, HCAttention: :mod:`kvjax.host_tier`) is a host-offloaded computation.
+XLA:GPU runs it as a ``custom-call-start`` / ``custom-call-done`` pair (``HostExecute``): the device work scheduled
+between the two runs while the host gathers and copies; nothing scheduled between them means nothing overlaps. This
+tool compiles each method's jitted decode loop with XLA:GPU's own compiler for the target GPU (deviceless
+ahead-of-time compilation, jax's CUDA plugin on a machine without a GPU), reads the scheduled HLO and reports, for
+every host call of the loop's body, how many device operations (fusions, kernels, copies, conditionals) come before
+its start, between its start and its done, and after its done. It does so twice: with kvjax's decode options
+(:func:`kvjax.generate.decode_compiler_options`, as :func:`kvjax.generate.decode_loop` compiles on a GPU) and with
+XLA's defaults.
+
+It shows the schedule, not the time: how long the step's device work between start and done takes against the gather
+is for a GPU to measure (``scripts/gpu_checks.sh bench``). The compilation runs XLA:GPU's passes without the device,
+so without autotuning (and with a fallback sort where XLA lacks data for CUB): fusion choices and the scheduler's cost
+estimates may differ somewhat from a compilation on the GPU.
+
+Needs jax's CUDA plugin at jax's version, for its compiler only (no GPU, driver or CUDA libraries):
+``scripts/setup_env.sh`` puts its two wheels in ``.aot-gpu/``, so run ``PYTHONPATH=.aot-gpu:. python -m
+evals.gpu_schedule``. The tool runs JAX on the CPU (``JAX_PLATFORMS=cpu``) and skips the plugin's check for a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import re
+import shlex
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax: the CUDA plugin must not look for a GPU
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+DEFAULT_METHODS = ("full,synckv:recall_schedule=whole,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,"
+                   "synckv:recall_schedule=pipelined,heterocache:recall_schedule=whole,heterocache:recall_schedule=spread,"
+                   "heterocache:recall_schedule=ahead,heterocache:recall_schedule=pipelined")
+DEFAULT_OUT = "docs/results/gpu_schedule_h100/report.md"
+
+# XLA's description of each target (xla.stream_executor.GpuTargetConfigProto, text format): the SXM parts' published
+# figures (132 SMs, 50 MiB L2, 3.35 / 4.8 TB/s), compute capability 9.0, CUDA 12.8 / cuDNN 9.7.
+_GPU_INFO = """gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth}
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: {memory}
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 7 }}
+runtime_version {{ major: 12 minor: 8 patch: 0 }}
+device_description_str: "{name}"
+"""
+TARGETS = {
+    "h100": _GPU_INFO.format(bandwidth=3352320000000, memory=84929347584, name="NVIDIA H100 80GB HBM3"),
+    "h200": _GPU_INFO.format(bandwidth=4800000000000, memory=150754820096, name="NVIDIA H200"),
+}
+
+# HLO operations that launch nothing on the device (bookkeeping, or the async pair's own halves)
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "custom-call-start", "custom-call-done",
+         "after-all", "opt-barrier", "partition-id", "replica-id", "iota"}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \(")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9-]*)\(")
+_HOST_START = re.compile(r'custom_call_target="HostExecute"')
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "f64": 8}
+_ARRAY = re.compile(r"\b(f32|bf16|f16|s32|u32|s8|u8|pred|s64|f64)\[([0-9,]*)\]")
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of every array in an HLO shape string (a tuple counts all its elements)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _BYTES[dtype]
+    return total
+
+
+def host_call_windows(hlo: str) -> list[dict]:
+    """Every ``HostExecute`` start/done pair of a scheduled HLO module, in program order: its computation, whether
+    that computation is a loop body (``loop_body``) or a conditional's branch (``in_branch``), the device operations
+    of the computation before the start, between start and done, after the done and in all, and the bytes the call
+    returns."""
+    bodies, branches = set(), set()
+    for m in re.finditer(r"\bbody=%(\S+?)[,}\s]", hlo):
+        bodies.add(m.group(1))
+    for m in re.finditer(r"branch_computations=\{([^}]*)\}", hlo):
+        branches.update(name.strip().lstrip("%") for name in m.group(1).split(","))
+    for m in re.finditer(r"(?:true|false)_computation=%(\S+?)[,}\s]", hlo):
+        branches.add(m.group(1))
+    found, computation, ops = [], None, []
+
+    def close():
+        starts = {}
+        for i, (name, shape, opcode, line) in enumerate(ops):
+            if opcode == "custom-call-start" and _HOST_START.search(line):
+                starts[name] = i
+            elif opcode == "custom-call-done":
+                operand = re.search(r"custom-call-done\(%(\S+?)\)", line)
+                if operand and operand.group(1) in starts:
+                    s = starts.pop(operand.group(1))
+                    device = [opc not in _FREE for _, _, opc, _ in ops]
+                    found.append({"computation": computation, "loop_body": computation in bodies,
+                                  "in_branch": computation in branches, "before": sum(device[:s]),
+                                  "between": sum(device[s + 1:i]), "after": sum(device[i + 1:]), "total": sum(device),
+                                  "bytes": shape_bytes(shape)})
+
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            computation, ops = head.group(1), []
+            continue
+        if computation is None:
+            continue
+        if line.startswith("}"):
+            close()
+            computation = None
+            continue
+        inst = _INSTRUCTION.match(line)
+        if inst:
+            ops.append((inst.group(1), inst.group(2), inst.group(3), line))
+    return found
+
+
+def gpu_topology(target: str):
+    """jax's deviceless topology of one ``target`` GPU (``TARGETS``); a clear error without the CUDA plugin."""
+    import jax
+    from jax.experimental import topologies
+
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "evals.gpu_schedule needs jax's CUDA plugin to compile for a GPU (no GPU needed): scripts/setup_env.sh "
+            "installs it in .aot-gpu/; run PYTHONPATH=.aot-gpu:. python -m evals.gpu_schedule") from None
+    return topologies.get_topology_desc(platform="cuda", target_config=TARGETS[target], topology="1x1x1")
+
+
+def compile_for_gpu(module_text: str, topology, options: dict) -> str:
+    """XLA:GPU's scheduled HLO of a StableHLO module (one device of ``topology``) compiled with the XLA ``options``."""
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+    from jaxlib.mlir import ir
+
+    device = topology.devices[0]
+    compile_options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=[device],
+                                                   env_options_overrides=options)
+    with mlir.make_ir_context():
+        module = ir.Module.parse(module_text)
+    executable = device.client.compile(module, executable_devices=xla_client.DeviceList((device,)),
+                                       compile_options=compile_options)
+    return executable.hlo_modules()[0].to_string()
+
+
+@contextlib.contextmanager
+def gpu_lowering():
+    """Trace as on a GPU: ``jax.default_backend()`` says ``"gpu"`` (kvjax picks the kernels' GPU forms from it) and, on
+    jax >= 0.11, an abstract H100 names the GPU model the Triton lowering needs."""
+    import jax
+
+    real = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        if hasattr(jax.sharding, "AbstractDevice"):
+            device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
+            with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
+                yield
+        else:
+            yield
+    finally:
+        jax.default_backend = real
+
+
+def decode_module(model, method, length: int, new_tokens: int, artifact=None) -> str:
+    """StableHLO of ``method``'s decode loop for one row after a ``length``-token prompt, lowered for ``cuda``
+    (``artifact``: the method's calibration, default the one shipped for the model).
+
+    Only shapes are needed: the compressed cache's are those of ``compress_jit`` applied to a fresh cache (traced,
+    not run), its host arrays keep their ``pinned_host`` memory kind."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.cache import new_cache
+    from kvjax.generate import compress_jit, decode_loop_jit
+    from pallas_kernels.backend import TRITON_CUSTOM_CALL
+
+    config = model.config
+    def compressed():
+        return compress_jit(new_cache(method, config, 1, length, new_tokens, model.dtype, artifact=artifact))
+
+    shapes = jax.eval_shape(compressed)
+    avals = jax.jit(compressed).trace().jaxpr.out_avals  # they carry the memory space
+    mesh = Mesh(jax.devices("cpu")[:1], ("_",))  # a NamedSharding's memory kind reaches the traced value's type
+    kinds = {"Host": "pinned_host", "Device": "device"}
+    tree = jax.tree_util.tree_structure(shapes)
+    cache = jax.tree_util.tree_unflatten(tree, [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P(), memory_kind=kinds[a.memory_space.name]))
+        for a in avals])
+
+    def loop(params, first, cache, key):
+        return decode_loop_jit(model.graphdef, params, first, cache, key, max_new_tokens=new_tokens)
+
+    params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
+    first = jax.ShapeDtypeStruct((1,), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    jax.clear_caches()  # the kernels' form is chosen at trace time: trace again, as on a GPU
+    with gpu_lowering():
+        exported = jax.export.export(jax.jit(loop), platforms=["cuda"],
+                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(
+            params, first, cache, key)
+    return exported.mlir_module()
+
+
+def summarize(windows: list[dict]) -> dict:
+    """The loop body's host calls (outside conditionals) of one compilation, as one table row."""
+    calls = [w for w in windows if w["loop_body"] and not w["in_branch"]]
+    if not calls:
+        return {"calls": 0}
+    return {"calls": len(calls), "before": [w["before"] for w in calls], "between": [w["between"] for w in calls],
+            "after": [w["after"] for w in calls], "total": calls[0]["total"],
+            "mib": sum(w["bytes"] for w in calls) / 2**20,
+            "in_branches": sum(w["in_branch"] for w in windows)}
+
+
+def render(report: dict) -> str:
+    """The Markdown report."""
+    a = report["args"]
+    lines = [
+        f"# Where XLA:GPU schedules the decode step's host recalls ({a['target'].upper()}, compiled without one)",
+        "",
+        f"- command: `{report['command']}`",
+        f"- jax {report['jax']}, CUDA plugin {report['plugin']}, {report['date']}; model `{a['model']}` ({a['dtype']}, "
+        f"its shapes with random weights), prompt {a['length']} tokens, budget {a['budget']}, decode loop of "
+        f"{a['new_tokens']} tokens",
+        f"- kvjax's decode options on a GPU: {report['kvjax_options']}",
+        "",
+        "Per decode step (the `while` body), the host-offloaded calls outside conditionals (a recall's gathers; XLA "
+        "merges a step's calls whose operands are ready together) and, for each, the device operations of the step "
+        "before its start, between its start and its done (what can overlap the gather and its copy), and after its "
+        "done. `in conditionals`: host calls inside a conditional's branch (taken only on some steps).",
+        "",
+        "| method | XLA options | host calls / step | ops before start | ops between start and done | ops after done | "
+        "ops in the step | MiB returned / step | in conditionals | compile s |",
+        "|---|---|---:|---|---|---|---:|---:|---:|---:|",
+    ]
+    for row in report["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['method']} | {row['options']} | error: {row['error']} |||||||")
+            continue
+        s = row["summary"]
+        if not s["calls"]:
+            lines.append(f"| {row['method']} | {row['options']} | 0 | | | | | | {row['in_branches']} | "
+                         f"{row['compile_s']:.1f} |")
+            continue
+        lines.append(f"| {row['method']} | {row['options']} | {s['calls']} | {', '.join(map(str, s['before']))} | "
+                     f"{', '.join(map(str, s['between']))} | {', '.join(map(str, s['after']))} | {s['total']} | "
+                     f"{s['mib']:.2f} | {s['in_branches']} | {row['compile_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """Compile every method's decode loop for the target GPU with kvjax's options and XLA's defaults; write the report."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m evals.gpu_schedule", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="ready model or HF directory (its shapes only)")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods, as `kvjax bench --methods`")
+    p.add_argument("--length", type=int, default=30720, help="prompt tokens (default 30720, as the GPU bench)")
+    p.add_argument("--budget", type=float, default=0.25, help="fraction of the prompt kept (default 0.25)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens of the decode loop (its shapes; default 8)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--target", default="h100", choices=sorted(TARGETS))
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"Markdown report (default {DEFAULT_OUT})")
+    args = p.parse_args(argv)
+
+    import importlib.metadata
+
+    import jax
+    from tqdm import tqdm
+
+    from evals.bench_methods import make_methods, parse_methods
+    from kvjax.generate import GPU_DECODE_COMPILER_OPTIONS
+    from models import load_model
+
+    topology = gpu_topology(args.target)
+    model = load_model(args.model, args.dtype, tokenizer=False, random_weights=True)
+    names = parse_methods(args.methods)
+    methods = make_methods(names, args.budget)
+    schedules = {"kvjax": dict(GPU_DECODE_COMPILER_OPTIONS), "xla-default": {}}
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    with tqdm(total=len(methods) * len(schedules), desc="compile for " + args.target, unit="program",
+              file=sys.stderr) as bar:
+        for name, method in methods.items():
+            try:
+                module = decode_module(model, method, args.length, args.new_tokens)
+            except Exception as e:  # noqa: BLE001 - recorded in the report, the run goes on
+                rows += [{"method": name, "options": o, "error": f"{type(e).__name__}: {e}"[:300]} for o in schedules]
+                bar.update(len(schedules))
+                continue
+            for label, options in schedules.items():
+                bar.set_postfix_str(f"{name} {label}")
+                t = time.perf_counter()
+                hlo = compile_for_gpu(module, topology, options)
+                seconds = time.perf_counter() - t
+                windows = host_call_windows(hlo)
+                rows.append({"method": name, "options": label, "compile_s": seconds, "summary": summarize(windows),
+                             "in_branches": sum(w["in_branch"] for w in windows), "windows": windows})
+                bar.update()
+    report = {
+        "command": "python -m evals.gpu_schedule " + shlex.join(argv), "args": vars(args), "rows": rows,
+        "jax": jax.__version__, "plugin": importlib.metadata.version("jax-cuda12-plugin"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kvjax_options": ", ".join(f"`{k}={v}`" for k, v in GPU_DECODE_COMPILER_OPTIONS.items()),
+    }
+    with open(args.out, "w") as f:
+        f.write(render(report))
+    print(render(report))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

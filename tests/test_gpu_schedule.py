@@ -1,0 +1,97 @@
+"""Where XLA:GPU schedules the decode step's host recalls, in the program compiled for an H100 without one
+(:mod:`evals.gpu_schedule`).
+
+XLA:GPU's latency-hiding scheduler is off by default (jax 0.10.2 and 0.11.2): a host-offloaded computation's start and
+done are then scheduled back to back and the recall's host gather overlaps nothing. kvjax compiles the decode programs
+on a GPU with it (:data:`kvjax.generate.GPU_DECODE_COMPILER_OPTIONS`). The compiled check needs jax's CUDA plugin
+(compiler only, no GPU): ``scripts/setup_env.sh`` installs its wheels into ``.aot-gpu/``, which only the worker process
+puts on its path, and ``scripts/test.sh`` sets ``KVJAX_AOT_GPU`` so that a missing plugin fails there instead of skipping.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from evals.gpu_schedule import host_call_windows, shape_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A scheduled module by hand: the loop body runs one fusion, starts the host call, runs a fusion and a copy, waits,
+# runs one more fusion; the conditional's branch waits at once.
+HLO = """HloModule m, is_scheduled=true
+
+%branch (p: s32[4]) -> f32[2,3] {
+  %p = s32[4]{0} parameter(0)
+  %s = ((s32[4]{0}), f32[2,3]{1,0}, u32[]) custom-call-start(%p), async_execution_thread="host", custom_call_target="HostExecute", called_computations={%host}
+  ROOT %d = f32[2,3]{1,0} custom-call-done(%s)
+}
+
+%body (c: (s32[], s32[4], f32[2,3])) -> (s32[], s32[4], f32[2,3]) {
+  %c = (s32[], s32[4]{0}, f32[2,3]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %ids = s32[4]{0} get-tuple-element(%c), index=1
+  %a = f32[2,3]{1,0} fusion(%ids), kind=kLoop, calls=%fa
+  %start = ((s32[4]{0}), (f32[2,3]{1,0}, bf16[4]{0}), u32[]) custom-call-start(%ids), async_execution_thread="host", custom_call_target="HostExecute", called_computations={%host}
+  %b = f32[2,3]{1,0} fusion(%a), kind=kLoop, calls=%fb
+  %k = f32[2,3]{1,0} copy(%b)
+  %done = (f32[2,3]{1,0}, bf16[4]{0}) custom-call-done(%start)
+  %rows = f32[2,3]{1,0} get-tuple-element(%done), index=0
+  %e = f32[2,3]{1,0} fusion(%k, %rows), kind=kLoop, calls=%fe
+  ROOT %t = (s32[], s32[4]{0}, f32[2,3]{1,0}) tuple(%i, %ids, %e)
+}
+
+ENTRY %main (x: s32[4]) -> f32[2,3] {
+  %x = s32[4]{0} parameter(0)
+  %w = (s32[], s32[4]{0}, f32[2,3]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[2,3]{1,0} conditional(%pred, %x, %x), branch_computations={%branch, %branch}
+}
+"""
+
+
+def test_host_call_windows_of_a_hand_written_schedule():
+    """Counts of a schedule written by hand: device operations before, between and after each HostExecute pair, the
+    pair's computation kind and the bytes it returns."""
+    body, branch = sorted(host_call_windows(HLO), key=lambda w: w["computation"])
+    assert body == {"computation": "body", "loop_body": True, "in_branch": False, "before": 1, "between": 2, "after": 1,
+                    "total": 4, "bytes": 2 * 3 * 4 + 4 * 2}
+    assert branch == {"computation": "branch", "loop_body": False, "in_branch": True, "before": 0, "between": 0,
+                      "after": 0, "total": 0, "bytes": 24}
+    assert shape_bytes("((s32[4]{0}), f32[2,3]{1,0}, u32[])") == 16 + 24 + 4
+
+
+def _plugin_dir():
+    path = os.environ.get("KVJAX_AOT_GPU") or os.path.join(ROOT, ".aot-gpu")
+    if not os.path.isdir(os.path.join(path, "jax_plugins")):
+        if os.environ.get("KVJAX_AOT_GPU"):
+            pytest.fail(f"KVJAX_AOT_GPU={path} holds no jax CUDA plugin (scripts/setup_env.sh installs it)")
+        pytest.skip("jax's CUDA plugin is not in .aot-gpu/ (scripts/setup_env.sh installs it)")
+    return path
+
+
+def test_pipelined_recall_overlaps_the_step_in_the_h100_schedule():
+    """The tiny model's decode loop compiled for an H100 (XLA:GPU's own compiler, no GPU). With kvjax's options the
+    pipelined schedule's one host call per step (both layers' gathers, merged by XLA) starts before most of the step
+    and is waited for at its end: at least half of the step's device operations lie between. ``ahead`` starts it only
+    after the leaders' attention, so fewer do. With XLA's defaults none do, for every schedule: the check can fail."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_plugin_dir(), ROOT]), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu_schedule_worker"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def step_call(name):
+        calls = [w for w in found[name] if w["loop_body"] and not w["in_branch"]]
+        assert len(calls) == 1, calls
+        return calls[0]
+
+    for method in ("heterocache-pipelined", "synckv-pipelined"):
+        call = step_call(f"{method}/kvjax")
+        assert call["between"] >= call["total"] / 2, call
+    ahead, pipelined = step_call("synckv-ahead/kvjax"), step_call("synckv-pipelined/kvjax")
+    assert ahead["before"] > pipelined["before"] and ahead["between"] < pipelined["between"], (ahead, pipelined)
+    for name, windows in found.items():
+        if name.endswith("/xla-default"):
+            assert windows and all(w["between"] == 0 for w in windows), (name, windows)
