@@ -173,8 +173,9 @@ def compile_for_gpu(module_text: str, topology, options: dict) -> str:
 
 @contextlib.contextmanager
 def gpu_lowering():
-    """Trace as on a GPU: ``jax.default_backend()`` says ``"gpu"`` (kvjax picks the kernels' GPU forms from it) and, on
-    jax >= 0.11, an abstract H100 names the GPU model the Triton lowering needs."""
+    """Trace as on a GPU: ``jax.default_backend()`` says ``"gpu"`` (kvjax picks the kernels' GPU forms from it) and,
+    where jax has abstract devices, an abstract H100 mesh names the GPU model the Triton lowering needs (jax >= 0.11
+    asks the device otherwise). Yields the mesh the inputs' shardings must use (that one, else the CPU's)."""
     import jax
 
     real = jax.default_backend
@@ -182,10 +183,11 @@ def gpu_lowering():
     try:
         if hasattr(jax.sharding, "AbstractDevice"):
             device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
-            with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
-                yield
+            mesh = jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)
+            with jax.sharding.use_abstract_mesh(mesh):
+                yield mesh
         else:
-            yield
+            yield jax.sharding.Mesh(jax.devices("cpu")[:1], ("_",))
     finally:
         jax.default_backend = real
 
@@ -198,7 +200,7 @@ def decode_module(model, method, length: int, new_tokens: int, artifact=None) ->
     not run), its host arrays keep their ``pinned_host`` memory kind."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from kvjax.cache import new_cache
@@ -211,21 +213,20 @@ def decode_module(model, method, length: int, new_tokens: int, artifact=None) ->
 
     shapes = jax.eval_shape(compressed)
     avals = jax.jit(compressed).trace().jaxpr.out_avals  # they carry the memory space
-    mesh = Mesh(jax.devices("cpu")[:1], ("_",))  # a NamedSharding's memory kind reaches the traced value's type
     kinds = {"Host": "pinned_host", "Device": "device"}
     tree = jax.tree_util.tree_structure(shapes)
-    cache = jax.tree_util.tree_unflatten(tree, [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P(), memory_kind=kinds[a.memory_space.name]))
-        for a in avals])
+    params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
+    first = jax.ShapeDtypeStruct((1,), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
 
     def loop(params, first, cache, key):
         return decode_loop_jit(model.graphdef, params, first, cache, key, max_new_tokens=new_tokens)
 
-    params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
-    first = jax.ShapeDtypeStruct((1,), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     jax.clear_caches()  # the kernels' form is chosen at trace time: trace again, as on a GPU
-    with gpu_lowering():
+    with gpu_lowering() as mesh:  # a NamedSharding's memory kind reaches the traced value's type
+        cache = jax.tree_util.tree_unflatten(tree, [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P(), memory_kind=kinds[a.memory_space.name]))
+            for a in avals])
         exported = jax.export.export(jax.jit(loop), platforms=["cuda"],
                                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(
             params, first, cache, key)

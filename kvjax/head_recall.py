@@ -84,6 +84,15 @@ same answers as ``"spread"`` on the 4K query-agnostic ablation prompts and as ``
 both protocols (``docs/results/qwen2.5-coder-0.5b-{4k-g24,8k}-pipelined-query-*``), and in the GPU lowering every layer's
 host gather depends only on the loop carry, where ``"ahead"``'s depend on the step's attention
 (``tests/test_gpu_host_syncs.py``). Not yet run on a GPU (``docs/GPU.md``).
+
+Why none of the timed schedules overlapped (session 48, found without a GPU by compiling the decode loop for an
+H100: ``python -m evals.gpu_schedule``, docs/RESULTS.md): XLA:GPU's latency-hiding scheduler is off by default
+(jax 0.10.2 and 0.11.2), and without it XLA schedules the host gather's start and done back to back, so nothing
+overlapped whatever the schedule; every GPU figure above was compiled so. kvjax's decode programs now compile with
+it on a GPU (:data:`kvjax.generate.GPU_DECODE_COMPILER_OPTIONS`). Then the one host call per step (XLA merges the
+layers' gathers) spans 772 of a SyncKV step's 1,170 device operations with ``"pipelined"`` (HeteroCache 704 of
+1,119) and 289–399 with ``"spread"`` or ``"ahead"``, whose indices come late in the step
+(``tests/test_gpu_schedule.py``). How much time that hides is for a GPU to measure.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@
 #   scripts/gpu_checks.sh env             # versions and devices
 #   scripts/gpu_checks.sh kernels         # the Pallas kernel and host-tier tests, compiled for the GPU
 #   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall (spread, ahead, pipelined)
-#                                         # vs the full cache, 30K
+#                                         # vs the full cache, 30K (decode compiled with kvjax's GPU options)
+#   scripts/gpu_checks.sh bench-xla-default  # the same for full, SyncKV pipelined / without recall, compiled with XLA's
+#                                         # default schedule (no latency-hiding scheduler), as sessions 39-46 ran it
 #   scripts/gpu_checks.sh recall-micro    # where a step's recall time goes: cond / unconditional / prefetch / pages,
 #                                         # fixed indices and indices from the step's compute (dep-*)
 #   scripts/gpu_checks.sh profile         # a jax.profiler trace of a few decode steps: full, SyncKV (spread, ahead, pipelined), 30K
@@ -21,7 +23,7 @@
 # REPEATS the bench's timed runs, DTYPE the benches' dtype (bfloat16 by default, as a GPU user runs it). A bench
 # length must be a multiple of its chunk and leave room for the new tokens in the model's 32768 (hence 30720).
 set -euo pipefail
-stage=${1:?usage: scripts/gpu_checks.sh env|kernels|bench|recall-micro|profile|locret-memory|locret-bench|pack NAME|train NAME}
+stage=${1:?usage: scripts/gpu_checks.sh env|kernels|bench|bench-xla-default|recall-micro|profile|locret-memory|locret-bench|pack NAME|train NAME}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -43,6 +45,13 @@ bench)
     "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
         --methods full,heterocache:recall_schedule=spread,heterocache:recall_schedule=ahead,heterocache:recall_schedule=pipelined,heterocache:retrieval=false,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,synckv:recall_schedule=pipelined,synckv:anticipation=false \
         --chunk-size 2048 --new-tokens 64 --repeats "${REPEATS:-3}" --dtype "${DTYPE:-bfloat16}" --out "$out/bench_recall_gpu.md"
+    ;;
+bench-xla-default)
+    "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
+        --methods full,synckv:recall_schedule=pipelined,synckv:anticipation=false \
+        --compiler-option xla_gpu_enable_latency_hiding_scheduler=false \
+        --chunk-size 2048 --new-tokens 64 --repeats "${REPEATS:-3}" --dtype "${DTYPE:-bfloat16}" --no-plot \
+        --out "$out/bench_recall_xla_default_gpu.md"
     ;;
 recall-micro)
     "$py" docs/results/microbench/recall_step.py --steps "${STEPS:-20}" --repeats "${REPEATS:-3}" \

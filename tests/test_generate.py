@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,3 +165,26 @@ def test_decode_compiler_options_turn_on_the_gpu_scheduler_only_on_a_gpu():
     assert decode_compiler_options("gpu") == decode_compiler_options("cuda") == GPU_DECODE_COMPILER_OPTIONS
     assert decode_compiler_options("cpu") == decode_compiler_options("tpu") == {}
     assert decode_compiler_options() == {}  # this machine's backend is the CPU
+
+
+def test_decode_with_the_gpu_options_generates_the_same_tokens(tiny, monkeypatch):
+    """The path a GPU takes (the loop and the streaming step compiled with the GPU options, which the CPU ignores)
+    runs and gives the tokens of the plain path."""
+    generate_mod = importlib.import_module("kvjax.generate")  # the module (``kvjax.generate`` is also the API function)
+
+    row = list(np.random.default_rng(4).integers(0, 97, size=25))
+    loop, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=6)
+    streamed, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=6, on_token=lambda t: None)
+    asked = []
+
+    def gpu_options(platform=None):
+        asked.append(platform)
+        return dict(generate_mod.GPU_DECODE_COMPILER_OPTIONS)
+
+    monkeypatch.setattr(generate_mod, "decode_compiler_options", gpu_options)
+    gpu_loop, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=6)
+    assert len(asked) == 1  # the loop asked once
+    gpu_streamed, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=6, on_token=lambda t: None)
+    assert len(asked) == 1 + 5  # and each of the 5 streaming steps
+    np.testing.assert_array_equal(gpu_loop, loop)
+    np.testing.assert_array_equal(gpu_streamed, streamed)

@@ -81,7 +81,9 @@ kvjax's choices where the paper is silent or the model differs (each documented)
 * ``recall_schedule="spread"``: see :func:`kvjax.head_recall.apply_recalls` (no recall conditional; a new
   choice lands over ``window`` steps). ``"ahead"``: the same moves, written into the satellites' slots one call
   after they are gathered (:func:`kvjax.head_recall.land_pending`; same tokens as ``"spread"``, tested). On an H100
-  neither overlaps its recall: 7.99 / 8.41 ms/token against 1.25 without recall (:mod:`kvjax.head_recall`, "Timing").
+  neither overlapped its recall: 7.99 / 8.41 ms/token against 1.25 without recall, compiled with XLA's default
+  schedule, under which no recall can overlap anything; decode now compiles with the latency-hiding scheduler on a
+  GPU, not yet timed (:mod:`kvjax.head_recall`, "Timing").
 """
 
 from __future__ import annotations

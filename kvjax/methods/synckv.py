@@ -81,7 +81,8 @@ kvjax's choices (documented deviations):
   ``ceil(k_dyn / m)`` tokens its R-head's latest choice dropped with chosen tokens it lacks, best first
   (:func:`kvjax.head_recall.spread_moves`), so a new dynamic set lands over ``m`` steps instead of in one. On an
   H100 at 30,720 tokens (random weights), moving the same bytes per step, SyncKV decoded at 7.33 against 8.73
-  ms/token with the paper's schedule. The committed forms of both were not timed (docs/RESULTS.md, "On a GPU").
+  ms/token with the paper's schedule; the committed forms, in session 46, 5.97 and 6.56 (docs/RESULTS.md, "On a
+  GPU").
   Accuracy: the same answers as the paper's schedule in all 24 cells of the ablation's 12 prompts (4K, 10 / 25%,
   query-agnostic, ``kernel=7:group_layers=24:rehearsals=2``;
   ``docs/results/qwen2.5-coder-0.5b-4k-g24-rehearsals-spread-query-agnostic``).
@@ -89,8 +90,10 @@ kvjax's choices (documented deviations):
   and written into the NR-heads' slots at the start of the layer's next call
   (:func:`kvjax.head_recall.land_pending`), so no layer of a step waits for its own transfer. Same tokens as
   ``"spread"`` (tested); a second buffer of ``ceil(k_dyn / m)`` rows per NR-head on the device (counted in the
-  device bytes). On an H100 it was no faster than ``"spread"``: 6.73 against 5.97 ms/token, 1.42 without recall
-  (:mod:`kvjax.head_recall`, "Timing"; ``docs/GPU.md``).
+  device bytes). On an H100 it was no faster than ``"spread"``: 6.73 against 5.97 ms/token, 1.42 without recall.
+  All these were compiled with XLA's default schedule, under which no recall can overlap anything; decode now
+  compiles with the latency-hiding scheduler on a GPU, not yet timed (:mod:`kvjax.head_recall`, "Timing";
+  ``docs/GPU.md``).
 """
 
 from __future__ import annotations
