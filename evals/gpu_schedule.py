@@ -19,7 +19,8 @@ estimates may differ somewhat from a compilation on the GPU.
 
 Needs jax's CUDA plugin at jax's version, for its compiler only (no GPU, driver or CUDA libraries):
 ``scripts/setup_env.sh`` puts its two wheels in ``.aot-gpu/``, so run ``PYTHONPATH=.aot-gpu:. python -m
-evals.gpu_schedule``. The tool runs JAX on the CPU (``JAX_PLATFORMS=cpu``) and skips the plugin's check for a GPU.
+evals.gpu_schedule``. The tool runs JAX on the CPU (:func:`compile_only_cuda`). jax exposes deviceless compilation
+only in part: the compile step uses jax internals (``jax._src``), checked with jax 0.10.2 and 0.11.2.
 """
 
 from __future__ import annotations
@@ -33,13 +34,10 @@ import shlex
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax: the CUDA plugin must not look for a GPU
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-
 DEFAULT_METHODS = ("full,synckv:recall_schedule=whole,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,"
                    "synckv:recall_schedule=pipelined,heterocache:recall_schedule=whole,heterocache:recall_schedule=spread,"
                    "heterocache:recall_schedule=ahead,heterocache:recall_schedule=pipelined")
-DEFAULT_OUT = "docs/results/gpu_schedule_h100/report.md"
+DEFAULT_OUT = "docs/results/gpu_schedule_{target}/report_jax{jax}.md"
 
 # XLA's description of each target (xla.stream_executor.GpuTargetConfigProto, text format): the SXM parts' published
 # figures (132 SMs, 50 MiB L2, 3.35 / 4.8 TB/s), compute capability 9.0, CUDA 12.8 / cuDNN 9.7.
@@ -140,6 +138,15 @@ def host_call_windows(hlo: str) -> list[dict]:
     return found
 
 
+def compile_only_cuda() -> None:
+    """Run JAX on the CPU, with the CUDA plugin only as a compiler: call it before anything starts a JAX backend
+    (the plugin then checks for no GPU)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # in case a platform list names cuda after all
+
+
 def gpu_topology(target: str):
     """jax's deviceless topology of one ``target`` GPU (``TARGETS``); a clear error without the CUDA plugin."""
     import jax
@@ -208,6 +215,7 @@ def decode_module(model, method, length: int, new_tokens: int, artifact=None) ->
     from pallas_kernels.backend import TRITON_CUSTOM_CALL
 
     config = model.config
+
     def compressed():
         return compress_jit(new_cache(method, config, 1, length, new_tokens, model.dtype, artifact=artifact))
 
@@ -240,8 +248,7 @@ def summarize(windows: list[dict]) -> dict:
         return {"calls": 0}
     return {"calls": len(calls), "before": [w["before"] for w in calls], "between": [w["between"] for w in calls],
             "after": [w["after"] for w in calls], "total": calls[0]["total"],
-            "mib": sum(w["bytes"] for w in calls) / 2**20,
-            "in_branches": sum(w["in_branch"] for w in windows)}
+            "mib": sum(w["bytes"] for w in calls) / 2**20}
 
 
 def render(report: dict) -> str:
@@ -276,7 +283,7 @@ def render(report: dict) -> str:
             continue
         lines.append(f"| {row['method']} | {row['options']} | {s['calls']} | {', '.join(map(str, s['before']))} | "
                      f"{', '.join(map(str, s['between']))} | {', '.join(map(str, s['after']))} | {s['total']} | "
-                     f"{s['mib']:.2f} | {s['in_branches']} | {row['compile_s']:.1f} |")
+                     f"{s['mib']:.2f} | {row['in_branches']} | {row['compile_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -291,8 +298,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=8, help="tokens of the decode loop (its shapes; default 8)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--target", default="h100", choices=sorted(TARGETS))
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"Markdown report (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=None, help=f"Markdown report (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
+    compile_only_cuda()
 
     import importlib.metadata
 
@@ -304,6 +312,7 @@ def main(argv=None) -> int:
     from models import load_model
 
     topology = gpu_topology(args.target)
+    args.out = args.out or DEFAULT_OUT.format(target=args.target, jax=jax.__version__)
     model = load_model(args.model, args.dtype, tokenizer=False, random_weights=True)
     names = parse_methods(args.methods)
     methods = make_methods(names, args.budget)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 
-from evals.gpu_schedule import compile_for_gpu, decode_module, gpu_topology, host_call_windows  # sets JAX_PLATFORMS
-
+from evals.gpu_schedule import compile_for_gpu, compile_only_cuda, decode_module, gpu_topology, host_call_windows
 from kvjax.generate import GPU_DECODE_COMPILER_OPTIONS
 from kvjax.methods import HeteroCache, SyncKV
 from tests.mesh_worker import CONFIG_D16, recall_artifacts, tiny_model
@@ -19,6 +18,7 @@ PROMPT, NEW = 64, 3
 
 
 def main() -> None:
+    compile_only_cuda()
     topology = gpu_topology("h100")
     model = tiny_model(CONFIG_D16)
     hetero, sync = recall_artifacts(CONFIG_D16)

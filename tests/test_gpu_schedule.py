@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from evals.gpu_schedule import host_call_windows, shape_bytes
+from evals.gpu_schedule import host_call_windows, render, shape_bytes, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,6 +60,22 @@ def test_host_call_windows_of_a_hand_written_schedule():
     assert branch == {"computation": "branch", "loop_body": False, "in_branch": True, "before": 0, "between": 0,
                       "after": 0, "total": 0, "bytes": 24}
     assert shape_bytes("((s32[4]{0}), f32[2,3]{1,0}, u32[])") == 16 + 24 + 4
+
+
+def test_report_rows():
+    """The report has one table row per (method, options): the loop body's calls, one with none, and a failure."""
+    windows = host_call_windows(HLO)
+    assert summarize(windows) == {"calls": 1, "before": [1], "between": [2], "after": [1], "total": 4,
+                                  "mib": 32 / 2**20}
+    args = {"target": "h100", "model": "m", "dtype": "bfloat16", "length": 64, "budget": 0.25, "new_tokens": 3}
+    report = {"args": args, "command": "python -m evals.gpu_schedule", "jax": "0", "plugin": "0", "date": "d",
+              "kvjax_options": "`k=True`", "rows": [
+                  {"method": "a", "options": "kvjax", "compile_s": 1.0, "summary": summarize(windows), "in_branches": 1},
+                  {"method": "b", "options": "kvjax", "compile_s": 2.0, "summary": {"calls": 0}, "in_branches": 0},
+                  {"method": "c", "options": "kvjax", "error": "ValueError: x"}]}
+    rows = [line for line in render(report).splitlines() if line.startswith("| ") and "method" not in line]
+    assert rows == ["| a | kvjax | 1 | 1 | 2 | 1 | 4 | 0.00 | 1 | 1.0 |", "| b | kvjax | 0 | | | | | | 0 | 2.0 |",
+                    "| c | kvjax | error: ValueError: x |||||||"]
 
 
 def _plugin_dir():
