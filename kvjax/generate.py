@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 from collections import Counter
 
@@ -34,17 +35,21 @@ TRACE_COUNTS: Counter = Counter()
 # gathers of a recall (HeteroCache, SyncKV, HCAttention) never overlap the step's device work. With it they span the
 # step's kernels that do not need their result (``python -m evals.gpu_schedule``, docs/results/gpu_schedule_h100/).
 GPU_DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+XLA_DEFAULTS_ENV = "KVJAX_DECODE_XLA_DEFAULTS"  # set to 1: decode compiles with XLA's defaults everywhere
 
 
 def decode_compiler_options(platform: str | None = None) -> dict:
     """XLA options to compile a top-level decode program with on ``platform`` (default: jax's default backend):
-    :data:`GPU_DECODE_COMPILER_OPTIONS` on a GPU, none elsewhere.
+    :data:`GPU_DECODE_COMPILER_OPTIONS` on a GPU, none elsewhere, and none anywhere when the environment sets
+    ``KVJAX_DECODE_XLA_DEFAULTS=1`` (XLA's own defaults, e.g. to compare, or if the scheduler misbehaves on a GPU).
 
     :func:`decode_step` and :func:`decode_loop` use them. jax refuses compiler options on a jit nested in another,
     so :func:`decode_step_jit` and :func:`decode_loop_jit` (nestable, for lowering) do not carry them: pass
     ``compiler_options=decode_compiler_options()`` to ``.lower(...).compile`` when compiling those ahead of time.
     """
     platform = jax.default_backend() if platform is None else platform
+    if os.environ.get(XLA_DEFAULTS_ENV, "") not in ("", "0"):
+        return {}
     return dict(GPU_DECODE_COMPILER_OPTIONS) if platform in ("gpu", "cuda", "rocm") else {}
 
 

@@ -167,6 +167,16 @@ def test_decode_compiler_options_turn_on_the_gpu_scheduler_only_on_a_gpu():
     assert decode_compiler_options() == {}  # this machine's backend is the CPU
 
 
+def test_decode_compiler_options_can_be_turned_off(monkeypatch):
+    """``KVJAX_DECODE_XLA_DEFAULTS=1``: XLA's defaults on a GPU too (``0`` or empty: kvjax's options)."""
+    from kvjax.generate import GPU_DECODE_COMPILER_OPTIONS, XLA_DEFAULTS_ENV, decode_compiler_options
+
+    monkeypatch.setenv(XLA_DEFAULTS_ENV, "1")
+    assert decode_compiler_options("gpu") == {}
+    monkeypatch.setenv(XLA_DEFAULTS_ENV, "0")
+    assert decode_compiler_options("gpu") == GPU_DECODE_COMPILER_OPTIONS
+
+
 def test_decode_with_the_gpu_options_generates_the_same_tokens(tiny, monkeypatch):
     """The path a GPU takes (the loop and the streaming step compiled with the GPU options, which the CPU ignores)
     runs and gives the tokens of the plain path."""
