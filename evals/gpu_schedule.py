@@ -182,7 +182,7 @@ def compile_for_gpu(module_text: str, topology, options: dict) -> str:
 def gpu_lowering():
     """Trace as on a GPU: ``jax.default_backend()`` says ``"gpu"`` (kvjax picks the kernels' GPU forms from it) and,
     where jax has abstract devices, an abstract H100 mesh names the GPU model the Triton lowering needs (jax >= 0.11
-    asks the device otherwise). Yields the mesh the inputs' shardings must use (that one, else the CPU's)."""
+    asks the device otherwise; compute capability 9.0, also the H200's). Yields the mesh the inputs' shardings must use (that one, else the CPU's)."""
     import jax
 
     real = jax.default_backend
