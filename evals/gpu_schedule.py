@@ -219,10 +219,10 @@ def decode_module(model, method, length: int, new_tokens: int, artifact=None) ->
     def compressed():
         return compress_jit(new_cache(method, config, 1, length, new_tokens, model.dtype, artifact=artifact))
 
-    shapes = jax.eval_shape(compressed)
-    avals = jax.jit(compressed).trace().jaxpr.out_avals  # they carry the memory space
+    traced = jax.jit(compressed).trace()  # one trace: the cache's structure and its values' memory spaces
+    avals = traced.jaxpr.out_avals
     kinds = {"Host": "pinned_host", "Device": "device"}
-    tree = jax.tree_util.tree_structure(shapes)
+    tree = jax.tree_util.tree_structure(traced.out_info)
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
     first = jax.ShapeDtypeStruct((1,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))

@@ -92,8 +92,7 @@ overlapped whatever the schedule; every GPU figure above was compiled so. kvjax'
 it on a GPU (:data:`kvjax.generate.GPU_DECODE_COMPILER_OPTIONS`). Then the one host call per step (XLA merges the
 layers' gathers) spans 772 of a SyncKV step's 1,170 device operations with ``"pipelined"`` (HeteroCache 704 of
 1,119; jax 0.10.2, about the same with 0.11.2) and 277–399 with ``"spread"`` or ``"ahead"``, whose indices come
-late in the step
-(``tests/test_gpu_schedule.py``). How much time that hides is for a GPU to measure.
+late in the step (``tests/test_gpu_schedule.py``). How much time that hides is for a GPU to measure.
 """
 
 from __future__ import annotations
