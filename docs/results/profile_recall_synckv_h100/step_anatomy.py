@@ -10,6 +10,8 @@ columns between methods, not with the bench's ms/token):
 * ``host-offload calls`` / ``waiting ms`` / ``computing ms``: XLA host-offloaded computations (the recall's
   ``compute_on("device_host")`` gather, ``HostExecuteStartThunk``): how many, how long their thread waited for
   the device inputs (``BlockUntilReady``), and how long the CPU gather ran (``HostOffloadingNanoRtExecutable``);
+* ``host-call ms`` / ``GPU busy during host calls ms``: the host-offloaded calls' span (from the thunk's start to
+  its result published) and the GPU work that ran within it: the overlap of the recall with the step's compute;
 * ``graph launches``: ``command_buffer::execute`` on the launching thread (CUDA graphs: the full cache's loop
   body is one per step; anything XLA cannot capture splits a step into more);
 * ``D2H on launcher``: device-to-host copies issued by the launching thread (a data-dependent conditional's
@@ -24,7 +26,7 @@ import pathlib
 import tarfile
 import tempfile
 
-from evals.trace_summary import find_traces, load_events, union_length
+from evals.trace_summary import find_traces, load_events, overlap_length, union_length
 
 
 def anatomy(events: list[dict]) -> dict:
@@ -45,12 +47,16 @@ def anatomy(events: list[dict]) -> dict:
 
     launcher = [e for e in spans if where(e) == ("/host:CPU", "python3")]
     counts = collections.Counter(e["name"].split("(")[0].strip() for e in launcher)
+    gpu = iv(lambda e: "GPU" in where(e)[0] and "Compute" in where(e)[1])
+    host_calls = iv(lambda e: "host_callback" in e["name"])
     return {
         "loop ms": union_length(iv(lambda e: "XLA GPU module" in e["name"])) / 1e3,
-        "GPU busy ms": union_length(iv(lambda e: "GPU" in where(e)[0] and "Compute" in where(e)[1])) / 1e3,
-        "host-offload calls": sum("host_callback" in e["name"] for e in spans),
+        "GPU busy ms": union_length(gpu) / 1e3,
+        "host-offload calls": len(host_calls),
         "waiting ms": union_length(iv(lambda e: "HostExecute" in e["name"] and "BlockUntilReady" in e["name"])) / 1e3,
         "computing ms": union_length(iv(lambda e: e["name"] == "HostOffloadingNanoRtExecutable::Execute")) / 1e3,
+        "host-call ms": union_length(host_calls) / 1e3,
+        "GPU busy during host calls ms": overlap_length(gpu, host_calls) / 1e3,
         "graph launches": counts["command_buffer::execute"],
         "D2H on launcher": counts["MemcpyD2H"],
     }
