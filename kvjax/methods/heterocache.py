@@ -82,8 +82,10 @@ kvjax's choices where the paper is silent or the model differs (each documented)
   choice lands over ``window`` steps). ``"ahead"``: the same moves, written into the satellites' slots one call
   after they are gathered (:func:`kvjax.head_recall.land_pending`; same tokens as ``"spread"``, tested). On an H100
   neither overlapped its recall: 7.99 / 8.41 ms/token against 1.25 without recall, compiled with XLA's default
-  schedule, under which no recall can overlap anything; decode now compiles with the latency-hiding scheduler on a
-  GPU, not yet timed (:mod:`kvjax.head_recall`, "Timing").
+  schedule, under which no recall can overlap anything. With the latency-hiding scheduler, which decode now
+  compiles with on a GPU (session 49, another H100): 7.68 ``"spread"``, 8.50 ``"ahead"`` and 6.81 ``"pipelined"``
+  against 1.27 without recall and 1.44 for the full cache; recall overlaps decoding only partly
+  (:mod:`kvjax.head_recall`, "Timing").
 """
 
 from __future__ import annotations
@@ -249,7 +251,7 @@ class HeteroCache:
         reaches it), ``"spread"`` (each decode step moves up to ``1/window`` of it, the tokens it lacks for
         those it no longer needs: no conditional per layer; a deviation, see :func:`kvjax.head_recall.apply_recalls`),
         ``"ahead"`` (``"spread"``'s moves, written one call after they are gathered) or ``"pipelined"`` (gathered
-        one call after they are chosen, written the call after: not yet run on a GPU, ``docs/GPU.md``).
+        one call after they are chosen, written the call after: the fastest on an H100, ``docs/RESULTS.md``).
       page_size, implementation: paged layout and decode attention implementation.
     """
 

@@ -91,9 +91,10 @@ kvjax's choices (documented deviations):
   (:func:`kvjax.head_recall.land_pending`), so no layer of a step waits for its own transfer. Same tokens as
   ``"spread"`` (tested); a second buffer of ``ceil(k_dyn / m)`` rows per NR-head on the device (counted in the
   device bytes). On an H100 it was no faster than ``"spread"``: 6.73 against 5.97 ms/token, 1.42 without recall.
-  All these were compiled with XLA's default schedule, under which no recall can overlap anything; decode now
-  compiles with the latency-hiding scheduler on a GPU, not yet timed (:mod:`kvjax.head_recall`, "Timing";
-  ``docs/GPU.md``).
+  All these were compiled with XLA's default schedule, under which no recall can overlap anything. With the
+  latency-hiding scheduler, which decode now compiles with on a GPU (session 49, another H100): 5.40 ``"spread"``,
+  5.47 ``"ahead"`` and 4.39 ``"pipelined"`` (6.57 with XLA's defaults on the same machine) against 1.43 without
+  recall and 1.44 for the full cache; recall overlaps decoding only partly (:mod:`kvjax.head_recall`, "Timing").
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ class SyncKV:
         R-head's new choice reaches it), ``"spread"`` (each decode step moves up to ``1/m`` of it, the tokens
         it lacks for those it no longer needs: no conditional per layer; a deviation, see the module docstring),
         ``"ahead"`` (``"spread"``'s moves, written one call after they are gathered) or ``"pipelined"`` (gathered
-        one call after they are chosen, written the call after: not yet run on a GPU, ``docs/GPU.md``).
+        one call after they are chosen, written the call after: the fastest on an H100, ``docs/RESULTS.md``).
       page_size, block, implementation: paged layout, prefill block, decode attention implementation.
     """
 
