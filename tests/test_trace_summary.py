@@ -54,3 +54,33 @@ def test_command_line_reads_gz_folders_and_refuses_missing(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no \\*.trace"):
         find_traces([str(tmp_path / "empty")])
+
+
+def test_step_anatomy_counts_gpu_work_during_the_host_calls():
+    """``docs/results/profile_recall_synckv_h100/step_anatomy.py`` on a hand-built step: the GPU work that runs
+    while a host-offloaded call runs (the recall's overlap with decoding), computed by hand."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "docs/results/profile_recall_synckv_h100/step_anatomy.py"
+    spec = importlib.util.spec_from_file_location("step_anatomy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #14(Compute,MemcpyH2D)"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "tid": 3, "name": "thread_name", "args": {"name": "tf_host-offloading-device-id-0/1"}},
+            {"ph": "M", "pid": 2, "tid": 4, "name": "thread_name", "args": {"name": "python3"}}]
+    x = lambda pid, tid, ts, dur, name: {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+    call = "HostExecuteStartThunk::ExecuteOnStream::execute (host_callback)"
+    events = meta + [
+        x(1, 7, 0, 1000, "fusion"), x(1, 7, 1500, 1000, "dot"), x(1, 7, 3000, 500, "MemcpyH2D"),  # GPU busy 2.5 ms
+        x(2, 3, 800, 2000, call),  # the host call spans 0.8..2.8 ms: GPU busy 0.2 + 1.0 ms of it
+        x(2, 3, 900, 400, "HostExecuteStartThunk::ExecuteOnStream::execute BlockUntilReady"),
+        x(2, 4, 0, 3600, "XLA GPU module jit__decode_loop"), x(2, 4, 100, 10, "MemcpyD2H"),
+    ]
+    row = module.anatomy(events)
+    assert row["GPU busy ms"] == pytest.approx(2.5)
+    assert (row["host-offload calls"], row["host-call ms"], row["waiting ms"]) == (1, pytest.approx(2.0), pytest.approx(0.4))
+    assert row["GPU busy during host calls ms"] == pytest.approx(1.2)
+    assert (row["loop ms"], row["D2H on launcher"]) == (pytest.approx(3.6), 1)
