@@ -8,7 +8,8 @@ between the two runs while the host gathers and copies; nothing scheduled betwee
 tool compiles each method's jitted decode loop with XLA:GPU's own compiler for the target GPU (deviceless
 ahead-of-time compilation, jax's CUDA plugin on a machine without a GPU), reads the scheduled HLO and reports, for
 every host call of the loop's body, how many device operations (fusions, kernels, copies, conditionals) come before
-its start, between its start and its done, and after its done. It does so twice: with kvjax's decode options
+its start, between its start and its done, and after its done, and how many conditionals the step holds (each a host
+synchronisation on a GPU). It does so twice: with kvjax's decode options
 (:func:`kvjax.generate.decode_compiler_options`, as :func:`kvjax.generate.decode_loop` compiles on a GPU) and with
 XLA's defaults.
 
@@ -136,6 +137,22 @@ def host_call_windows(hlo: str) -> list[dict]:
         if inst:
             ops.append((inst.group(1), inst.group(2), inst.group(3), line))
     return found
+
+
+def loop_conditionals(hlo: str) -> int:
+    """``conditional`` operations in the loop bodies of a scheduled HLO module (a decode step's; those nested in a
+    branch are not counted). On a GPU each one copies its predicate to the host and waits for it: a host
+    synchronisation per step."""
+    bodies = set(re.findall(r"\bbody=%(\S+?)[,}\s]", hlo))
+    computation, count = None, 0
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            computation = head.group(1)
+            continue
+        inst = _INSTRUCTION.match(line)
+        count += bool(computation in bodies and inst and inst.group(3) == "conditional")
+    return count
 
 
 def compile_only_cuda() -> None:
@@ -266,24 +283,26 @@ def render(report: dict) -> str:
         "Per decode step (the `while` body), the host-offloaded calls outside conditionals (a recall's gathers; XLA "
         "merges a step's calls whose operands are ready together) and, for each, the device operations of the step "
         "before its start, between its start and its done (what can overlap the gather and its copy), and after its "
-        "done. `in conditionals`: host calls inside a conditional's branch (taken only on some steps).",
+        "done. `in conditionals`: host calls inside a conditional's branch (taken only on some steps). `conditionals "
+        "/ step`: conditionals in the loop body, each a host synchronisation on a GPU (it reads its predicate on the "
+        "host).",
         "",
         "| method | XLA options | host calls / step | ops before start | ops between start and done | ops after done | "
-        "ops in the step | MiB returned / step | in conditionals | compile s |",
-        "|---|---|---:|---|---|---|---:|---:|---:|---:|",
+        "ops in the step | MiB returned / step | in conditionals | conditionals / step | compile s |",
+        "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
         if "error" in row:
-            lines.append(f"| {row['method']} | {row['options']} | error: {row['error']} |||||||")
+            lines.append(f"| {row['method']} | {row['options']} | error: {row['error']} ||||||||")
             continue
         s = row["summary"]
         if not s["calls"]:
             lines.append(f"| {row['method']} | {row['options']} | 0 | | | | | | {row['in_branches']} | "
-                         f"{row['compile_s']:.1f} |")
+                         f"{row['conditionals']} | {row['compile_s']:.1f} |")
             continue
         lines.append(f"| {row['method']} | {row['options']} | {s['calls']} | {', '.join(map(str, s['before']))} | "
                      f"{', '.join(map(str, s['between']))} | {', '.join(map(str, s['after']))} | {s['total']} | "
-                     f"{s['mib']:.2f} | {row['in_branches']} | {row['compile_s']:.1f} |")
+                     f"{s['mib']:.2f} | {row['in_branches']} | {row['conditionals']} | {row['compile_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -336,7 +355,8 @@ def main(argv=None) -> int:
                 seconds = time.perf_counter() - t
                 windows = host_call_windows(hlo)
                 rows.append({"method": name, "options": label, "compile_s": seconds, "summary": summarize(windows),
-                             "in_branches": sum(w["in_branch"] for w in windows), "windows": windows})
+                             "in_branches": sum(w["in_branch"] for w in windows), "conditionals": loop_conditionals(hlo),
+                             "windows": windows})
                 bar.update()
     report = {
         "command": "python -m evals.gpu_schedule " + shlex.join(argv), "args": vars(args), "rows": rows,

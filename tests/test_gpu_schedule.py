@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from evals.gpu_schedule import host_call_windows, render, shape_bytes, summarize
+from evals.gpu_schedule import host_call_windows, loop_conditionals, render, shape_bytes, summarize
+from tests.mesh_worker import CONFIG_D16
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,6 +63,16 @@ def test_host_call_windows_of_a_hand_written_schedule():
     assert shape_bytes("((s32[4]{0}), f32[2,3]{1,0}, u32[])") == 16 + 24 + 4
 
 
+def test_loop_conditionals_count_the_step_only():
+    """Conditionals in a loop body count (one per step, each a host synchronisation on a GPU); the entry's does not."""
+    assert loop_conditionals(HLO) == 0
+    twice = HLO.replace("  ROOT %t = (s32[]", "  %q = f32[2,3]{1,0} conditional(%i, %ids, %ids), "
+                                               "branch_computations={%branch, %branch}\n"
+                                               "  %q2 = (f32[2,3]{1,0}, s32[]) conditional(%i, %ids, %ids), "
+                                               "branch_computations={%branch, %branch}\n  ROOT %t = (s32[]")
+    assert loop_conditionals(twice) == 2
+
+
 def test_report_rows():
     """The report has one table row per (method, options): the loop body's calls, one with none, and a failure."""
     windows = host_call_windows(HLO)
@@ -70,12 +81,14 @@ def test_report_rows():
     args = {"target": "h100", "model": "m", "dtype": "bfloat16", "length": 64, "budget": 0.25, "new_tokens": 3}
     report = {"args": args, "command": "python -m evals.gpu_schedule", "jax": "0", "plugin": "0", "date": "d",
               "kvjax_options": "`k=True`", "rows": [
-                  {"method": "a", "options": "kvjax", "compile_s": 1.0, "summary": summarize(windows), "in_branches": 1},
-                  {"method": "b", "options": "kvjax", "compile_s": 2.0, "summary": {"calls": 0}, "in_branches": 0},
+                  {"method": "a", "options": "kvjax", "compile_s": 1.0, "summary": summarize(windows), "in_branches": 1,
+                   "conditionals": 3},
+                  {"method": "b", "options": "kvjax", "compile_s": 2.0, "summary": {"calls": 0}, "in_branches": 0,
+                   "conditionals": 0},
                   {"method": "c", "options": "kvjax", "error": "ValueError: x"}]}
     rows = [line for line in render(report).splitlines() if line.startswith("| ") and "method" not in line]
-    assert rows == ["| a | kvjax | 1 | 1 | 2 | 1 | 4 | 0.00 | 1 | 1.0 |", "| b | kvjax | 0 | | | | | | 0 | 2.0 |",
-                    "| c | kvjax | error: ValueError: x |||||||"]
+    assert rows == ["| a | kvjax | 1 | 1 | 2 | 1 | 4 | 0.00 | 1 | 3 | 1.0 |", "| b | kvjax | 0 | | | | | | 0 | 0 | 2.0 |",
+                    "| c | kvjax | error: ValueError: x ||||||||"]
 
 
 def _plugin_dir():
@@ -96,7 +109,8 @@ def test_pipelined_recall_overlaps_the_step_in_the_h100_schedule():
     proc = subprocess.run([sys.executable, "-m", "tests.gpu_schedule_worker"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = result["windows"]
 
     def step_call(name):
         calls = [w for w in found[name] if w["loop_body"] and not w["in_branch"]]
@@ -111,3 +125,6 @@ def test_pipelined_recall_overlaps_the_step_in_the_h100_schedule():
     for name, windows in found.items():
         if name.endswith("/xla-default"):
             assert windows and all(w["between"] == 0 for w in windows), (name, windows)
+    # the compiled step keeps the lowered program's conditionals (tests/test_gpu_host_syncs.py: SyncKV's anticipation
+    # and re-anchoring check, one each per layer), each a host synchronisation per step on a GPU
+    assert result["conditionals"]["synckv-pipelined/kvjax"] == 2 * CONFIG_D16.num_layers, result["conditionals"]
