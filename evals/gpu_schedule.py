@@ -178,8 +178,9 @@ def gpu_topology(target: str):
     return topologies.get_topology_desc(platform="cuda", target_config=TARGETS[target], topology="1x1x1")
 
 
-def compile_for_gpu(module_text: str, topology, options: dict) -> str:
-    """XLA:GPU's scheduled HLO of a StableHLO module (one device of ``topology``) compiled with the XLA ``options``."""
+def gpu_executable(module_text: str, topology, options: dict):
+    """XLA:GPU's executable of a StableHLO module (one device of ``topology``) compiled with the XLA ``options``:
+    its ``hlo_modules()`` and ``get_compiled_memory_stats()`` are readable, it cannot run."""
     from jax._src import compiler
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client
@@ -190,9 +191,13 @@ def compile_for_gpu(module_text: str, topology, options: dict) -> str:
                                                    env_options_overrides=options)
     with mlir.make_ir_context():
         module = ir.Module.parse(module_text)
-    executable = device.client.compile(module, executable_devices=xla_client.DeviceList((device,)),
-                                       compile_options=compile_options)
-    return executable.hlo_modules()[0].to_string()
+    return device.client.compile(module, executable_devices=xla_client.DeviceList((device,)),
+                                 compile_options=compile_options)
+
+
+def compile_for_gpu(module_text: str, topology, options: dict) -> str:
+    """XLA:GPU's scheduled HLO of a StableHLO module (one device of ``topology``) compiled with the XLA ``options``."""
+    return gpu_executable(module_text, topology, options).hlo_modules()[0].to_string()
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.registry import DEFAULT_MODEL, READY_MODELS, is_installed, ready_model_path
+from models.registry import DEFAULT_MODEL, READY_MODELS, SHAPE_MODELS, is_installed, ready_model_path
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
@@ -43,11 +43,14 @@ def resolve_model_path(name_or_path: str) -> str:
     """A ready model's GGUF path, or a local HF directory / ``.gguf`` file as given."""
     if name_or_path in READY_MODELS:
         return ready_model_path(name_or_path)
+    if name_or_path in SHAPE_MODELS:
+        raise ValueError(f"{name_or_path!r} is known by its shapes only (its weights are not shipped): load it with "
+                         "random weights (load_model(..., random_weights=True), `kvjax bench --random-weights`)")
     if os.path.isdir(name_or_path) or (os.path.isfile(name_or_path) and name_or_path.endswith(".gguf")):
         return name_or_path
     raise ValueError(
-        f"unknown model {name_or_path!r}; ready models: {', '.join(READY_MODELS)}, "
-        "or a local HF directory (config.json + *.safetensors) or .gguf file"
+        f"unknown model {name_or_path!r}; ready models: {', '.join(READY_MODELS)}, shape-only models (random "
+        f"weights): {', '.join(SHAPE_MODELS)}, or a local HF directory (config.json + *.safetensors) or .gguf file"
     )
 
 
@@ -71,9 +74,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer:
         config, path = model_architecture(name_or_path)
         from flax import nnx
 
-        from models.llama import random_model
+        from models.llama import abstract_model, random_params
 
-        graphdef, params = nnx.split(random_model(config, dtype))
+        graphdef, _ = nnx.split(abstract_model(config, dtype))
+        params = random_params(config, dtype)
         tok = load_tokenizer(resolve_model_path(name_or_path)) if tokenizer else None
     else:
         path = resolve_model_path(name_or_path)
@@ -95,16 +99,19 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer:
 def model_architecture(name_or_path: str) -> tuple[ModelConfig, str]:
     """(config, a ``random:`` path label) of a ready model, HF directory or GGUF file, reading no weights."""
     from models.config import load_hf_config
-    from models.registry import ready_model_config
+    from models.registry import ready_model_config, shape_model_config
     from models.weights import gguf_config, open_gguf
 
     if name_or_path in READY_MODELS:
         return ready_model_config(name_or_path), f"random:{name_or_path}"
+    if name_or_path in SHAPE_MODELS:
+        return shape_model_config(name_or_path), f"random:{name_or_path}"
     path = resolve_model_path(name_or_path)
     if os.path.isdir(path):
         return load_hf_config(path), f"random:{path}"
     return gguf_config(open_gguf(path), os.path.splitext(os.path.basename(path))[0]), f"random:{path}"
 
 
-__all__ = ["ModelConfig", "LoadedModel", "load_model", "model_architecture", "READY_MODELS", "DEFAULT_MODEL", "is_installed",
+__all__ = ["ModelConfig", "LoadedModel", "load_model", "model_architecture", "READY_MODELS", "SHAPE_MODELS", "DEFAULT_MODEL",
+           "is_installed",
            "resolve_dtype"]

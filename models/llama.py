@@ -233,6 +233,12 @@ def random_model(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> Causa
     return CausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
+def random_params(config: ModelConfig, dtype=jnp.float32, seed: int = 0):
+    """The parameters of :func:`random_model` (same values), made by one jitted program on the default device: an
+    8B-shaped model's 16 GB of bf16 weights are created where they are used, with no host copy or transfer."""
+    return jax.jit(lambda: nnx.split(random_model(config, dtype, seed))[1])()
+
+
 def forward(graphdef, params, tokens, positions, cache: Cache, *, last_only: bool = False):
     """Pure forward for prefill, chunked prefill and decode.
 

@@ -62,6 +62,36 @@ READY_MODELS: dict[str, ReadyModel] = {
 }
 
 
+# Models known by their shapes only: their weights are not shipped (no hub here), so they load with random weights
+# (``load_model(name, random_weights=True)``, ``kvjax bench --random-weights``) for timing and memory at the papers'
+# scale. The values are those of the models' HF ``config.json``.
+SHAPE_MODELS: dict[str, tuple[str, tuple[tuple[str, object], ...]]] = {
+    "llama-3.1-8b": (
+        "Llama-3.1-8B shapes (llama, 32 layers, 32 q / 8 kv heads, head dim 128, 128K context, llama3 rope scaling)",
+        (("architecture", "llama"), ("vocab_size", 128256), ("hidden_size", 4096), ("intermediate_size", 14336),
+         ("num_layers", 32), ("num_heads", 32), ("num_kv_heads", 8), ("head_dim", 128), ("rope_theta", 500000.0),
+         ("rms_norm_eps", 1e-05), ("max_position_embeddings", 131072), ("tie_word_embeddings", False),
+         ("attention_bias", False), ("qk_norm", False), ("rope_scaling", ("llama3", 8.0, 1.0, 4.0, 8192))),
+    ),
+    "qwen2.5-7b": (
+        "Qwen2.5-7B shapes (qwen2, 28 layers, 28 q / 4 kv heads, head dim 128, 128K context)",
+        (("architecture", "qwen2"), ("vocab_size", 152064), ("hidden_size", 3584), ("intermediate_size", 18944),
+         ("num_layers", 28), ("num_heads", 28), ("num_kv_heads", 4), ("head_dim", 128), ("rope_theta", 1000000.0),
+         ("rms_norm_eps", 1e-06), ("max_position_embeddings", 131072), ("tie_word_embeddings", False),
+         ("attention_bias", True), ("qk_norm", False), ("rope_scaling", None)),
+    ),
+}
+
+
+def shape_model_config(name: str):
+    """A shape-only model's ``ModelConfig`` (:data:`SHAPE_MODELS`)."""
+    from models.config import ModelConfig
+
+    if name not in SHAPE_MODELS:
+        raise ValueError(f"unknown shape-only model {name!r}; known: {', '.join(SHAPE_MODELS)}")
+    return ModelConfig(**dict(SHAPE_MODELS[name][1]), name=name)
+
+
 def cache_dir() -> str:
     """kvjax's user cache directory (``$KVJAX_CACHE`` or ``~/.cache/kvjax``)."""
     path = os.environ.get("KVJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvjax")

@@ -1,0 +1,549 @@
+"""Plan on the CPU: compile every method's decode step for an H100 and for TPU v5e / v5p / v6e slices, without them.
+
+``python -m evals.plan [--model llama-3.1-8b] [--targets h100,v5e-8] [--methods ...] [--budgets 0.1,0.25]
+[--lengths 32768,131072] [--out FILE.md]``
+
+For each target, method, budget and prompt length this compiles the jitted one-token decode step
+(:func:`kvjax.generate.decode_step`, with kvjax's compiler options for the platform) over the compressed cache built
+by the method's own ``init_cache`` + ``compress`` (traced, never allocated: :func:`evals.synthetic.abstract_compressed_cache`)
+and the model's parameters (random bf16 of the real shapes, abstract), with XLA's compiler for the target:
+
+* H100 / H200: jax's CUDA plugin as a compiler only (deviceless, :mod:`evals.gpu_schedule`);
+* TPU: the ``libtpu`` wheel jax pins (``jax[tpu]``) and ``jax.experimental.topologies.get_topology_desc``, on a
+  ``(data, model)`` mesh of the slice (model axis: the most chips that divide the KV heads), Pallas kernels under
+  ``shard_map`` as on a real slice.
+
+From each compiled program: ``memory_analysis()`` (bytes of arguments, outputs, temporaries, per device, device and
+host memory), hence the largest batch that fits in the target's memory (the parameters are fixed; the rest of the
+memory compiled at the smallest batch grows with the rows; the step is compiled again at that batch to check it fits); the bytes a step moves through device memory (TPU: ``cost_analysis()``; the GPU compiler
+gives no cost analysis without a device, so :func:`hlo_bytes` counts them from the compiled HLO the way XLA's cost
+analysis does: each kernel's operands and outputs, only the slices a fusion reads of an operand it slices, an in-place
+update's update); the projected step time at the target's nominal HBM bandwidth, and tokens per second at the largest
+batch. The floor column is the bytes a step reading everything it holds cannot avoid: the weights it reads plus the
+compressed cache's device bytes (Quest and HCAttention select what they read, so their floor is lower than this).
+
+Needs jax's CUDA plugin (``.aot-gpu/``) and ``libtpu`` (``.aot-tpu/``), both put there by ``scripts/setup_env.sh``
+outside the virtual environment: run ``PYTHONPATH=.aot-gpu:.aot-tpu:. python -m evals.plan``. jax runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import sys
+import time
+
+DEFAULT_METHODS = ("full,snapkv,streaming_llm,h2o,pyramidkv,hbw,quest,chunked_eviction,locret,hcattention,heterocache,"
+                   "synckv,synckv:num_representatives=1")
+DEFAULT_OUT = "docs/results/plan_{model}_jax{jax}.md"
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A device to plan for: its platform, the topology jax compiles for, chips, memory per chip and HBM bandwidth
+    (the vendor's nominal figures)."""
+
+    name: str
+    platform: str  # "cuda" | "tpu"
+    topology: str  # TPU topology name, or the GPU target key of evals.gpu_schedule.TARGETS
+    chips: int
+    memory_bytes: int  # per chip
+    bandwidth: float  # bytes/s per chip
+
+    @property
+    def backend(self) -> str:
+        """``jax.default_backend()`` on the target (kvjax picks its kernels' forms from it)."""
+        return "gpu" if self.platform == "cuda" else "tpu"
+
+
+TARGETS = {
+    "h100": Target("h100", "cuda", "h100", 1, 84_929_347_584, 3.35e12),  # H100 SXM 80 GB (as CUDA reports it)
+    "h200": Target("h200", "cuda", "h200", 1, 150_754_820_096, 4.8e12),
+    "v5e-8": Target("v5e-8", "tpu", "v5e:2x4", 8, 16 * GIB, 8.19e11),
+    "v5p-8": Target("v5p-8", "tpu", "v5p:2x2x1", 4, 95 * GIB, 2.765e12),
+    "v6e-8": Target("v6e-8", "tpu", "v6e:2x4", 8, 32 * GIB, 1.64e12),
+}
+
+
+def mesh_shape(target: Target, config) -> tuple[int, int]:
+    """``(data, model)``: the model axis is the most chips that divide the KV heads, the query heads and the MLP."""
+    model = max(m for m in range(1, target.chips + 1) if target.chips % m == 0 and config.num_kv_heads % m == 0
+                and config.num_heads % m == 0 and config.intermediate_size % m == 0)
+    return target.chips // model, model
+
+
+def target_mesh(target: Target, config):
+    """The target's devices (deviceless: a jax topology) as a ``(data, model)`` mesh."""
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh
+
+    from kvjax.sharding import AXES
+
+    if target.platform == "cuda":
+        from evals.gpu_schedule import gpu_topology
+
+        devices = gpu_topology(target.topology).devices
+    else:
+        try:
+            devices = topologies.get_topology_desc(platform="tpu", topology_name=target.topology).devices
+        except Exception as e:  # noqa: BLE001 - no libtpu: say how to get it
+            raise SystemExit(f"compiling for {target.name} needs libtpu ({type(e).__name__}: {e}); "
+                             "scripts/setup_env.sh installs it in .aot-tpu/: run with PYTHONPATH=.aot-gpu:.aot-tpu:.")
+    return Mesh(np.array(devices).reshape(mesh_shape(target, config)), AXES)
+
+
+@contextlib.contextmanager
+def lowering_for(target: Target):
+    """Trace as on the target: ``jax.default_backend()`` names its platform, so kvjax builds its kernels' forms for it
+    (and, for a GPU, an abstract H100 mesh names the GPU model the Triton lowering needs: :func:`evals.gpu_schedule.gpu_lowering`)."""
+    import jax
+
+    if target.platform == "cuda":
+        from evals.gpu_schedule import gpu_lowering
+
+        with gpu_lowering() as mesh:
+            yield mesh
+        return
+    real = jax.default_backend
+    jax.default_backend = lambda: target.backend
+    try:
+        yield None
+    finally:
+        jax.default_backend = real
+
+
+# ----------------------------------------------------------------------------------------------- bytes from HLO
+_COMP = re.compile(r"^(?:ENTRY )?%(\S+) \(")
+_INST = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9-]*)\((.*)$")
+_ARR = re.compile(r"\b(f32|bf16|f16|s32|u32|s8|u8|u16|s16|pred|s64|u64|f64)\[([0-9,]*)\](\{[^}]*\})?")
+_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "u16": 2, "s16": 2, "pred": 1, "s64": 8,
+         "u64": 8, "f64": 8}
+_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
+              "partition-id", "replica-id", "custom-call-done", "while", "conditional", "call", "copy-done",
+              "send-done", "recv-done", "async-done", "add-dependency", "domain"}
+_SLICING = {"dynamic-slice", "slice", "gather"}
+
+
+def _arrays(shape: str) -> tuple[int, int]:
+    """(device bytes, host bytes) of the arrays of an HLO shape (``S(5)`` in a layout: host memory)."""
+    dev = host = 0
+    for dtype, dims, layout in _ARR.findall(shape):
+        n = _SIZE[dtype]
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        if layout and "S(5)" in layout:
+            host += n
+        else:
+            dev += n
+    return dev, host
+
+
+@dataclasses.dataclass
+class _Inst:
+    name: str
+    shape: str
+    op: str
+    operands: list
+    args: str  # the text between the parentheses
+    tail: str  # attributes after them
+    root: bool
+
+
+def _parse(hlo: str) -> dict:
+    """Computations of an HLO module: name -> its instructions (:class:`_Inst`)."""
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        head = _COMP.match(line)
+        if head:
+            current = comps.setdefault(head.group(1), [])
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        inst = _INST.match(line) if current is not None else None
+        if inst:
+            rest = inst.group(4)
+            depth, end = 1, len(rest)
+            for i, ch in enumerate(rest):
+                depth += (ch == "(") - (ch == ")")
+                if depth == 0:
+                    end = i
+                    break
+            args = rest[:end]
+            current.append(_Inst(inst.group(1), inst.group(2), inst.group(3), re.findall(r"%([\w.\-]+)", args), args,
+                                 rest[end:], line.lstrip().startswith("ROOT ")))
+    return comps
+
+
+def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_shape: str) -> tuple[int, int]:
+    """(device, host) bytes a fusion reads and writes: an operand that the fused computation only slices or gathers
+    counts the slices; an in-place ``dynamic-update-slice`` root writes its update and does not read its target."""
+    insts = comps.get(callee, [])
+    params = {i.name: int(i.args.strip() or 0) for i in insts if i.op == "parameter"}
+    users: dict = {}
+    for i in insts:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    root = next((i for i in insts if i.root), insts[-1] if insts else None)
+    in_place = root is not None and root.op == "dynamic-update-slice"
+    by_index = {idx: name for name, idx in params.items()}
+    dev = host = 0
+    for k, operand in enumerate(operands):
+        pname = by_index.get(k)
+        full = _arrays(shapes.get(operand, ""))
+        uses = users.get(pname, [])
+        if in_place and root.operands and root.operands[0] == pname:
+            continue  # updated in place: neither read nor rewritten
+        if uses and all(u.op in _SLICING and u.operands and u.operands[0] == pname for u in uses):
+            part = [_arrays(u.shape) for u in uses]
+            dev += min(sum(d for d, _ in part), full[0])
+            host += min(sum(h for _, h in part), full[1])
+        else:
+            dev += full[0]
+            host += full[1]
+    if in_place:
+        update = next((i for i in insts if len(root.operands) > 1 and i.name == root.operands[1]), None)
+        out = _arrays(update.shape) if update is not None else (0, 0)
+    else:
+        out = _arrays(out_shape)
+    return dev + out[0], host + out[1]
+
+
+def hlo_bytes(hlo: str) -> dict:
+    """Bytes a compiled (optimized) HLO module moves, counted per kernel as XLA's cost analysis does.
+
+    Every instruction that launches work (a fusion, a custom call such as a Pallas kernel, a copy...) reads its operands
+    and writes its output, in the computations that run (the entry, loop bodies and conditions, conditional branches:
+    each branch counted as if taken, an upper bound); a fusion that only slices or gathers from an operand reads those
+    slices; a fusion whose root is an in-place ``dynamic-update-slice`` writes (and reads) the update only. Arrays in
+    host memory (``S(5)``) count as host traffic. Returns ``{"device": bytes, "host": bytes}``.
+    """
+    comps = _parse(hlo)
+    shapes = {i.name: i.shape for insts in comps.values() for i in insts}
+    run = set(re.findall(r"\b(?:body|condition)=%([\w.\-]+)", hlo))
+    for m in re.finditer(r"branch_computations=\{([^}]*)\}", hlo):
+        run.update(n.strip().lstrip("%") for n in m.group(1).split(","))
+    run.update(re.findall(r"(?:true|false)_computation=%([\w.\-]+)", hlo))
+    entry = re.search(r"^ENTRY %(\S+) \(", hlo, re.M)
+    if entry:
+        run.add(entry.group(1))
+    for insts in list(comps.values()):
+        run.update(re.findall(r"to_apply=%([\w.\-]+)", " ".join(i.tail for i in insts if i.op == "call")))
+    dev = host = 0
+    for comp in run:
+        for i in comps.get(comp, []):
+            if i.op in _NO_KERNEL:
+                continue
+            callee = re.search(r"calls=%([\w.\-]+)", i.tail)
+            if i.op == "fusion" and callee:
+                d, h = _fusion_bytes(comps, shapes, callee.group(1), i.operands, i.shape)
+            else:
+                d, h = _arrays(i.shape)
+                for o in i.operands:
+                    od, oh = _arrays(shapes.get(o, ""))
+                    d, h = d + od, h + oh
+            dev += d
+            host += h
+    return {"device": dev, "host": host}
+
+
+# ------------------------------------------------------------------------------------------------ compiling
+def cpu_mesh():
+    """A one-device ``(data, model)`` mesh of the CPU."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from kvjax.sharding import AXES
+
+    return Mesh(np.array(jax.devices("cpu")[:1]).reshape(1, 1), AXES)
+
+
+def abstract_params(config, dtype, mesh):
+    """(graphdef, abstract parameters placed on ``mesh``: tensor parallel on its model axis, as
+    :func:`models.sharding.shard_model` lays them out)."""
+    import jax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.sharding import MODEL, axis_size, named
+    from models.llama import abstract_model
+    from models.sharding import param_partition
+
+    blocks = axis_size(mesh, MODEL)
+    graphdef, params = nnx.split(abstract_model(config, dtype, tensor_parallel=blocks))
+    specs = param_partition(params)
+    shardings = jax.tree_util.tree_map(lambda s: named(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+    return graphdef, params
+
+
+def weights_read(config, params) -> int:
+    """Weight bytes one decode step reads: every parameter, except one row of an untied input embedding."""
+    import jax
+
+    total = sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    embed = params["embed_tokens"]["embedding"]
+    return total if config.tie_word_embeddings else total - int(math.prod(embed.shape)) * embed.dtype.itemsize
+
+
+def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, length: int, room: int, artifact=None,
+                 *, graphdef=None, params=None) -> dict:
+    """Compile ``method``'s one-token decode step for ``target`` at ``batch`` rows after ``length`` prompt tokens.
+
+    Returns the compiled program's memory (per device: ``device_bytes`` = arguments + outputs - donated aliases +
+    temporaries; ``host_bytes`` likewise for host memory), the bytes it moves (``device_traffic``, ``host_traffic``),
+    the bytes floor per device (``floor_bytes``: weights read + the cache's device bytes), the compile time
+    and the compiled object (``compiled``)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from evals.synthetic import abstract_compressed_cache
+    from kvjax.cache import CacheSpec
+    from kvjax.generate import decode_compiler_options, decode_step_jit
+    from kvjax.sharding import DATA, is_split
+
+    spec = CacheSpec.for_model(config, batch, length, room, dtype, mesh=mesh if is_split(mesh) else None)
+    if graphdef is None:
+        graphdef, params = abstract_params(config, jnp.dtype(dtype), mesh)
+    t = time.perf_counter()
+    # shapes only, traced as on the CPU; a deviceless GPU reports no memory kinds, so a GPU's cache is described on a
+    # CPU device first (its host tiers in pinned_host), then moved to the GPU lowering's mesh below
+    cache = abstract_compressed_cache(method, spec, cpu_mesh() if target.platform == "cuda" else mesh, artifact)
+    jax.clear_caches()  # kernels' forms and host regions are chosen at trace time: trace the step afresh for the target
+    options = decode_compiler_options(target.backend)
+    if target.platform == "cuda":  # deviceless GPU: export for cuda, compile with XLA:GPU (evals.gpu_schedule)
+        from evals.gpu_schedule import gpu_executable, gpu_topology
+        from pallas_kernels.backend import TRITON_CUSTOM_CALL
+
+        def on(tree, gpu_mesh):
+            return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+                gpu_mesh, P(), memory_kind=getattr(x.sharding, "memory_kind", None) or "device")), tree)
+
+        def step(params, tokens, cache, key):
+            return decode_step_jit(graphdef, params, tokens, cache, key)
+
+        with lowering_for(target) as gpu_mesh:
+            args = on((params, jax.ShapeDtypeStruct((batch,), jnp.int32), cache,
+                       jax.ShapeDtypeStruct((2,), jnp.uint32)), gpu_mesh)
+            exported = jax.export.export(
+                jax.jit(step, donate_argnums=(2,)), platforms=["cuda"],
+                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*args)
+        executable = gpu_executable(exported.mlir_module(), gpu_topology(target.topology), options)
+        mem = executable.get_compiled_memory_stats()
+        hlo, cost = executable.hlo_modules()[0].to_string(), None
+        compiled = executable
+    else:
+        with lowering_for(target):
+            rows = NamedSharding(mesh, P(DATA) if is_split(mesh) else P())
+            tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+            key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+            lowered = decode_step_jit.lower(graphdef, params, tokens, cache, key)
+        compiled = lowered.compile(compiler_options=options)
+        mem, hlo, cost = compiled.memory_analysis(), compiled.as_text(), compiled.cost_analysis()
+    seconds = time.perf_counter() - t
+    device = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    host = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes - mem.host_alias_size_in_bytes
+            + mem.host_temp_size_in_bytes)
+    counted = hlo_bytes(hlo)
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    traffic = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else float(counted["device"])
+    from kvjax.sharding import MODEL, axis_size
+
+    floor = weights_read(config, params) / axis_size(mesh, MODEL) + cache_device_bytes(cache) / mesh.size
+    return {"device_bytes": int(device), "host_bytes": int(host), "temp_bytes": int(mem.temp_size_in_bytes),
+            "device_traffic": traffic, "traffic_source": "cost_analysis" if cost and "bytes accessed" in cost else "hlo",
+            "hlo_device_traffic": counted["device"], "host_traffic": counted["host"], "floor_bytes": floor,
+            "compile_s": seconds, "compiled": compiled}
+
+
+def cache_device_bytes(cache) -> int:
+    """Bytes of the (abstract) cache's device-memory arrays, over all devices: what a step that reads everything the
+    cache holds reads (Quest and HCAttention read less: they select)."""
+    import jax
+
+    return sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)
+               if getattr(x.sharding, "memory_kind", None) != "pinned_host")
+
+
+def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, room: int, artifact, graphdef, params,
+              *, verify: bool = True) -> dict:
+    """One row of the plan: the step compiled at the smallest batch (the mesh's data axis), the largest batch that fits
+    (the parameters are fixed, the rest of the compiled memory grows with the rows), compiled again at that batch to
+    check it fits (unless ``verify`` is False); projected step times and tokens/s at both batches."""
+    import jax
+
+    from kvjax.sharding import DATA, MODEL, axis_size
+
+    b1 = axis_size(mesh, DATA)
+    one = compile_step(target, mesh, config, dtype, method, b1, length, room, artifact, graphdef=graphdef, params=params)
+    fixed = sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) / axis_size(
+        mesh, MODEL)
+    per_row = (one["device_bytes"] - fixed) / b1
+    row = {"batch1": b1, "fixed_bytes": fixed, "per_row_bytes": per_row, "device_bytes_b1": one["device_bytes"],
+           "host_bytes_b1": one["host_bytes"], "traffic_b1": one["device_traffic"],
+           "traffic_source": one["traffic_source"], "host_traffic_b1": one["host_traffic"],
+           "floor_b1": one["floor_bytes"], "compile_s": one["compile_s"]}
+    fits = int((target.memory_bytes - fixed) // per_row) if per_row > 0 else 0
+    row["max_batch"] = max(0, fits - fits % b1)
+    row["step_s_b1"] = one["device_traffic"] / target.bandwidth
+    row["floor_s_b1"] = one["floor_bytes"] / target.bandwidth
+    row["tokens_per_s_b1"] = b1 / row["step_s_b1"]
+    B = row["max_batch"]
+    if verify and B > b1:
+        big = compile_step(target, mesh, config, dtype, method, B, length, room, artifact, graphdef=graphdef,
+                           params=params)
+        row.update(device_bytes_max=big["device_bytes"], fits_checked=big["device_bytes"] <= target.memory_bytes,
+                   host_bytes_max=big["host_bytes"], traffic_max=big["device_traffic"],
+                   step_s_max=big["device_traffic"] / target.bandwidth, compile_s=row["compile_s"] + big["compile_s"])
+        row["tokens_per_s_max"] = B / row["step_s_max"]
+    elif B == b1:
+        row.update(fits_checked=one["device_bytes"] <= target.memory_bytes, step_s_max=row["step_s_b1"],
+                   tokens_per_s_max=row["tokens_per_s_b1"], host_bytes_max=one["host_bytes"])
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _gib(x) -> str:
+    return "" if x is None else f"{x / GIB:.2f}"
+
+
+def render(report: dict) -> str:
+    """The Markdown plan: one table per target."""
+    a = report["args"]
+    lines = [
+        f"# Decode plan: `{a['model']}` compiled for {', '.join(a['targets'])} on a CPU",
+        "",
+        f"- command: `{report['command']}`",
+        f"- jax {report['jax']}, libtpu {report.get('libtpu') or '-'}, CUDA plugin {report.get('plugin') or '-'}, "
+        f"{report['date']}; {a['dtype']} weights (random, the model's shapes), decode room {a['room']} tokens",
+        "- one-token decode step (`kvjax.generate.decode_step`) over the method's compressed cache (`init_cache` + "
+        "`compress`, traced: `evals.synthetic.abstract_compressed_cache`), compiled by XLA for the target without it",
+        "- memory per chip from `memory_analysis()` (arguments + outputs - donated + temporaries); `max batch`: the "
+        "largest batch whose step fits the chip's memory (the parameters fixed, the rest of the compiled memory "
+        "per row), compiled at that batch: `fits` says whether it did); projected step = bytes moved / nominal HBM bandwidth per chip; "
+        "floor = (weights read + the cache's device bytes) / chips / bandwidth",
+        "- bytes moved: TPU `cost_analysis()['bytes accessed']`; GPU (no cost analysis without a device): counted "
+        "from the compiled HLO per kernel (`evals.plan.hlo_bytes`)",
+        "",
+    ]
+    for tname, rows in report["targets"].items():
+        t = TARGETS[tname]
+        lines += [f"## {tname}: {t.chips} chip(s), {t.memory_bytes / GIB:.0f} GiB and {t.bandwidth / 1e12:.2f} TB/s "
+                  f"per chip, mesh (data, model) = {report['meshes'][tname]}", "",
+                  "| method | budget | prompt | GiB/chip at batch 1 | GiB/row | host GiB at batch 1 | max batch | fits | "
+                  "bytes moved/step, GiB (batch 1) | floor GiB | projected ms/step (batch 1) | ÷ floor | "
+                  "vs full (batch 1) | tokens/s at max batch | vs full (max batch) | compile s |",
+                  "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        full = {r["length"]: r for r in rows if r["method"] == "full" and "error" not in r}
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['method']} | {r['budget']} | {r['length']} | {r['error']} |||||||||||||")
+                continue
+            f = full.get(r["length"])
+            speed = f"{f['step_s_b1'] / r['step_s_b1']:.2f}×" if f else ""
+            tps = r.get("tokens_per_s_max")
+            tps_ratio = f"{tps / f['tokens_per_s_max']:.2f}×" if f and tps and f.get("tokens_per_s_max") else ""
+            fits = {True: "yes", False: "no"}.get(r.get("fits_checked"), "")
+            lines.append(
+                f"| {r['method']} | {r['budget']} | {r['length']} | {_gib(r['device_bytes_b1'])} | "
+                f"{_gib(r['per_row_bytes'] * r['batch1'])} | {_gib(r['host_bytes_b1'])} | {r['max_batch']} | "
+                f"{fits} | {_gib(r['traffic_b1'])} | {_gib(r['floor_b1'])} | {r['step_s_b1'] * 1e3:.2f} | "
+                f"{r['step_s_b1'] / r['floor_s_b1']:.2f} | {speed} | {'' if tps is None else f'{tps:.0f}'} | "
+                f"{tps_ratio} | {r['compile_s']:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Compile every (target, method, budget, length) and write the plan (Markdown + JSON)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m evals.plan", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.1-8b", help="ready or shape-only model (its shapes; random weights)")
+    p.add_argument("--targets", default="h100,v5e-8", help=f"comma-separated, of {','.join(TARGETS)}")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (specs allowed)")
+    p.add_argument("--budgets", default="0.1,0.25", help="comma-separated budgets (fractions kept)")
+    p.add_argument("--lengths", default="32768,131008", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--room", type=int, default=64, help="decode room per head (tokens)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--no-verify", action="store_true", help="skip compiling at the largest batch")
+    p.add_argument("--out", default=None, help=f"Markdown report (default {DEFAULT_OUT}; JSON beside it)")
+    args = p.parse_args(argv)
+    args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    bad = [t for t in args.targets if t not in TARGETS]
+    if bad:
+        p.error(f"unknown target(s) {bad}; allowed: {', '.join(TARGETS)}")
+    from evals.gpu_schedule import compile_only_cuda
+
+    compile_only_cuda()
+    import importlib.metadata
+
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from evals.bench_methods import parse_methods
+    from evals.synthetic import synthetic_artifact
+    from kvjax.cache import CacheSpec
+    from kvjax.methods import get_method
+    from models import model_architecture
+
+    config, _ = model_architecture(args.model)
+    names = parse_methods(args.methods)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    args.out = args.out or DEFAULT_OUT.format(model=args.model, jax=jax.__version__)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    cells = [(n, b) for n in names for b in ([None] if n == "full" else budgets)]
+    report = {"command": "python -m evals.plan " + shlex.join(argv), "args": vars(args), "jax": jax.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "targets": {},
+              "meshes": {}}
+    for dist in ("libtpu", "jax-cuda12-plugin"):
+        try:
+            report["libtpu" if dist == "libtpu" else "plugin"] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    with tqdm(total=len(args.targets) * len(cells) * len(lengths), desc="plan", unit="cell", file=sys.stderr) as bar:
+        for tname in args.targets:
+            target = TARGETS[tname]
+            mesh = target_mesh(target, config)
+            report["meshes"][tname] = tuple(mesh.devices.shape)
+            graphdef, params = abstract_params(config, jnp.dtype(args.dtype), mesh)
+            rows = report["targets"].setdefault(tname, [])
+            for L in lengths:
+                for name, budget in cells:
+                    bar.set_postfix_str(f"{tname} {name} {budget} L={L}")
+                    row = {"method": name, "budget": budget, "length": L}
+                    try:
+                        method = get_method(name) if budget is None else get_method(name, budget=budget)
+                        spec = CacheSpec.for_model(config, 1, L, args.room, args.dtype)
+                        artifact = synthetic_artifact(method, spec)
+                        row.update(plan_cell(target, mesh, config, args.dtype, method, L, args.room, artifact,
+                                             graphdef, params, verify=not args.no_verify))
+                    except Exception as e:  # noqa: BLE001 - an infeasible or failing cell is reported, the plan goes on
+                        row["error"] = f"{type(e).__name__}: {e}".replace("|", "/").replace("\n", " ")[:240]
+                    rows.append(row)
+                    bar.update()
+                    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+                        json.dump(report, f, indent=1, default=str)
+                    with open(args.out, "w") as f:
+                        f.write(render(report))
+    print(render(report))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

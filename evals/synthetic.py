@@ -1,0 +1,183 @@
+"""Compressed caches and calibration artifacts built directly at a given length, for timing and planning at scale.
+
+Timing a decode step at 128K tokens x 32 rows must not need a 128K-token prefill per row, and the models of the papers'
+scale (``models.registry.SHAPE_MODELS``) have neither weights nor calibrations here. This module builds what a decode
+step reads without them:
+
+* :func:`synthetic_artifact`: a calibrated method's artifact for any model shape, built with the method's own artifact
+  builders from synthetic statistics (HeteroCache: the head-class mix the paper publishes for Llama-3.1-8B, 33 pivot /
+  196 satellite / 17 volatile / 10 anchor of 256 KV heads, laid out per group of 8 heads; SyncKV: clusters of random
+  similarities; HCAttention: random codebooks of the configured size; Locret: untrained heads of the paper's width).
+* :func:`abstract_compressed_cache`: the compressed cache's shapes, dtypes and memory kinds (``pinned_host`` for host
+  tiers), from tracing ``init_cache`` + ``compress`` (nothing allocated): what the planner compiles for.
+* :func:`filled_cache`: a real compressed cache: the method's prefill-stage state filled with random keys, values and
+  recorded queries, then the method's own ``finish_prefill`` (its real selection and layout: pages, per-head
+  capacities, host copies, PQ codes). Bounded-prefill methods (Locret, chunked eviction) keep at most ``budget + chunk``
+  tokens per head during prefill, so their prefill state is filled the same way.
+
+What random data cannot reproduce: which tokens a method keeps (selection from random scores is arbitrary, which does
+not change the bytes a step reads), and the per-step behaviour that depends on attention patterns: HeteroCache's drift
+trigger rate and SyncKV's re-anchoring. The decode benchmark therefore takes the recall rate as a parameter (a recall
+every step is the worst case, which ``recall_schedule`` options spread).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import Cache, CacheSpec
+
+# The HeteroCache paper's head classes for Llama-3.1-8B (256 KV heads), per group of 8 units: every group has a pivot
+# (unit 0) whose satellites are units 1-6; unit 7 is a second pivot's satellite (1 group: 33 pivots), its pivot's
+# satellite (4 groups: 196 satellites), volatile (17) or an anchor (10). Other shapes keep these fractions.
+PAPER_CLASS_COUNTS = {"groups": 32, "two_stars": 1, "seventh_satellite": 4, "volatile": 17}
+
+
+def synthetic_group_layers(num_kv_heads: int) -> int:
+    """Adjacent layers per calibration group so a group holds about 8 KV heads (a Llama-3.1-8B layer), at least one."""
+    return max(1, round(8 / num_kv_heads))
+
+
+def synthetic_head_statistics(num_layers: int, num_kv_heads: int, group_layers: int, seed: int = 0):
+    """:class:`kvjax.calibration.HeadStatistics` for groups of ``group_layers`` layers whose HeteroCache classes follow
+    :data:`PAPER_CLASS_COUNTS` (with groups of 8 units, :func:`synthetic_group_layers`) and whose similarities give
+    SyncKV clusters; stabilities drawn in [0.2, 0.9] (anchors >= 0.5, volatile heads < 0.5)."""
+    from kvjax.calibration import HeadStatistics, unit_groups
+
+    rng = np.random.default_rng(seed)
+    groups = unit_groups(num_layers, num_kv_heads, group_layers)
+    G = len(groups)
+    per = {k: int(round(v * G / PAPER_CLASS_COUNTS["groups"])) for k, v in PAPER_CLASS_COUNTS.items() if k != "groups"}
+    kinds = (["two_stars"] * per["two_stars"] + ["seventh_satellite"] * per["seventh_satellite"]
+             + ["volatile"] * per["volatile"])
+    kinds = (kinds + ["anchor"] * G)[:G]
+    rng.shuffle(kinds)
+    stability = rng.uniform(0.2, 0.9, (num_layers, num_kv_heads))
+    sim = []
+    for units, kind in zip(groups, kinds):
+        U = len(units)
+        s = rng.uniform(0.0, 0.3, (U, U))
+        s = (s + s.T) / 2
+        last = U - 1
+        stars = [(0, range(1, last))]
+        if U >= 4 and kind == "two_stars":
+            stars = [(0, range(1, last - 1)), (last - 1, [last])]
+        elif kind == "seventh_satellite" or U < 3:
+            stars = [(0, range(1, U))]
+        for pivot, sats in stars:
+            for j in sats:
+                s[pivot, j] = s[j, pivot] = 0.9
+        if U >= 3 and kind in ("volatile", "anchor"):
+            l, h = units[last]
+            stability[l, h] = rng.uniform(0.2, 0.45) if kind == "volatile" else rng.uniform(0.55, 0.9)
+        np.fill_diagonal(s, 1.0)
+        sim.append(s)
+    similarity = np.zeros((num_layers, num_kv_heads))
+    for units, s in zip(groups, sim):
+        off = s - np.eye(len(units)) * 2
+        for u, (l, h) in enumerate(units):
+            similarity[l, h] = off[u].max() if len(units) > 1 else 0.0
+    return HeadStatistics(stability=stability, stability_curve=stability[None], group_layers=group_layers,
+                          sim_mean=sim, sim_median=sim, similarity=similarity, topk=1024, samples=0, decode_steps=0,
+                          tokens=0)
+
+
+def synthetic_artifact(method, spec: CacheSpec, seed: int = 0):
+    """An artifact for ``method`` on ``spec``'s model shape, or None for a method without one (see module docstring).
+
+    Its outputs are meaningless (nothing was calibrated); its shapes, classes and sizes are those a calibration of the
+    model would have, so the cache it makes holds and moves the bytes a calibrated one would."""
+    from kvjax.calibration import auto_group_layers
+    from kvjax.methods import HCAttention, HeteroCache, Locret, SyncKV
+    from kvjax.methods.heterocache import heterocache_artifact
+    from kvjax.methods.synckv import synckv_artifact
+    from kvjax.pq_codebooks import hcattention_artifact
+    from kvjax.retaining_heads import random_heads_artifact
+
+    if isinstance(method, HeteroCache):  # the paper's per-layer classes (8 KV heads a group)
+        group_layers = method.group_layers or synthetic_group_layers(spec.num_kv_heads)
+        stats = synthetic_head_statistics(spec.num_layers, spec.num_kv_heads, group_layers, seed)
+        return heterocache_artifact(stats, spec.model_id)
+    if isinstance(method, SyncKV):  # kvjax's default groups (at least 16 KV heads a group)
+        group_layers = method.group_layers or auto_group_layers(spec.num_kv_heads)
+        stats = synthetic_head_statistics(spec.num_layers, spec.num_kv_heads, group_layers, seed)
+        return synckv_artifact(stats, spec.model_id, seed=seed)
+    if isinstance(method, HCAttention):
+        g = method.key_groups(spec)
+        if not g:
+            return None
+        rng = np.random.default_rng(seed)
+        cbs = rng.standard_normal((spec.num_layers, spec.num_kv_heads, g, method.centroids, spec.head_dim // g))
+        return hcattention_artifact(cbs.astype(np.float32), spec.model_id, samples=0, tokens=0, iterations=0, batch=0,
+                                    seed=seed)
+    if isinstance(method, Locret):
+        return random_heads_artifact(spec.model_id, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                     hidden=1024, seed=seed)
+    return None
+
+
+def compressed_structure(method, spec: CacheSpec, artifact=None):
+    """``(traced compress, output tree structure)`` of ``method`` on ``spec``: the compressed cache's avals (with their
+    memory spaces) without allocating anything."""
+    from kvjax.generate import compress_jit
+
+    def compressed():
+        cache = method.init_cache(spec, artifact)
+        return compress_jit(cache.replace(length=jnp.asarray(spec.prompt_slots, jnp.int32)))
+
+    traced = jax.jit(compressed).trace()
+    return traced, jax.tree_util.tree_structure(traced.out_info)
+
+
+def abstract_compressed_cache(method, spec: CacheSpec, mesh, artifact=None) -> Cache:
+    """The compressed cache as ``jax.ShapeDtypeStruct`` leaves placed on ``mesh`` (any (data, model) mesh, of real
+    or topology devices): on a multi-device mesh with the cache's own layout (:func:`kvjax.sharding.cache_shardings`),
+    on one device replicated, host tiers in ``pinned_host`` either way."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.sharding import cache_shardings, is_split
+
+    traced, tree = compressed_structure(method, spec, artifact)
+    avals = traced.jaxpr.out_avals
+    kinds = {"Host": "pinned_host", "Device": "device"}
+    abstract = jax.tree_util.tree_unflatten(tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    if is_split(spec.mesh):
+        shardings = jax.tree_util.tree_leaves(cache_shardings(abstract))
+    else:
+        shardings = [NamedSharding(mesh, P(), memory_kind=kinds[a.memory_space.name]) for a in avals]
+    return jax.tree_util.tree_unflatten(tree, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                                               for a, s in zip(avals, shardings)])
+
+
+def fill_random(tree, key):
+    """Every floating-point array leaf of ``tree`` replaced by standard-normal values of its dtype (in its memory kind),
+    integer leaves kept."""
+    leaves, tree_def = jax.tree_util.tree_flatten(tree)
+    keys = jax.random.split(key, max(1, len(leaves)))
+    out = []
+    for k, x in zip(keys, leaves):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            y = jax.random.normal(k, x.shape, x.dtype)
+            sharding = getattr(x, "sharding", None)
+            out.append(jax.device_put(y, sharding) if sharding is not None else y)
+        else:
+            out.append(x)
+    return jax.tree_util.tree_unflatten(tree_def, out)
+
+
+def filled_cache(method, spec: CacheSpec, artifact=None, seed: int = 0) -> Cache:
+    """A compressed cache of ``method`` for ``spec`` whose prompt is random (see module docstring): the prefill-stage
+    layers filled with random values, the slot counter at the prompt's end, then the method's ``finish_prefill``."""
+    from kvjax.generate import compress
+
+    cache = method.init_cache(spec, artifact)
+    layers = fill_random(cache.layers, jax.random.PRNGKey(seed))
+    cache = cache.replace(layers=layers, length=jnp.asarray(spec.prompt_slots, jnp.int32))
+    return compress(cache)
+
+
+__all__ = ["PAPER_CLASS_COUNTS", "synthetic_group_layers", "synthetic_head_statistics", "synthetic_artifact",
+           "compressed_structure", "abstract_compressed_cache", "fill_random", "filled_cache"]
