@@ -20,3 +20,20 @@ if [ "$(cat .aot-gpu/VERSION 2>/dev/null)" != "$jax_version" ]; then
     python -m pip install -q --no-deps --target .aot-gpu "jax-cuda12-plugin==$jax_version" "jax-cuda12-pjrt==$jax_version"
     echo "$jax_version" > .aot-gpu/VERSION
 fi
+# libtpu, the TPU compiler jax pins (its "tpu" extra), for its compiler only (tests/test_accelerator_compile.py and
+# `python -m evals.plan` compile for TPU v5e / v5p / v6e slices without one), in .aot-tpu/ outside the venv: a libtpu
+# the venv could import would make every jax process look for a TPU.
+libtpu_pin="$(python - <<'PY'
+import importlib.metadata, re
+for req in importlib.metadata.requires("jax") or []:
+    m = re.match(r"libtpu\s*(==\s*[^;]+?)\s*;.*extra\s*==\s*.tpu.", req)
+    if m:
+        print("libtpu" + m.group(1).replace(" ", ""))
+        break
+PY
+)"
+if [ -n "$libtpu_pin" ] && [ "$(cat .aot-tpu/PIN 2>/dev/null)" != "$libtpu_pin" ]; then
+    rm -rf .aot-tpu
+    python -m pip install -q --no-deps --target .aot-tpu "$libtpu_pin"
+    echo "$libtpu_pin" > .aot-tpu/PIN
+fi

@@ -22,6 +22,7 @@ cache="$(mktemp -d -t kvjax-test-cache.XXXXXX)"
 trap 'rm -rf "$cache"' EXIT
 export JAX_COMPILATION_CACHE_DIR="$cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export KVJAX_AOT_GPU="$root/.aot-gpu"  # jax's CUDA plugin (setup_env.sh): tests/test_gpu_schedule.py fails without it
+export KVJAX_AOT_TPU="$root/.aot-tpu"  # libtpu (setup_env.sh): tests/test_accelerator_compile.py fails without it
 run() { python -m pytest -q -n 2 --durations=15 "$@"; }
 if [ "$#" -gt 0 ]; then
     run --dist loadfile --no-loadscope-reorder "$@"

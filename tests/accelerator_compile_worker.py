@@ -1,0 +1,59 @@
+"""Runs in its own process with jax's CUDA plugin and libtpu on the path (``tests/test_accelerator_compile.py`` starts
+it): compiles every registered method's one-token decode step on a tiny model for an H100 and for a TPU v5e-8 slice,
+without them (:func:`evals.plan.compile_step`), and prints one JSON object on the last line of stdout: per target and
+method, the compiled memory, the bytes moved, whether the program holds a Pallas kernel, or the error.
+
+``python -m tests.accelerator_compile_worker [targets]`` (``PYTHONPATH`` must hold ``.aot-gpu`` and ``.aot-tpu``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from evals.gpu_schedule import compile_only_cuda
+
+PROMPT, ROOM = 512, 8
+# The kernels' custom calls in a compiled program: Pallas' GPU form (Triton) and TPU form (Mosaic).
+KERNEL_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+def methods():
+    """Every registered method at budget 0.5 (the full cache as is); HCAttention with PQ-coded keys (budget 0.25)."""
+    from kvjax.methods import METHODS, get_method
+
+    return {name: get_method(name) if name == "full" else get_method(name, budget=0.25 if name == "hcattention" else 0.5)
+            for name in METHODS}
+
+
+def main() -> None:
+    compile_only_cuda()
+    from evals.plan import TARGETS, compile_step, target_mesh
+    from evals.synthetic import synthetic_artifact
+    from kvjax.cache import CacheSpec
+    from tests.mesh_worker import CONFIG_D16
+
+    targets = sys.argv[1].split(",") if len(sys.argv) > 1 else ["h100", "v5e-8"]
+    result = {}
+    for tname in targets:
+        target = TARGETS[tname]
+        mesh = target_mesh(target, CONFIG_D16)
+        batch = mesh.devices.shape[0]
+        rows = result.setdefault(tname, {"mesh": list(mesh.devices.shape), "methods": {}})["methods"]
+        for name, method in methods().items():
+            spec = CacheSpec.for_model(CONFIG_D16, 1, PROMPT, ROOM, "float32")
+            try:
+                out = compile_step(target, mesh, CONFIG_D16, "float32", method, batch, PROMPT, ROOM,
+                                   synthetic_artifact(method, spec))
+            except Exception as e:  # noqa: BLE001 - reported, the test names it
+                rows[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
+                continue
+            compiled = out.pop("compiled")
+            text = compiled.hlo_modules()[0].to_string() if target.platform == "cuda" else compiled.as_text()
+            out["kernel"] = KERNEL_CALLS[target.platform] in text
+            rows[name] = out
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Every method's decode step compiles for an H100 and for a TPU v5e-8 slice, on this CPU, with its Pallas kernels
+(:mod:`evals.plan`), and the planner's byte counting (:func:`evals.plan.hlo_bytes`) on a hand-written program.
+
+The compiled checks need jax's CUDA plugin and libtpu (compilers only, no accelerator): ``scripts/setup_env.sh``
+installs them into ``.aot-gpu/`` and ``.aot-tpu/``, which only the worker process puts on its path;
+``scripts/test.sh`` sets ``KVJAX_AOT_GPU`` / ``KVJAX_AOT_TPU`` so that a missing compiler fails there instead of skipping.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from evals.plan import TARGETS, hlo_bytes, mesh_shape
+from kvjax.methods import METHODS
+from tests.mesh_worker import CONFIG_D16
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A module by hand: an in-place cache update (writes one row), a fusion that slices one row of a large operand and
+# reads a small one whole, a Pallas-like custom call, a copy to host memory, and a conditional branch.
+HLO = """HloModule m
+
+%fused_dus (p0: bf16[1024,128], p1: bf16[1,128], p2: s32[]) -> bf16[1024,128] {
+  %p0 = bf16[1024,128]{1,0} parameter(0)
+  %p1 = bf16[1,128]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = bf16[1024,128]{1,0} dynamic-update-slice(%p0, %p1, %p2, %z)
+}
+
+%fused_slice (q0: f32[4096,64], q1: f32[64], q2: s32[]) -> f32[64] {
+  %q0 = f32[4096,64]{1,0} parameter(0)
+  %q1 = f32[64]{0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %row = f32[1,64]{1,0} dynamic-slice(%q0, %q2, %z), dynamic_slice_sizes={1,64}
+  %r = f32[64]{0} reshape(%row)
+  ROOT %a = f32[64]{0} add(%r, %q1)
+}
+
+%branch_a (a: f32[64]) -> f32[64] {
+  %a = f32[64]{0} parameter(0)
+  ROOT %n = f32[64]{0} negate(%a)
+}
+
+%branch_b (b: f32[64]) -> f32[64] {
+  %b = f32[64]{0} parameter(0)
+  ROOT %e = f32[64]{0} exponential(%b)
+}
+
+ENTRY %main (cache: bf16[1024,128], new: bf16[1,128], i: s32[], big: f32[4096,64], small: f32[64]) -> f32[64] {
+  %cache = bf16[1024,128]{1,0} parameter(0)
+  %new = bf16[1,128]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %big = f32[4096,64]{1,0} parameter(3)
+  %small = f32[64]{0} parameter(4)
+  %upd = bf16[1024,128]{1,0} fusion(%cache, %new, %i), kind=kLoop, calls=%fused_dus
+  %sl = f32[64]{0} fusion(%big, %small, %i), kind=kLoop, calls=%fused_slice
+  %k = f32[64]{0} custom-call(%sl, %small), custom_call_target="__gpu$xla.gpu.triton"
+  %h = f32[64]{0:S(5)} copy(%k)
+  ROOT %c = f32[64]{0} conditional(%i, %k, %k), branch_computations={%branch_a, %branch_b}
+}
+"""
+
+
+def test_hlo_bytes_of_a_hand_written_program():
+    """Hand-counted: the in-place update reads its one new row (256 B) and the index (4 B) and writes the row, not the
+    1024-row cache; the slicing fusion reads one row of ``big`` (256 B), all of ``small`` (256 B) and the index, and
+    writes 256 B; the custom call reads 2 x 256 and writes 256; the copy to host reads 256 on the device and writes 256
+    to the host; each conditional branch (counted as taken) reads and writes 256."""
+    counted = hlo_bytes(HLO)
+    dus = 256 + 4 + 256
+    sliced = 256 + 256 + 4 + 256
+    kernel = 3 * 256
+    copy = 256
+    branches = 2 * (256 + 256)
+    assert counted == {"device": dus + sliced + kernel + copy + branches, "host": 256}
+
+
+def test_mesh_shapes_of_the_targets():
+    """The model axis takes the most chips that divide the heads: 8 KV heads on 8 chips, 4 on (2, 4), one GPU (1, 1)."""
+    from models import model_architecture
+
+    llama, _ = model_architecture("llama-3.1-8b")
+    qwen, _ = model_architecture("qwen2.5-7b")
+    assert mesh_shape(TARGETS["v5e-8"], llama) == (1, 8)
+    assert mesh_shape(TARGETS["v5e-8"], qwen) == (2, 4)
+    assert mesh_shape(TARGETS["v5p-8"], llama) == (1, 4)
+    assert mesh_shape(TARGETS["h100"], llama) == (1, 1)
+
+
+def _compiler_dirs():
+    dirs = []
+    for env, default, marker, what in (("KVJAX_AOT_GPU", ".aot-gpu", "jax_plugins", "jax's CUDA plugin"),
+                                       ("KVJAX_AOT_TPU", ".aot-tpu", "libtpu", "libtpu")):
+        path = os.environ.get(env) or os.path.join(ROOT, default)
+        if not os.path.isdir(os.path.join(path, marker)):
+            if os.environ.get(env):
+                pytest.fail(f"{env}={path} holds no {what} (scripts/setup_env.sh installs it)")
+            pytest.skip(f"{what} is not in {default}/ (scripts/setup_env.sh installs it)")
+        dirs.append(path)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(_compiler_dirs() + [ROOT]), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.accelerator_compile_worker", "h100,v5e-8"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("target", ["h100", "v5e-8"])
+def test_every_decode_step_compiles_for_the_target(compiled, target):
+    """Every registered method's one-token decode step compiles (XLA for the target, not only lowered); every method
+    but the full cache runs a Pallas kernel in it (Triton custom call on the GPU, Mosaic on the TPU), not the XLA
+    fallback; the compiled memory holds at least the cache's keys and values, counted by hand."""
+    rows = compiled[target]["methods"]
+    assert set(rows) == set(METHODS)
+    errors = {m: r["error"] for m, r in rows.items() if "error" in r}
+    assert not errors, errors
+    assert all(r["kernel"] for m, r in rows.items() if m != "full"), {m: r["kernel"] for m, r in rows.items()}
+    data, model = compiled[target]["mesh"]
+    c = CONFIG_D16
+    from tests.accelerator_compile_worker import PROMPT, ROOM
+
+    kv_per_chip = 2 * c.num_layers * c.num_kv_heads * (PROMPT + ROOM) * c.head_dim * 4 * data // (data * model)
+    assert rows["full"]["device_bytes"] >= kv_per_chip, (rows["full"], kv_per_chip)
+    assert 0 < rows["snapkv"]["device_bytes"] < rows["full"]["device_bytes"] + 2 * kv_per_chip
+    assert rows["heterocache"]["host_bytes"] > 0 and rows["full"]["host_bytes"] == 0
