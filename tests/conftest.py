@@ -14,7 +14,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # The slowest test files on the CI machine (2 cores), slowest first: they are collected first and
 # ``scripts/test.sh`` keeps that order (``--no-loadscope-reorder``), so the two xdist workers start on the long
 # files and finish with the short ones, together. Measured with ``scripts/test.sh --durations=0``.
-SLOWEST_FILES = ("test_real_models.py", "test_locret.py", "test_methods_e2e.py", "test_mesh.py",
+SLOWEST_FILES = ("test_real_models.py", "test_locret.py", "test_methods_e2e.py", "test_accelerator_compile.py",
+                 "test_synthetic.py", "test_mesh.py",
                  "test_heterocache_synckv.py", "test_eval_runner.py", "test_kernel_lowering.py", "test_hcattention.py",
                  "test_selection.py", "test_pallas_paged_attention.py")
 

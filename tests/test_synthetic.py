@@ -113,3 +113,21 @@ def test_filled_cache_has_the_real_layout(model, name):
     assert [k for *_, k in _leaves(abstract)] == [k for *_, k in _leaves(real)]
     nxt, logits, _ = decode_step(model.graphdef, model.params, tokens[:, -1], synthetic, jax.random.PRNGKey(0))
     assert nxt.shape == (2,) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_replicated_rows_equal_a_batch_of_identical_rows(name):
+    """``replicated_cache`` (one row staged, then tiled: page tables offset per row) equals leaf for leaf, integers
+    included, the cache the method's own ``finish_prefill`` makes from a batch whose rows are identical."""
+    from evals.synthetic import replicated_cache
+
+    bounded = {"locret": {"local": 16, "chunk": 32}, "chunked_eviction": {"local": 16, "chunk": 32, "stabilizers": 8}}
+    method = get_method(name) if name == "full" else get_method(name, budget=0.5, **bounded.get(name, {}))
+    spec = CacheSpec.for_model(CONFIG, 3, PROMPT, ROOM, "float32")
+    artifact = synthetic_artifact(method, spec)
+    tiled = replicated_cache(method, spec, artifact, seed=2)
+    whole = filled_cache(method, spec, artifact, seed=2, same_rows=True)
+    assert jax.tree_util.tree_structure(tiled) == jax.tree_util.tree_structure(whole)
+    assert _leaves(tiled) == _leaves(whole)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(tiled), jax.tree_util.tree_leaves(whole)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
