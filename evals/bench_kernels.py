@@ -95,12 +95,24 @@ def _dense_scores(q, k):
 
 
 def bench_paged(args, forms, impl, dev_bw, log):
-    """Time paged decode attention (Pallas forms, XLA reference, dense XLA) per token count."""
+    """Time paged decode attention (Pallas forms, XLA reference, dense XLA) per dtype, batch and token count; a cell
+    whose K/V exceed ``--max-gib`` is skipped, and the dense row is skipped where its contiguous copy would not fit."""
+    rows = []
+    for dtype_name in args.dtypes:
+        for b in args.batch:
+            rows += _bench_paged_cells(args, forms, impl, dev_bw, log, jnp.dtype(dtype_name), b)
+    return rows
+
+
+def _bench_paged_cells(args, forms, impl, dev_bw, log, dtype, b):
     rows = []
     key = jax.random.PRNGKey(0)
-    b, hkv, g, d, ps = args.batch, args.kv_heads, args.group, args.head_dim, args.page_size
-    dtype = jnp.bfloat16
+    hkv, g, d, ps = args.kv_heads, args.group, args.head_dim, args.page_size
     for tokens in args.tokens:
+        kv_bytes = 2 * b * hkv * tokens * d * jnp.dtype(dtype).itemsize
+        if kv_bytes > args.max_gib * 2**30:
+            log(f"paged T={tokens} B={b} {dtype.name}: {kv_bytes / 2**30:.1f} GiB of K/V exceed --max-gib, skipped")
+            continue
         pages_per_head = -(-tokens // ps)
         num_pages = b * hkv * pages_per_head
         k1, k2, k3, k4, key = jax.random.split(key, 5)
@@ -110,7 +122,6 @@ def bench_paged(args, forms, impl, dev_bw, log):
         table = jax.random.permutation(k4, num_pages).astype(jnp.int32)
         table = table.reshape(b, hkv, pages_per_head)  # scattered pages, as after eviction
         lengths = jnp.full((b, hkv), tokens, jnp.int32)
-        kv_bytes = 2 * b * hkv * tokens * d * jnp.dtype(dtype).itemsize
         cands = []
         for form in forms:
             fn = jax.jit(lambda *a, form=form: paged_decode_attention(
@@ -119,9 +130,11 @@ def bench_paged(args, forms, impl, dev_bw, log):
                           (q, k_pages, v_pages, table, lengths)))
         cands.append(("xla_reference", paged_decode_attention_reference,
                       (q, k_pages, v_pages, table, lengths)))
-        kc = k_pages[table].reshape(b, hkv, pages_per_head * ps, d)[:, :, :tokens]
-        vc = v_pages[table].reshape(b, hkv, pages_per_head * ps, d)[:, :, :tokens]
-        cands.append(("dense_xla", jax.jit(_dense_attention), (q, kc, vc)))
+        kc = vc = None
+        if 2 * kv_bytes <= args.max_gib * 2**30:
+            kc = k_pages[table].reshape(b, hkv, pages_per_head * ps, d)[:, :, :tokens]
+            vc = v_pages[table].reshape(b, hkv, pages_per_head * ps, d)[:, :, :tokens]
+            cands.append(("dense_xla", jax.jit(_dense_attention), (q, kc, vc)))
         ref_out = None
         dense_t = None
         for name, fn, fargs in cands:
@@ -132,15 +145,17 @@ def bench_paged(args, forms, impl, dev_bw, log):
             err = float(np.max(np.abs(out - ref_out)))
             if name == "dense_xla":
                 dense_t = t
-            rows.append(dict(op="paged_decode_attention", tokens=tokens, impl=name,
-                             time_us=t * 1e6, first_call_s=first, bytes=kv_bytes,
+            rows.append(dict(op="paged_decode_attention", tokens=tokens, batch=b, dtype=jnp.dtype(dtype).name,
+                             impl=name, time_us=t * 1e6, first_call_s=first, bytes=kv_bytes,
                              GBps=kv_bytes / t / 1e9,
-                             frac_of_copy_bw=kv_bytes / t / dev_bw, max_abs_diff=err))
-            log(f"paged T={tokens:>7} {name:<24} {t*1e6:10.1f} us  "
+                             frac_of_copy_bw=kv_bytes / t / dev_bw,
+                             frac_of_nominal_bw=kv_bytes / t / args.nominal_bandwidth if args.nominal_bandwidth else None,
+                             max_abs_diff=err))
+            log(f"paged T={tokens:>7} B={b:<3} {jnp.dtype(dtype).name:<8} {name:<24} {t*1e6:10.1f} us  "
                 f"{kv_bytes/t/1e9:8.1f} GB/s  ({kv_bytes/t/dev_bw:5.1%} of copy bw)")
         for r in rows:
             if r["tokens"] == tokens and r["op"] == "paged_decode_attention":
-                r["time_vs_dense"] = r["time_us"] / (dense_t * 1e6)
+                r["time_vs_dense"] = r["time_us"] / (dense_t * 1e6) if dense_t else None
         del k_pages, v_pages, kc, vc
     return rows
 
@@ -149,8 +164,8 @@ def bench_pq(args, forms, impl, dev_bw, log):
     """Time PQ scoring with stats (Pallas forms, XLA reference) and dense q.K per token count."""
     rows = []
     key = jax.random.PRNGKey(1)
-    b, hkv, g_q, d = args.batch, args.kv_heads, args.group, 128
-    for tokens in args.tokens:
+    b, hkv, g_q, d = args.batch[0], args.kv_heads, args.group, 128
+    for tokens in args.pq_tokens or args.tokens:
         k1, k2, key = jax.random.split(key, 3)
         q = jax.random.normal(k1, (b, hkv * g_q, d), jnp.bfloat16)
         k_dense = jax.random.normal(k2, (b, hkv, tokens, d), jnp.bfloat16)
@@ -202,16 +217,23 @@ def _markdown(result) -> str:
     if result.get("note"):
         lines += [f"> {result['note']}", ""]
     cfg = result["config"]
-    lines += [f"## Paged decode attention (bf16, B={cfg['batch']}, H_kv={cfg['kv_heads']}, "
-              f"G={cfg['group']}, D={cfg['head_dim']}, page={cfg['page_size']})", "",
+    nominal = result.get("nominal_bandwidth_GBps")
+    lines += [f"## Paged decode attention (H_kv={cfg['kv_heads']}, G={cfg['group']}, D={cfg['head_dim']}, "
+              f"page={cfg['page_size']})", "",
               "bytes = K+V of the attended tokens; time_vs_dense = time / dense XLA attention "
-              "over the same tokens.", "",
-              "| tokens | impl | time (us) | GB/s | frac of copy bw | time vs dense |",
-              "|---:|---|---:|---:|---:|---:|"]
+              f"over the same tokens; nominal bandwidth {nominal or '-'} GB/s.", "",
+              "| tokens | batch | dtype | impl | time (us) | GB/s | frac of copy bw | frac of nominal bw | time vs dense |",
+              "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+
+    def frac(x):
+        return "" if x is None else f"{x:.1%}"
+
     for r in result["paged"]:
-        lines.append(f"| {r['tokens']} | {r['impl']} | {r['time_us']:.1f} | {r['GBps']:.1f} | "
-                     f"{r['frac_of_copy_bw']:.1%} | {r['time_vs_dense']:.2f} |")
-    lines += ["", f"## PQ scoring with softmax stats (D=128, B={cfg['batch']}, "
+        vs = r.get("time_vs_dense")
+        lines.append(f"| {r['tokens']} | {r.get('batch', cfg['batch'])} | {r.get('dtype', 'bfloat16')} | {r['impl']} | "
+                     f"{r['time_us']:.1f} | {r['GBps']:.1f} | {r['frac_of_copy_bw']:.1%} | "
+                     f"{frac(r.get('frac_of_nominal_bw'))} | {'' if vs is None else f'{vs:.2f}'} |")
+    lines += ["", f"## PQ scoring with softmax stats (D=128, B={cfg['pq_batch']}, "
               f"H_kv={cfg['kv_heads']}, G={cfg['group']})", "",
               "bytes = PQ codes read (dense row: bf16 K read); time_vs_dense = time / dense "
               "q.K (+ max/sum) over bf16 keys.", "",
@@ -234,7 +256,13 @@ def main(argv=None):
                     help="tiny sizes, Pallas in interpret mode (both kernel forms on CPU)")
     ap.add_argument("--tokens", type=int, nargs="+", default=None,
                     help=f"attended tokens per KV head (default {list(DEFAULT_TOKENS)})")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batches of the paged kernel (PQ: the first)")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
+                    help="K/V dtypes of the paged kernel")
+    ap.add_argument("--pq-tokens", type=int, nargs="+", default=None, help="PQ scoring token counts (default --tokens)")
+    ap.add_argument("--nominal-bandwidth", type=float, default=None,
+                    help="the device's nominal HBM bandwidth in bytes/s (default: evals.plan's figure for the device)")
+    ap.add_argument("--max-gib", type=float, default=30.0, help="skip cells whose K/V exceed this many GiB")
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
     ap.add_argument("--head-dim", type=int, default=128)
@@ -253,7 +281,7 @@ def main(argv=None):
     if args.smoke:
         args.tokens = args.tokens or [200]
         args.pq = args.pq if args.pq is not None else ["16x256"]
-        args.batch, args.kv_heads, args.group, args.head_dim = 1, 2, 2, 64
+        args.batch, args.kv_heads, args.group, args.head_dim = [1], 2, 2, 64
         args.page_size = 16
         args.warmup, args.repeats, args.copy_mib = 0, 1, 16
         impl = "pallas_interpret" if backend == "cpu" else "pallas"
@@ -276,6 +304,12 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
 
+    if args.nominal_bandwidth is None:
+        from evals.plan import TARGETS
+
+        kind = jax.devices()[0].device_kind.upper()
+        args.nominal_bandwidth = next((t.bandwidth for t in TARGETS.values() if t.platform == "cuda"
+                                       and t.name.upper() in kind), None)
     copy_bytes = args.copy_mib * 2**20
     dev_bw = copy_bandwidth(copy_bytes, args.repeats)
     log(f"device: {jax.devices()[0].device_kind}; copy bandwidth {dev_bw/1e9:.1f} GB/s")
@@ -287,9 +321,10 @@ def main(argv=None):
         backend=backend, device=jax.devices()[0].device_kind, jax_version=jax.__version__,
         python=platform.python_version(), copy_bandwidth_GBps=dev_bw / 1e9,
         copy_bytes=copy_bytes, repeats=args.repeats, warmup=args.warmup, note=note,
-        config=dict(batch=args.batch, kv_heads=args.kv_heads, group=args.group,
+        nominal_bandwidth_GBps=args.nominal_bandwidth / 1e9 if args.nominal_bandwidth else None,
+        config=dict(batch=args.batch, pq_batch=args.batch[0], kv_heads=args.kv_heads, group=args.group,
                     head_dim=args.head_dim, page_size=args.page_size,
-                    pages_per_block=args.pages_per_block, dtype="bfloat16"),
+                    pages_per_block=args.pages_per_block, dtypes=args.dtypes),
         paged=paged, pq=pq)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

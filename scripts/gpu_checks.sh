@@ -5,6 +5,11 @@
 # to $OUT (default ./gpu-out).
 #
 #   scripts/gpu_checks.sh env             # versions and devices
+#   scripts/gpu_checks.sh scale           # the papers' scale in one call (<= 9 min, 4 files): the paged and PQ kernels at
+#                                         # 8K-128K (PQ to 1M) tokens, batch 1/8/32, bf16 and f32, vs XLA, dense and the
+#                                         # nominal bandwidth; then every method on Llama-3.1-8B shapes at 128K and 32K,
+#                                         # 10% and 25%, batch 1 and the plan's largest batch, caches built directly,
+#                                         # vs the full cache and the plan (docs/results/plan/)
 #   scripts/gpu_checks.sh kernels         # the Pallas kernel and host-tier tests, compiled for the GPU
 #   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall (spread, ahead, pipelined)
 #                                         # vs the full cache, 30K (decode compiled with kvjax's GPU options)
@@ -23,7 +28,7 @@
 # REPEATS the bench's timed runs, DTYPE the benches' dtype (bfloat16 by default, as a GPU user runs it). A bench
 # length must be a multiple of its chunk and leave room for the new tokens in the model's 32768 (hence 30720).
 set -euo pipefail
-stage=${1:?usage: scripts/gpu_checks.sh env|kernels|bench|bench-xla-default|recall-micro|profile|locret-memory|locret-bench|pack NAME|train NAME}
+stage=${1:?usage: scripts/gpu_checks.sh env|scale|kernels|bench|bench-xla-default|recall-micro|profile|locret-memory|locret-bench|pack NAME|train NAME}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -36,6 +41,13 @@ env)
     { nvidia-smi || true; "$py" -c "import jax, flax, optax, orbax.checkpoint as oc, numpy
 print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'numpy', numpy.__version__)
 print(jax.devices())"; } 2>&1 | tee "$out/env.txt"
+    ;;
+scale)
+    timeout 210 "$py" -m evals.bench_kernels --tokens 8192 32768 131072 --batch 1 8 32 --dtypes bfloat16 float32 \
+        --pq-tokens 8192 131072 1048576 --warmup 2 --repeats 10 --out "$out/kernels_scale.md" || true
+    "$py" -m evals.bench_scale --model llama-3.1-8b --lengths 131008,32768 --budgets 0.1,0.25 --batches 1,max \
+        --plan "${PLAN:-docs/results/plan/llama-3.1-8b_h100_jax0.10.2.json}" --steps 16 --repeats 2 \
+        --time-budget-s "${SCALE_SECONDS:-270}" --out "$out/scale_llama-3.1-8b.md"
     ;;
 kernels)
     "$py" -m pytest -q -p no:cacheprovider tests/test_pallas_paged_attention.py tests/test_pallas_pq_attention.py \
