@@ -31,7 +31,9 @@ import shlex
 import sys
 import time
 
-DEFAULT_METHODS = "full,snapkv,hbw,locret,hcattention,heterocache,synckv:num_representatives=1"
+# HeteroCache twice: drift never triggers (tau_drift=0) and triggers at nearly every check (tau_drift=1, every window)
+DEFAULT_METHODS = ("full,snapkv,hbw,locret,hcattention,heterocache:tau_drift=0.0,heterocache:tau_drift=1.0,"
+                   "synckv:num_representatives=1")
 
 
 def _now() -> str:
@@ -110,7 +112,7 @@ def measure(args, save=lambda partial: None) -> dict:
                 row["error"] = "skipped: time budget spent"
                 rows.append(row)
                 continue
-            p = plan.get((name, budget, L))
+            p = plan.get((name, budget, L)) or plan.get((name.split(":")[0], budget, L))  # a variant: its method's row
             batch = 1 if kind == "1" else (p or {}).get("max_batch") or 0
             row["batch"] = batch
             if not batch:
