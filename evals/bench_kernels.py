@@ -256,6 +256,8 @@ def main(argv=None):
                     help="tiny sizes, Pallas in interpret mode (both kernel forms on CPU)")
     ap.add_argument("--tokens", type=int, nargs="+", default=None,
                     help=f"attended tokens per KV head (default {list(DEFAULT_TOKENS)})")
+    ap.add_argument("--model", default=None,
+                    help="take KV heads, query heads per KV head and head dim from a model (e.g. llama-3.1-8b)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batches of the paged kernel (PQ: the first)")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
                     help="K/V dtypes of the paged kernel")
@@ -276,6 +278,11 @@ def main(argv=None):
                     help="size of the bandwidth-probe array (MiB)")
     args = ap.parse_args(argv)
 
+    if args.model:
+        from models import model_architecture
+
+        config, _ = model_architecture(args.model)
+        args.kv_heads, args.group, args.head_dim = config.num_kv_heads, config.group_size, config.head_dim
     backend = _platform()
     note = ""
     if args.smoke:
