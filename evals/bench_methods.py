@@ -176,7 +176,8 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
         description="Prefill s, decode ms/token, KV bytes, peak RSS and compile time of each KV-cache method vs the "
         "full cache, per context length, with each decode step against the measured memory-bandwidth limit.",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model, HF directory or .gguf (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model, HF directory or .gguf (default {DEFAULT_MODEL}); with --random-weights also a "
+                        "shape-only model (llama-3.1-8b, qwen2.5-7b)")
     p.add_argument("--methods", type=parse_methods, default=parse_methods(methods),
                    help=f"comma-separated methods (default {methods}); the full cache is always measured as the reference")
     p.add_argument("--budget", type=parse_budget, default=0.1,
