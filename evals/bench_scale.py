@@ -40,14 +40,16 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def plan_rows(path: str | None) -> dict:
-    """``{(method, budget, length): plan row}`` of a plan JSON (``evals.plan``), its first target; {} without one."""
-    if not path:
-        return {}
-    with open(path) as f:
-        report = json.load(f)
-    rows = next(iter(report["targets"].values()))
-    return {(r["method"], r["budget"], r["length"]): r for r in rows if "error" not in r}
+def plan_rows(paths: str | None) -> dict:
+    """``{(method, budget, length): plan row}`` of plan JSON files (``evals.plan``; comma-separated paths), each
+    file's first target; {} without one."""
+    out = {}
+    for path in filter(None, (paths or "").split(",")):
+        with open(path) as f:
+            report = json.load(f)
+        rows = next(iter(report["targets"].values()))
+        out.update({(r["method"], r["budget"], r["length"]): r for r in rows if "error" not in r})
+    return out
 
 
 def time_decode(model, cache, steps: int, repeats: int = 1, seed: int = 0) -> tuple[float, float]:
@@ -238,7 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="0.1,0.25")
     p.add_argument("--lengths", default="131008")
     p.add_argument("--batches", default="1,max", help="'1', 'max' (the plan's largest batch) or both")
-    p.add_argument("--plan", default=None, help="plan JSON of evals.plan for this device (largest batches, projections)")
+    p.add_argument("--plan", default=None,
+                   help="plan JSON file(s) of evals.plan for this device, comma-separated (largest batches, projections)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
     p.add_argument("--repeats", type=int, default=2, help="timed runs (best reported), after one warm run")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])

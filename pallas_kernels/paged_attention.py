@@ -6,6 +6,9 @@ Cache layout (one layer)::
     block_table      : int32 [B, H_kv, max_pages]  (row, kv head, i) -> page index in the pool
     lengths          : int32 [B, H_kv]             valid tokens of that head, stored in order in
                                                    pages block_table[b, h, 0], [b, h, 1], ...
+    starts (optional): int32 [B, H_kv]             first valid token (default 0): tokens
+                                                   starts .. lengths-1 are attended, so a
+                                                   contiguous left-padded cache is read as pages
 
 The last used page of a head may be partial; block-table entries past
 ``ceil(length / page_size)`` are ignored (they may hold any value; the kernels clip them into
@@ -23,7 +26,7 @@ NaN from an uninitialised pool) cannot leak into the output.  A head with length
 Two kernel forms:
 
 * ``backend="tpu"`` (Mosaic TPU): grid ``(B * H_kv, page_blocks)`` over flattened (row, KV
-  head) pairs; lengths and the block table are scalar-prefetched into SMEM
+  head) pairs; lengths, starts and the block table are scalar-prefetched into SMEM
   (``pltpu.PrefetchScalarGridSpec``); K/V stay in HBM (``memory_space=pl.ANY``) and the pages
   of a block are DMA-ed into a double-buffered VMEM scratch with ``pltpu.make_async_copy``:
   while block ``i`` is computed, block ``i+1`` of the same (row, head) is in flight.  Only the
@@ -33,10 +36,10 @@ Two kernel forms:
   of each head is not overlapped with the previous head's last block (jax's own TPU paged
   attention chains across heads at the cost of sequential row/head axes).
   SMEM is small (1 MiB per core on TPU v4-v7, 16 KiB on v2/v3, which are not supported): one
-  ``pallas_call`` prefetches at most ``_TPU_SMEM_PREFETCH_BYTES`` (128 KiB) of lengths + block
-  table, and larger tables are split into several calls over the (row, head) pairs (e.g. B=8,
+  ``pallas_call`` prefetches at most ``_TPU_SMEM_PREFETCH_BYTES`` (128 KiB) of lengths, starts and
+  block table, and larger tables are split into several calls over the (row, head) pairs (e.g. B=8,
   H_kv=8, 32K tokens in 16-token pages: 512 KiB of table, 5 calls).  One head's table must fit
-  on its own (up to 32767 pages), else ``ValueError``.  Compiled (``implementation="pallas"``)
+  on its own (up to 32766 pages), else ``ValueError``.  Compiled (``implementation="pallas"``)
   the form requires ``page_size`` to be a multiple of 8 (f32 K/V) / 16 (bf16 K/V), the sublane
   tiling, because a block of pages is reshaped to ``[tokens, D]``; other sizes raise
   ``ValueError`` (interpret mode accepts any page size).
@@ -242,11 +245,11 @@ def _next_pow2(x: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, *, scale=None):
+def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, *, scale=None, starts=None):
     """Plain-jnp paged decode attention: gather pages through the block table, mask, softmax.
 
     Shapes as in :func:`paged_decode_attention`; scores and softmax in f32, output in q's dtype,
-    zeros for heads of length 0.
+    zeros for heads with no token (``lengths <= starts``).
     """
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -256,7 +259,9 @@ def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, 
     bt = jnp.clip(block_table, 0, num_pages - 1)
     k = k_pages[bt].reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
     v = v_pages[bt].reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
-    valid = jnp.arange(max_pages * page_size)[None, None, :] < lengths[..., None]  # [B,Hkv,T]
+    starts = jnp.zeros_like(lengths) if starts is None else starts
+    slot = jnp.arange(max_pages * page_size)[None, None, :]
+    valid = (slot >= starts[..., None]) & (slot < lengths[..., None])  # [B,Hkv,T]
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
     s = jnp.einsum("bhgd,bhtd->bhgt", qg, k.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST) * scale
@@ -264,7 +269,7 @@ def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, 
     p = jax.nn.softmax(s, axis=-1)
     v = jnp.where(valid[..., None], v.astype(jnp.float32), 0.0)
     o = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=jax.lax.Precision.HIGHEST)
-    o = jnp.where((lengths > 0)[:, :, None, None], o, 0.0)
+    o = jnp.where((lengths > starts)[:, :, None, None], o, 0.0)
     return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -273,13 +278,14 @@ def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, 
 # --------------------------------------------------------------------------------------------
 
 
-def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
+def _tpu_kernel(lengths_ref, starts_ref, bt_ref,  # scalar prefetch (SMEM)
                 q_ref, k_hbm, v_hbm,  # inputs
                 o_ref,  # output
                 k_buf, v_buf, sems, m_ref, l_ref, acc_ref,  # scratch
                 *, scale, pages_per_block, page_size, pages_padded, num_blocks):
     n, i = pl.program_id(0), pl.program_id(1)  # flattened (row, KV head) of this call, block
     length = lengths_ref[n]
+    start = starts_ref[n]
     block_tokens = pages_per_block * page_size
     # lax.div/rem, not // and %: the operands are >= 0, and jnp's floor semantics add a
     # lax.sign whose Mosaic lowering queries the TPU generation (fails when lowering on CPU).
@@ -334,9 +340,9 @@ def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                 preferred_element_type=jnp.float32) * scale  # [G, T]
         pos_row = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        s = jnp.where(pos_row < length, s, MASK_VALUE)
+        s = jnp.where((pos_row >= start) & (pos_row < length), s, MASK_VALUE)
         pos_col = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
-        v = jnp.where(pos_col < length, v, 0.0)
+        v = jnp.where((pos_col >= start) & (pos_col < length), v, 0.0)
         m_prev = m_ref[...]  # [G, 1]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_next)
@@ -353,15 +359,15 @@ def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
 
 
 def _tpu_heads_per_call(num_heads: int, pages_padded: int, budget: int) -> int:
-    """(row, KV head) pairs per ``pallas_call`` so that the scalar-prefetched lengths and block
-    table (``4 * (1 + pages_padded)`` bytes per pair) fit in ``budget`` bytes of SMEM; calls
+    """(row, KV head) pairs per ``pallas_call`` so that the scalar-prefetched lengths, starts and
+    block table (``4 * (2 + pages_padded)`` bytes per pair) fit in ``budget`` bytes of SMEM; calls
     are balanced (their sizes differ by at most one pair)."""
-    per_head = 4 * (1 + pages_padded)
+    per_head = 4 * (2 + pages_padded)
     if per_head > budget:
         raise ValueError(
             f"TPU form: the block table of one KV head ({pages_padded} pages, {per_head} bytes "
-            f"of int32 with its length) exceeds the {budget}-byte SMEM budget for scalar "
-            f"prefetch; use a larger page_size (at most {budget // 4 - 1} pages per head)")
+            f"of int32 with its length and start) exceeds the {budget}-byte SMEM budget for scalar "
+            f"prefetch; use a larger page_size (at most {budget // 4 - 2} pages per head)")
     n_calls = pl.cdiv(num_heads, budget // per_head)
     return pl.cdiv(num_heads, n_calls)
 
@@ -375,7 +381,7 @@ def _check_tpu_page_size(page_size: int, kv_dtype) -> None:
             f"without relayout), got page_size={page_size}")
 
 
-def _paged_tpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_block, interpret,
+def _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, pages_per_block, interpret,
                prefetch_budget):
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -390,6 +396,7 @@ def _paged_tpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
     bt = jnp.pad(bt, ((0, 0), (0, 0), (0, pages_padded - max_pages)))
     bt = bt.reshape(num_heads, pages_padded)
     ln = lengths.reshape(num_heads)
+    st = starts.reshape(num_heads)
 
     # As in jax's TPU paged attention: when G is not a multiple of 8, give q a unit
     # second-minor dim so XLA picks a <1x128> HBM layout matching the kernel's memref.
@@ -405,11 +412,11 @@ def _paged_tpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
         pages_padded=pages_padded, num_blocks=num_blocks)
     buf_shape = (2, pages_per_block, page_size, head_dim)
 
-    def call(ln_c, bt_c, q_c):
+    def call(ln_c, st_c, bt_c, q_c):
         return pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=2,
+                num_scalar_prefetch=3,
                 grid=(q_c.shape[0], num_blocks),
                 in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
                           pl.BlockSpec(memory_space=pl.ANY)],
@@ -428,12 +435,12 @@ def _paged_tpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
                 dimension_semantics=("parallel", "arbitrary")),
             interpret=pltpu.InterpretParams() if interpret else False,
             name="paged_decode_attention_tpu",
-        )(ln_c, bt_c.reshape(-1), q_c, k_pages, v_pages)
+        )(ln_c, st_c, bt_c.reshape(-1), q_c, k_pages, v_pages)
 
     # SMEM holds only the scalar-prefetch operands of one call: split the (row, head) pairs
     # into calls whose lengths + block table fit the budget (one call in the common case).
     per_call = _tpu_heads_per_call(num_heads, pages_padded, prefetch_budget)
-    outs = [call(ln[s:s + per_call], bt[s:s + per_call], q_in[s:s + per_call])
+    outs = [call(ln[s:s + per_call], st[s:s + per_call], bt[s:s + per_call], q_in[s:s + per_call])
             for s in range(0, num_heads, per_call)]
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
@@ -444,7 +451,7 @@ def _paged_tpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
 # --------------------------------------------------------------------------------------------
 
 
-def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref,  # inputs
+def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, start_ref,  # inputs
                 o_ref, m_ref, l_ref,  # outputs (partials of this split)
                 *, scale, pages_per_block, pages_per_split):
     split = pl.program_id(2)
@@ -452,6 +459,7 @@ def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref,  # inputs
     block_tokens = pages_per_block * page_size
     rows = q_ref.shape[0]
     length = len_ref[0]
+    start = start_ref[0]
     first_page = split * pages_per_split
     pages_used = (length + page_size - 1) // page_size
     n_pages = jnp.clip(pages_used - first_page, 0, pages_per_split)
@@ -466,7 +474,7 @@ def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref,  # inputs
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                 preferred_element_type=jnp.float32) * scale
         pos = (first_page + t * pages_per_block) * page_size + jnp.arange(block_tokens)
-        valid = pos < length
+        valid = (pos >= start) & (pos < length)
         s = jnp.where(valid[None, :], s, MASK_VALUE)
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
@@ -487,7 +495,7 @@ def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref,  # inputs
     l_ref[...] = l
 
 
-def _paged_gpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_block, num_splits,
+def _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, pages_per_block, num_splits,
                interpret):
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -549,6 +557,7 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
             pl.BlockSpec((num_pages, page_size, head_dim), lambda b, h, s: (0, 0, 0)),
             pl.BlockSpec((None, None, None, pages_per_split), lambda b, h, s: (b, h, s, 0)),
             pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0)),
+            pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
@@ -563,7 +572,7 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="paged_decode_attention_gpu",
-    )(qg, k_pages, v_pages, bt, lengths.reshape(batch, num_kv_heads, 1))
+    )(qg, k_pages, v_pages, bt, lengths.reshape(batch, num_kv_heads, 1), starts.reshape(batch, num_kv_heads, 1))
 
     # Combine the split partials (flash-decoding reduction).
     m_all = jnp.max(m, axis=2, keepdims=True)
@@ -581,24 +590,24 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, *, scale, pages_per_bl
 
 @functools.partial(jax.jit, static_argnames=("scale", "implementation", "backend",
                                              "pages_per_block", "num_splits", "prefetch_budget"))
-def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale, implementation,
+def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, starts, *, scale, implementation,
                             backend, pages_per_block, num_splits, prefetch_budget):
     if implementation == "xla":
         return paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths,
-                                                scale=scale)
+                                                scale=scale, starts=starts)
     interpret = implementation == "pallas_interpret"
     if backend == "tpu":
-        return _paged_tpu(q, k_pages, v_pages, block_table, lengths, scale=scale,
+        return _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
                           pages_per_block=pages_per_block, interpret=interpret,
                           prefetch_budget=prefetch_budget)
-    return _paged_gpu(q, k_pages, v_pages, block_table, lengths, scale=scale,
+    return _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
                       pages_per_block=pages_per_block, num_splits=num_splits,
                       interpret=interpret)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=None,
                            implementation="pallas", backend=None, pages_per_block=None,
-                           num_splits=None):
+                           num_splits=None, starts=None):
     """Decode attention of one query token over a paged (block-table) KV cache.
 
     Args:
@@ -606,6 +615,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
       k_pages, v_pages: ``[num_pages, page_size, D]`` page pools (bf16 or f32).
       block_table: int32 ``[B, H_kv, max_pages]``; ``H_q`` must be a multiple of ``H_kv``.
       lengths: int32 ``[B, H_kv]`` valid tokens per (row, KV head); 0 gives a zero output.
+      starts: int32 ``[B, H_kv]`` or None (zeros): the first valid token of each head; tokens
+        ``starts .. lengths - 1`` are attended (a contiguous cache read as pages: a left-padded
+        row's padding is never attended); ``lengths <= starts`` gives a zero output.
       scale: logit scale, default ``D ** -0.5``.
       implementation: ``"pallas"`` (compiled), ``"pallas_interpret"`` (CPU emulation) or
         ``"xla"`` (:func:`paged_decode_attention_reference`).
@@ -640,8 +652,13 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
             while pages_per_block * page_size < 16:
                 pages_per_block *= 2
     scale = float(head_dim**-0.5 if scale is None else scale)
+    if starts is None:
+        starts = jnp.zeros_like(lengths)
+    elif starts.shape != lengths.shape or jnp.dtype(starts.dtype) != jnp.int32:
+        raise ValueError(f"starts must be int32 of the lengths' shape {lengths.shape}, got {starts.dtype} "
+                         f"{starts.shape}")
     return _paged_decode_attention(
-        q, k_pages, v_pages, block_table, lengths, scale=scale, implementation=implementation,
+        q, k_pages, v_pages, block_table, lengths, starts, scale=scale, implementation=implementation,
         backend=backend, pages_per_block=int(pages_per_block),
         num_splits=None if num_splits is None else int(num_splits),
         prefetch_budget=_TPU_SMEM_PREFETCH_BYTES)

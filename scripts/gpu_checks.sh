@@ -46,7 +46,7 @@ scale)
     timeout 210 "$py" -m evals.bench_kernels --model llama-3.1-8b --tokens 8192 32768 131072 --batch 1 8 32 --dtypes bfloat16 float32 \
         --pq-tokens 8192 131072 1048576 --warmup 2 --repeats 10 --out "$out/kernels_scale.md" || true
     "$py" -m evals.bench_scale --model llama-3.1-8b --lengths 131008,32768 --budgets 0.1,0.25 --batches 1,max \
-        --plan "${PLAN:-docs/results/plan/llama-3.1-8b_h100_jax0.10.2.json}" --steps 16 --repeats 2 \
+        --plan "${PLAN:-docs/results/plan/llama-3.1-8b_h100_128k_jax0.10.2.json,docs/results/plan/llama-3.1-8b_h100_32k_jax0.10.2.json}" --steps 16 --repeats 2 \
         --time-budget-s "${SCALE_SECONDS:-270}" --out "$out/scale_llama-3.1-8b.md"
     ;;
 kernels)

@@ -203,11 +203,13 @@ def test_quest_keeps_everything_on_device(tiny):
     assert stats["kv_bytes_read_per_step"] < stats["page_pool_bytes"]
 
 
-@pytest.mark.parametrize("method_cls", [HBW, Quest])
+@pytest.mark.parametrize("method_cls", [HBW, Quest, FullCache])
 def test_pallas_interpret_generate_equals_xla(tiny, method_cls):
-    """The Pallas block-sparse kernel (interpret mode) under generate gives the XLA path's tokens."""
+    """The Pallas block-sparse kernel (interpret mode) under generate gives the XLA path's tokens; for the full cache
+    it reads the contiguous cache as pages, the short row's left padding skipped (``starts``)."""
     rows = [list(np.random.default_rng(7).integers(0, 97, size=40)), list(np.random.default_rng(8).integers(0, 97, size=33))]
-    kw = dict(budget=24, block=16, page_size=8) if method_cls is Quest else dict(budget=24, window=4, block=16, page_size=8)
+    kw = {Quest: dict(budget=24, block=16, page_size=8), HBW: dict(budget=24, window=4, block=16, page_size=8),
+          FullCache: {}}[method_cls]
     xla, _, _, _ = generate_tokens(tiny, rows, method=method_cls(implementation="xla", **kw), max_new_tokens=5)
     pallas, _, cache, _ = generate_tokens(tiny, rows, method=method_cls(implementation="pallas_interpret", **kw),
                                           max_new_tokens=5)

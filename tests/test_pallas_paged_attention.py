@@ -68,8 +68,9 @@ def make_cache(seed, *, batch, kv_heads, group, head_dim, page_size, max_pages, 
             jnp.asarray(table), jnp.asarray(lengths))
 
 
-def numpy_attention(q, k_pages, v_pages, table, lengths, scale=None):
-    """Independent f64 reference: build each head's contiguous K/V, then dense attention."""
+def numpy_attention(q, k_pages, v_pages, table, lengths, scale=None, starts=None):
+    """Independent f64 reference: build each head's contiguous K/V (tokens ``starts .. lengths - 1``), then dense
+    attention."""
     q = np.asarray(q, np.float64)
     kp = np.asarray(jnp.asarray(k_pages, jnp.float32), np.float64)
     vp = np.asarray(jnp.asarray(v_pages, jnp.float32), np.float64)
@@ -84,9 +85,10 @@ def numpy_attention(q, k_pages, v_pages, table, lengths, scale=None):
         for hq in range(num_q_heads):
             h = hq // group
             n = lengths[b, h]
-            if n == 0:
+            first = 0 if starts is None else int(np.asarray(starts)[b, h])
+            if n <= first:
                 continue
-            tok = np.arange(n)
+            tok = np.arange(first, n)
             pages = table[b, h, tok // page_size]
             k = kp[pages, tok % page_size]
             v = vp[pages, tok % page_size]
@@ -125,6 +127,34 @@ def test_reference_matches_numpy():
     got = paged_decode_attention(q, k, v, bt, ln, scale=0.3, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), numpy_attention(q, k, v, bt, ln, scale=0.3),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", FORMS + ["xla"])
+def test_starts_skip_each_heads_first_tokens(form):
+    """``starts``: each head attends tokens ``starts .. lengths - 1`` only (a left-padded contiguous cache read as
+    pages). The skipped tokens hold NaN, so an unmasked score or value shows; ``starts == lengths`` gives zeros; the
+    result equals the float64 numpy attention over the kept tokens."""
+    kw = dict(batch=2, kv_heads=2, group=2, head_dim=64, page_size=16, max_pages=20,
+              lengths=[[1, 123], [40, 250]], kv_dtype=jnp.float32)
+    q, k, v, bt, ln = make_cache(11, **kw)
+    starts = np.array([[0, 37], [40, 200]], np.int32)  # (1, 0): nothing left to attend
+    kn, vn = np.array(k), np.array(v)
+    for b in range(2):
+        for h in range(2):
+            for t in range(starts[b, h]):
+                page = int(bt[b, h, t // 16])
+                kn[page, t % 16] = np.nan
+                vn[page, t % 16] = np.nan
+    k, v = jnp.asarray(kn), jnp.asarray(vn)
+    impl = "xla" if form == "xla" else IMPL
+    got = paged_decode_attention(q, k, v, bt, ln, starts=jnp.asarray(starts), implementation=impl,
+                                 backend=None if form == "xla" else form, pages_per_block=2)
+    got = np.asarray(got, np.float64)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[1, 0:2], 0.0)
+    np.testing.assert_allclose(got, numpy_attention(q, k, v, bt, ln, starts=starts), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="starts must be int32"):
+        paged_decode_attention(q, k, v, bt, ln, starts=jnp.asarray(starts[:1]), implementation="xla")
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.artifacts import no_artifact
-from kvjax.attention import causal_cache_attention, resolve_implementation
+from kvjax.attention import (causal_cache_attention, contiguous_decode_attention, kernel_reads_contiguous,
+                             resolve_implementation)
 from kvjax.cache import Cache, CacheSpec
 from kvjax.sharding import ROWS_HEADS
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition, write_slots
@@ -29,8 +30,10 @@ class FullCache:
     Args:
       block: key-block size of the prefill attention (memory O(T * block)); the cache holds a
         multiple of it.
-      implementation: attention implementation, "auto" | "xla" | "pallas" | "pallas_interpret"
-        (a dense cache always runs the XLA path; the name is validated).
+      implementation: attention implementation, "auto" | "xla" | "pallas" | "pallas_interpret": a
+        one-token decode step reads the contiguous cache with the paged Pallas kernel on an accelerator
+        (:func:`kvjax.attention.contiguous_decode_attention`: one fused pass instead of XLA's score matrix
+        and softmax), prefill and multi-token calls run the XLA path.
     """
 
     block: int = 256
@@ -66,8 +69,13 @@ class FullCache:
     def decode_attend(self, state: DenseKV, q, k, v, ctx):
         """Write k, v at slots ``ctx.start..`` and attend causally over all written slots."""
         k_new, v_new = write_slots(state.k, k, ctx.start), write_slots(state.v, v, ctx.start)
-        out = causal_cache_attention(q, k_new, v_new, q_start=ctx.start, pad=ctx.pad, scale=q.shape[-1] ** -0.5,
-                                     block=self.block, implementation=self.implementation)
+        B, T, Hq, D = q.shape
+        if T == 1 and kernel_reads_contiguous(k_new.shape[2], D, self.implementation):
+            out = contiguous_decode_attention(q[:, 0], k_new, v_new, length=ctx.start + 1, pad=ctx.pad,
+                                              implementation=self.implementation, mesh=ctx.mesh)[:, None]
+        else:
+            out = causal_cache_attention(q, k_new, v_new, q_start=ctx.start, pad=ctx.pad, scale=D**-0.5,
+                                         block=self.block, implementation=self.implementation)
         return out, DenseKV(k=k_new, v=v_new)
 
     def question_passes(self) -> int:
