@@ -213,13 +213,13 @@ def test_paged_lowers(heads, dtype, page_size, platform):
 
 
 def test_paged_tpu_splits_large_block_tables():
-    """B=8, H_kv=8, 32K tokens in 16-token pages: 512 KiB of block table is prefetched in
-    several calls of at most the SMEM budget (one call would need all of it)."""
+    """B=8, H_kv=8, 32K tokens in 16-token pages: 512 KiB of block table (with each head's length and start) is
+    prefetched in several calls of at most the SMEM budget (one call would need all of it)."""
     args = _paged_args(8, (32, 8, 128), jnp.bfloat16, 16, tokens=32768)
     kernels = lower_kernels(_paged("tpu"), args, "tpu")
     assert len(kernels) == 5
     _check(kernels, "tpu", f32_matmuls=True)
-    assert sum(k["smem_bytes"] for k in kernels) == 8 * 8 * (2048 + 1) * 4
+    assert sum(k["smem_bytes"] for k in kernels) == 8 * 8 * (2048 + 2) * 4
     # the GPU form takes the block table as an ordinary (blocked) input
     _check(lower_kernels(_paged("cuda"), args, "cuda"), "cuda", f32_matmuls=True)
 
