@@ -157,6 +157,39 @@ def pq_kernel_errors() -> dict:
     return errors
 
 
+def contiguous_kernel_errors() -> dict:
+    """Max |error| of the full cache's one-token attention through the paged kernel (interpreted; the contiguous cache
+    read as pages, left padding skipped) per device under ``shard_map`` on each mesh, against numpy dense attention
+    over each row's slots ``pad .. length - 1`` on one device."""
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.attention import KERNEL_PAGE, contiguous_decode_attention
+    from kvjax.sharding import make_mesh, named
+
+    B, H, Hq, S, D = 8, 8, 16, 2 * KERNEL_PAGE, 16
+    rng = np.random.default_rng(5)
+    k, v = (rng.normal(size=(B, H, S, D)).astype(np.float32) for _ in range(2))
+    q = rng.normal(size=(B, Hq, D)).astype(np.float32)
+    pad, length = rng.integers(0, 70, size=B).astype(np.int32), 100
+    want = np.zeros((B, Hq, D))
+    for b in range(B):
+        for hq in range(Hq):
+            h = hq // (Hq // H)
+            s = k[b, h, pad[b]:length] @ q[b, hq] * D**-0.5
+            p = np.exp(s - s.max())
+            want[b, hq] = p @ v[b, h, pad[b]:length] / p.sum()
+    errors = {}
+    for mesh_text in ("data=2,model=4", "data=1,model=8", "data=8,model=1"):
+        mesh = make_mesh(mesh_text)
+        kv = named(mesh, P("data", "model"))
+        out = jax.jit(lambda q, k, v, pad, m=mesh: contiguous_decode_attention(
+            q, k, v, length=jnp.int32(length), pad=pad, implementation="pallas_interpret", mesh=m))(
+            jax.device_put(q, kv), jax.device_put(k, kv), jax.device_put(v, kv),
+            jax.device_put(pad, named(mesh, P("data"))))
+        errors[mesh_text] = float(np.abs(np.asarray(out) - want).max())
+    return errors
+
+
 def layout(cache) -> dict:
     """Per-device shard shapes of the first layer's arrays and of the cache's padding."""
     leaves = jax.tree_util.tree_leaves_with_path(cache.layers[0])
@@ -204,11 +237,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
     other_rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
-    result = {"meshes": {}, "params": {}, "compiles": {}, "bad": {}, "kernel": {}, "pq_kernel": {}, "questions": {}}
+    result = {"meshes": {}, "params": {}, "compiles": {}, "bad": {}, "kernel": {}, "pq_kernel": {}, "questions": {},
+              "contiguous_kernel": {}}
     if part == 1:
         run_meshes(result, base, rows, other_rows, PARTS[1])
         result["kernel"] = kernel_errors()
         result["pq_kernel"] = pq_kernel_errors()
+        result["contiguous_kernel"] = contiguous_kernel_errors()
         print(json.dumps(result))
         return
     run_meshes(result, base, rows, other_rows, PARTS[0])

@@ -215,6 +215,14 @@ def test_pallas_pq_kernel_per_device_under_shard_map(mesh_run):
         assert error < 1e-3, (mesh, error)
 
 
+def test_full_cache_kernel_per_device_under_shard_map(mesh_run):
+    """The full cache's one-token attention through the paged kernel (the contiguous cache read as pages, each row's
+    left padding skipped) per device on a mesh, against numpy dense attention over the row's slots."""
+    assert len(mesh_run["contiguous_kernel"]) == 3
+    for mesh, error in mesh_run["contiguous_kernel"].items():
+        assert error < 1e-5, (mesh, error)
+
+
 def test_page_layout_blocks_hand_computed():
     # 4 rows x 2 heads, one page each, in 2 x 2 blocks: (rows 0-1, head 0), (rows 0-1, head 1), (rows 2-3, head 0), ...
     table, pages = page_layout(4, [5, 5], 8, blocks=(2, 2))
