@@ -16,9 +16,8 @@ and the model's parameters (random bf16 of the real shapes, abstract), with XLA'
 From each compiled program: ``memory_analysis()`` (bytes of arguments, outputs, temporaries, per device, device and
 host memory), hence the largest batch that fits in the target's memory (the parameters are fixed; the rest of the
 memory compiled at the smallest batch grows with the rows; the step is compiled again at that batch to check it fits); the bytes a step moves through device memory (TPU: ``cost_analysis()``; the GPU compiler
-gives no cost analysis without a device, so :func:`hlo_bytes` counts them from the compiled HLO the way XLA's cost
-analysis does: each kernel's operands and outputs, only the slices a fusion reads of an operand it slices, an in-place
-update's update); the projected step time at the target's nominal HBM bandwidth, and tokens per second at the largest
+gives no cost analysis without a device, so :func:`hlo_bytes` counts them from the compiled HLO: each kernel's operands
+and outputs, only the slices a fusion reads of an operand it slices, only the update of an in-place update or scatter); the projected step time at the target's nominal HBM bandwidth, and tokens per second at the largest
 batch. The floor column is the bytes a step reading everything it holds cannot avoid: the weights it reads plus the
 compressed cache's device bytes (Quest and HCAttention select what they read, so their floor is lower than this).
 
@@ -184,9 +183,14 @@ def _parse(hlo: str) -> dict:
     return comps
 
 
+# In-place fusion roots (the output aliases operand 0) and the operand holding what they write.
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
+
+
 def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_shape: str) -> tuple[int, int]:
     """(device, host) bytes a fusion reads and writes: an operand that the fused computation only slices or gathers
-    counts the slices; an in-place ``dynamic-update-slice`` root writes its update and does not read its target."""
+    counts the slices; an in-place root (``dynamic-update-slice``, ``scatter``: a cache append) writes its update and
+    neither reads nor rewrites its target."""
     insts = comps.get(callee, [])
     params = {i.name: int(i.args.strip() or 0) for i in insts if i.op == "parameter"}
     users: dict = {}
@@ -194,14 +198,14 @@ def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_sh
         for o in i.operands:
             users.setdefault(o, []).append(i)
     root = next((i for i in insts if i.root), insts[-1] if insts else None)
-    in_place = root is not None and root.op == "dynamic-update-slice"
+    in_place = root is not None and root.op in _IN_PLACE and len(root.operands) > _IN_PLACE[root.op]
     by_index = {idx: name for name, idx in params.items()}
     dev = host = 0
     for k, operand in enumerate(operands):
         pname = by_index.get(k)
         full = _arrays(shapes.get(operand, ""))
         uses = users.get(pname, [])
-        if in_place and root.operands and root.operands[0] == pname:
+        if in_place and root.operands[0] == pname and all(u is root for u in uses):
             continue  # updated in place: neither read nor rewritten
         if uses and all(u.op in _SLICING and u.operands and u.operands[0] == pname for u in uses):
             part = [_arrays(u.shape) for u in uses]
@@ -211,7 +215,8 @@ def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_sh
             dev += full[0]
             host += full[1]
     if in_place:
-        update = next((i for i in insts if len(root.operands) > 1 and i.name == root.operands[1]), None)
+        written = root.operands[_IN_PLACE[root.op]]
+        update = next((i for i in insts if i.name == written), None)
         out = _arrays(update.shape) if update is not None else (0, 0)
     else:
         out = _arrays(out_shape)
@@ -224,7 +229,8 @@ def hlo_bytes(hlo: str) -> dict:
     Every instruction that launches work (a fusion, a custom call such as a Pallas kernel, a copy...) reads its operands
     and writes its output, in the computations that run (the entry, loop bodies and conditions, conditional branches:
     each branch counted as if taken, an upper bound); a fusion that only slices or gathers from an operand reads those
-    slices; a fusion whose root is an in-place ``dynamic-update-slice`` writes (and reads) the update only. Arrays in
+    slices; a fusion whose root updates its first operand in place (``dynamic-update-slice``, ``scatter``) writes the
+    update only. Arrays in
     host memory (``S(5)``) count as host traffic. Returns ``{"device": bytes, "host": bytes}``.
     """
     comps = _parse(hlo)

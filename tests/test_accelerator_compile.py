@@ -41,6 +41,19 @@ HLO = """HloModule m
   ROOT %a = f32[64]{0} add(%r, %q1)
 }
 
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %z = bf16[] add(%x, %y)
+}
+
+%fused_scatter (s0: bf16[512,64], s1: s32[1,1], s2: bf16[1,64]) -> bf16[512,64] {
+  %s0 = bf16[512,64]{1,0} parameter(0)
+  %s1 = s32[1,1]{1,0} parameter(1)
+  %s2 = bf16[1,64]{1,0} parameter(2)
+  ROOT %sc = bf16[512,64]{1,0} scatter(%s0, %s1, %s2), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
 %branch_a (a: f32[64]) -> f32[64] {
   %a = f32[64]{0} parameter(0)
   ROOT %n = f32[64]{0} negate(%a)
@@ -51,12 +64,16 @@ HLO = """HloModule m
   ROOT %e = f32[64]{0} exponential(%b)
 }
 
-ENTRY %main (cache: bf16[1024,128], new: bf16[1,128], i: s32[], big: f32[4096,64], small: f32[64]) -> f32[64] {
+ENTRY %main (cache: bf16[1024,128], new: bf16[1,128], i: s32[], big: f32[4096,64], small: f32[64], pool: bf16[512,64], ids: s32[1,1], row: bf16[1,64]) -> f32[64] {
   %cache = bf16[1024,128]{1,0} parameter(0)
   %new = bf16[1,128]{1,0} parameter(1)
   %i = s32[] parameter(2)
   %big = f32[4096,64]{1,0} parameter(3)
   %small = f32[64]{0} parameter(4)
+  %pool = bf16[512,64]{1,0} parameter(5)
+  %ids = s32[1,1]{1,0} parameter(6)
+  %row = bf16[1,64]{1,0} parameter(7)
+  %appended = bf16[512,64]{1,0} fusion(%pool, %ids, %row), kind=kInput, calls=%fused_scatter
   %upd = bf16[1024,128]{1,0} fusion(%cache, %new, %i), kind=kLoop, calls=%fused_dus
   %sl = f32[64]{0} fusion(%big, %small, %i), kind=kLoop, calls=%fused_slice
   %k = f32[64]{0} custom-call(%sl, %small), custom_call_target="__gpu$xla.gpu.triton"
@@ -70,14 +87,16 @@ def test_hlo_bytes_of_a_hand_written_program():
     """Hand-counted: the in-place update reads its one new row (256 B) and the index (4 B) and writes the row, not the
     1024-row cache; the slicing fusion reads one row of ``big`` (256 B), all of ``small`` (256 B) and the index, and
     writes 256 B; the custom call reads 2 x 256 and writes 256; the copy to host reads 256 on the device and writes 256
-    to the host; each conditional branch (counted as taken) reads and writes 256."""
+    to the host; each conditional branch (counted as taken) reads and writes 256; the scatter appending one 128-byte
+    row to a 64 KiB pool in place reads the row and its index (4 B) and writes the row."""
     counted = hlo_bytes(HLO)
     dus = 256 + 4 + 256
     sliced = 256 + 256 + 4 + 256
     kernel = 3 * 256
     copy = 256
     branches = 2 * (256 + 256)
-    assert counted == {"device": dus + sliced + kernel + copy + branches, "host": 256}
+    scatter = 4 + 128 + 128
+    assert counted == {"device": dus + sliced + kernel + copy + branches + scatter, "host": 256}
 
 
 def test_mesh_shapes_of_the_targets():
