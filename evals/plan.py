@@ -14,8 +14,8 @@ and the model's parameters (random bf16 of the real shapes, abstract), with XLA'
   ``shard_map`` as on a real slice.
 
 From each compiled program: ``memory_analysis()`` (bytes of arguments, outputs, temporaries, per device, device and
-host memory), hence the largest batch that fits in the target's memory (the parameters are fixed; the rest of the
-memory compiled at the smallest batch grows with the rows; the step is compiled again at that batch to check it fits); the bytes a step moves through device memory (TPU: ``cost_analysis()``; the GPU compiler
+host memory), hence the largest batch that fits in the target's memory (the parameters and the method's artifact are
+fixed; the rest of the memory compiled at the smallest batch grows with the rows; the step is compiled again at that batch to check it fits); the bytes a step moves through device memory (TPU: ``cost_analysis()``; the GPU compiler
 gives no cost analysis without a device, so :func:`hlo_bytes` counts them from the compiled HLO: each kernel's operands
 and outputs, only the slices a fusion reads of an operand it slices, only the update of an in-place update or scatter); the projected step time at the target's nominal HBM bandwidth, and tokens per second at the largest
 batch. The floor column is the bytes a step reading everything it holds cannot avoid: the weights it reads plus the
@@ -369,7 +369,9 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     from kvjax.sharding import MODEL, axis_size
 
     floor = weights_read(config, params) / axis_size(mesh, MODEL) + cache_device_bytes(cache) / mesh.size
+    artifact = sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache.artifact))
     return {"device_bytes": int(device), "host_bytes": int(host), "temp_bytes": int(mem.temp_size_in_bytes),
+            "artifact_bytes": artifact,
             "device_traffic": traffic, "traffic_source": "cost_analysis" if cost and "bytes accessed" in cost else "hlo",
             "hlo_device_traffic": counted["device"], "host_traffic": counted["host"], "floor_bytes": floor,
             "compile_s": seconds, "compiled": compiled}
@@ -387,7 +389,7 @@ def cache_device_bytes(cache) -> int:
 def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, room: int, artifact, graphdef, params,
               *, verify: bool = True) -> dict:
     """One row of the plan: the step compiled at the smallest batch (the mesh's data axis), the largest batch that fits
-    (the parameters are fixed, the rest of the compiled memory grows with the rows), compiled again at that batch to
+    (the parameters and the artifact are fixed, the rest of the compiled memory grows with the rows), compiled again at that batch to
     check it fits (unless ``verify`` is False); projected step times and tokens/s at both batches."""
     import jax
 
@@ -395,8 +397,9 @@ def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, roo
 
     b1 = axis_size(mesh, DATA)
     one = compile_step(target, mesh, config, dtype, method, b1, length, room, artifact, graphdef=graphdef, params=params)
+    # fixed: the parameters (split over the model axis) and the artifact (replicated: trained heads, codebooks)
     fixed = sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) / axis_size(
-        mesh, MODEL)
+        mesh, MODEL) + one["artifact_bytes"]
     per_row = (one["device_bytes"] - fixed) / b1
     row = {"batch1": b1, "fixed_bytes": fixed, "per_row_bytes": per_row, "device_bytes_b1": one["device_bytes"],
            "host_bytes_b1": one["host_bytes"], "traffic_b1": one["device_traffic"],
@@ -438,8 +441,8 @@ def render(report: dict) -> str:
         "- one-token decode step (`kvjax.generate.decode_step`) over the method's compressed cache (`init_cache` + "
         "`compress`, traced: `evals.synthetic.abstract_compressed_cache`), compiled by XLA for the target without it",
         "- memory per chip from `memory_analysis()` (arguments + outputs - donated + temporaries); `max batch`: the "
-        "largest batch whose step fits the chip's memory (the parameters fixed, the rest of the compiled memory "
-        "per row), compiled at that batch: `fits` says whether it did); projected step = bytes moved / nominal HBM bandwidth per chip; "
+        "largest batch whose step fits the chip's memory (the parameters and the artifact fixed, the rest of the "
+        "compiled memory per row), compiled at that batch: `fits` says whether it did); projected step = bytes moved / nominal HBM bandwidth per chip; "
         "floor = (weights read + the cache's device bytes) / chips / bandwidth",
         "- bytes moved: TPU `cost_analysis()['bytes accessed']`; GPU (no cost analysis without a device): counted "
         "from the compiled HLO per kernel (`evals.plan.hlo_bytes`)",
