@@ -15,10 +15,12 @@ and the model's parameters (random bf16 of the real shapes, abstract), with XLA'
 
 From each compiled program: ``memory_analysis()`` (bytes of arguments, outputs, temporaries, per device, device and
 host memory), hence the largest batch that fits in the target's memory (the parameters and the method's artifact are
-fixed; the rest of the memory compiled at the smallest batch grows with the rows; the step is compiled again at that batch to check it fits); the bytes a step moves through device memory (TPU: ``cost_analysis()``; the GPU compiler
-gives no cost analysis without a device, so :func:`hlo_bytes` counts them from the compiled HLO: each kernel's operands
-and outputs, only the slices a fusion reads of an operand it slices, only the update of an in-place update or scatter); the projected step time at the target's nominal HBM bandwidth, and tokens per second at the largest
-batch. The floor column is the bytes a step reading everything it holds cannot avoid: the weights it reads plus the
+fixed; the rest of the memory compiled at the smallest batch grows with the rows; the step is compiled again at that
+batch to check it fits); the bytes a step moves through device memory (GPU: counted from the compiled HLO by
+:func:`hlo_bytes`, each kernel's operands and outputs in device memory, only the slices a fusion reads of an operand it
+slices, only the update of an in-place update or scatter, since the GPU compiler gives no cost analysis without a
+device; TPU: ``cost_analysis()['bytes accessed']``, which also counts the on-chip VMEM side of its copies, so an upper
+bound); the projected step time at the target's nominal HBM bandwidth, and tokens per second at the largest batch. The floor column is the bytes a step reading everything it holds cannot avoid: the weights it reads plus the
 compressed cache's device bytes (Quest and HCAttention select what they read, so their floor is lower than this).
 
 Needs jax's CUDA plugin (``.aot-gpu/``) and ``libtpu`` (``.aot-tpu/``), both put there by ``scripts/setup_env.sh``
@@ -80,7 +82,8 @@ def mesh_shape(target: Target, config) -> tuple[int, int]:
 
 
 def target_mesh(target: Target, config):
-    """The target's devices (deviceless: a jax topology) as a ``(data, model)`` mesh."""
+    """The target's devices (deviceless: a jax topology) as a ``(data, model)`` mesh. Several processes may compile for
+    a TPU at once (``ALLOW_MULTIPLE_LIBTPU_LOAD``: they never run on one)."""
     import numpy as np
     from jax.experimental import topologies
     from jax.sharding import Mesh
@@ -92,6 +95,7 @@ def target_mesh(target: Target, config):
 
         devices = gpu_topology(target.topology).devices
     else:
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         try:
             devices = topologies.get_topology_desc(platform="tpu", topology_name=target.topology).devices
         except Exception as e:  # noqa: BLE001 - no libtpu: say how to get it
@@ -128,12 +132,13 @@ _SIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "u
          "u64": 8, "f64": 8}
 _NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
               "partition-id", "replica-id", "custom-call-done", "while", "conditional", "call", "copy-done",
-              "send-done", "recv-done", "async-done", "add-dependency", "domain"}
+              "send-done", "recv-done", "async-done", "slice-done", "add-dependency", "domain"}  # *-done: its start counts
 _SLICING = {"dynamic-slice", "slice", "gather"}
 
 
 def _arrays(shape: str) -> tuple[int, int]:
-    """(device bytes, host bytes) of the arrays of an HLO shape (``S(5)`` in a layout: host memory)."""
+    """(device memory bytes, host bytes) of the arrays of an HLO shape: ``S(5)`` in a layout is host memory, ``S(1)``
+    a TPU core's on-chip memory (VMEM: neither)."""
     dev = host = 0
     for dtype, dims, layout in _ARR.findall(shape):
         n = _SIZE[dtype]
@@ -141,7 +146,7 @@ def _arrays(shape: str) -> tuple[int, int]:
             n *= int(d)
         if layout and "S(5)" in layout:
             host += n
-        else:
+        elif not (layout and "S(1)" in layout):
             dev += n
     return dev, host
 
@@ -294,12 +299,15 @@ def abstract_params(config, dtype, mesh):
 
 
 def weights_read(config, params) -> int:
-    """Weight bytes one decode step reads: every parameter, except one row of an untied input embedding."""
+    """Weight bytes one decode step reads on one chip: its shard of every parameter (abstract, placed on the mesh),
+    except one row of an untied input embedding."""
     import jax
 
-    total = sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
-    embed = params["embed_tokens"]["embedding"]
-    return total if config.tie_word_embeddings else total - int(math.prod(embed.shape)) * embed.dtype.itemsize
+    def shard(x):
+        return int(math.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+    total = sum(shard(x) for x in jax.tree_util.tree_leaves(params))
+    return total if config.tie_word_embeddings else total - shard(params["embed_tokens"]["embedding"])
 
 
 def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, length: int, room: int, artifact=None,
@@ -308,7 +316,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
 
     Returns the compiled program's memory (per device: ``device_bytes`` = arguments + outputs - donated aliases +
     temporaries; ``host_bytes`` likewise for host memory), the bytes it moves (``device_traffic``, ``host_traffic``),
-    the bytes floor per device (``floor_bytes``: weights read + the cache's device bytes), the compile time
+    the bytes floor per device (``floor_bytes``: the chip's weights read + its share of the cache's device bytes), the compile time
     and the compiled object (``compiled``)."""
     import jax
     import jax.numpy as jnp
@@ -365,15 +373,17 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     counted = hlo_bytes(hlo)
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else None
+    # a TPU program's async slices into VMEM are not counted reliably from the HLO: take XLA's own count there
+    # (which includes the VMEM side, so an upper bound on HBM traffic)
     traffic = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else float(counted["device"])
-    from kvjax.sharding import MODEL, axis_size
 
-    floor = weights_read(config, params) / axis_size(mesh, MODEL) + cache_device_bytes(cache) / mesh.size
+    floor = weights_read(config, params) + cache_device_bytes(cache) / mesh.size
     artifact = sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache.artifact))
     return {"device_bytes": int(device), "host_bytes": int(host), "temp_bytes": int(mem.temp_size_in_bytes),
             "artifact_bytes": artifact,
-            "device_traffic": traffic, "traffic_source": "cost_analysis" if cost and "bytes accessed" in cost else "hlo",
-            "hlo_device_traffic": counted["device"], "host_traffic": counted["host"], "floor_bytes": floor,
+            "device_traffic": traffic, "hlo_device_traffic": counted["device"],
+            "xla_bytes_accessed": float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else None,
+            "host_traffic": counted["host"], "floor_bytes": floor,
             "compile_s": seconds, "compiled": compiled}
 
 
@@ -393,17 +403,18 @@ def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, roo
     check it fits (unless ``verify`` is False); projected step times and tokens/s at both batches."""
     import jax
 
-    from kvjax.sharding import DATA, MODEL, axis_size
+    from kvjax.sharding import DATA, axis_size
 
     b1 = axis_size(mesh, DATA)
     one = compile_step(target, mesh, config, dtype, method, b1, length, room, artifact, graphdef=graphdef, params=params)
-    # fixed: the parameters (split over the model axis) and the artifact (replicated: trained heads, codebooks)
-    fixed = sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) / axis_size(
-        mesh, MODEL) + one["artifact_bytes"]
+    # fixed: each chip's shards of the parameters (the embedding and the LM head are replicated) and the artifact
+    # (replicated: trained heads, codebooks)
+    fixed = sum(int(math.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                for x in jax.tree_util.tree_leaves(params)) + one["artifact_bytes"]
     per_row = (one["device_bytes"] - fixed) / b1
     row = {"batch1": b1, "fixed_bytes": fixed, "per_row_bytes": per_row, "device_bytes_b1": one["device_bytes"],
            "host_bytes_b1": one["host_bytes"], "traffic_b1": one["device_traffic"],
-           "traffic_source": one["traffic_source"], "host_traffic_b1": one["host_traffic"],
+           "xla_bytes_accessed_b1": one["xla_bytes_accessed"], "host_traffic_b1": one["host_traffic"],
            "floor_b1": one["floor_bytes"], "compile_s": one["compile_s"]}
     fits = int((target.memory_bytes - fixed) // per_row) if per_row > 0 else 0
     row["max_batch"] = max(0, fits - fits % b1)
@@ -442,10 +453,14 @@ def render(report: dict) -> str:
         "`compress`, traced: `evals.synthetic.abstract_compressed_cache`), compiled by XLA for the target without it",
         "- memory per chip from `memory_analysis()` (arguments + outputs - donated + temporaries); `max batch`: the "
         "largest batch whose step fits the chip's memory (the parameters and the artifact fixed, the rest of the "
-        "compiled memory per row), compiled at that batch: `fits` says whether it did); projected step = bytes moved / nominal HBM bandwidth per chip; "
-        "floor = (weights read + the cache's device bytes) / chips / bandwidth",
-        "- bytes moved: TPU `cost_analysis()['bytes accessed']`; GPU (no cost analysis without a device): counted "
-        "from the compiled HLO per kernel (`evals.plan.hlo_bytes`)",
+        "compiled memory per row), compiled at that batch: `fits` says whether it did); projected step = bytes moved / "
+        "nominal HBM bandwidth per chip; "
+        "floor = (a chip's share of the weights read + the cache's device bytes / chips) / bandwidth",
+        "- bytes moved: GPU: counted from the compiled HLO per kernel, device memory only (`evals.plan.hlo_bytes`: "
+        "operands and outputs; a sliced operand's slices; an in-place update's update; every conditional branch as "
+        "taken; a kernel's whole operands, so Quest's selected pages count as all); TPU: XLA's "
+        "`cost_analysis()['bytes accessed']`, which also counts the on-chip (VMEM) side of the copies the TPU "
+        "compiler inserts: an upper bound on HBM traffic",
         "",
     ]
     for tname, rows in report["targets"].items():
