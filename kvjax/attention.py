@@ -163,8 +163,8 @@ def causal_cache_attention(q, k, v, *, q_start, pad, scale: float, block: int, i
     """Attention of new queries over a contiguous (uncompressed) cache; dispatches on size and backend.
 
     Decode steps and prompts that fit in one block use :func:`dense_causal_attention`; longer prompt
-    chunks use :func:`blocked_causal_attention`. ``implementation`` is validated here; the Pallas
-    kernels serve compressed caches (see ``pallas_kernels``) and fall back to XLA for dense ones.
+    chunks use :func:`blocked_causal_attention`. ``implementation`` is validated here; this path is XLA's
+    (a full cache's one-token step on an accelerator goes to :func:`contiguous_decode_attention` instead).
     """
     resolve_implementation(implementation)
     T, S = q.shape[1], k.shape[2]
