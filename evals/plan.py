@@ -298,16 +298,18 @@ def abstract_params(config, dtype, mesh):
     return graphdef, params
 
 
+def shard_bytes(x) -> int:
+    """Bytes of one device's shard of an abstract array placed on a mesh."""
+    return int(math.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+
 def weights_read(config, params) -> int:
     """Weight bytes one decode step reads on one chip: its shard of every parameter (abstract, placed on the mesh),
     except one row of an untied input embedding."""
     import jax
 
-    def shard(x):
-        return int(math.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-
-    total = sum(shard(x) for x in jax.tree_util.tree_leaves(params))
-    return total if config.tie_word_embeddings else total - shard(params["embed_tokens"]["embedding"])
+    total = sum(shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
+    return total if config.tie_word_embeddings else total - shard_bytes(params["embed_tokens"]["embedding"])
 
 
 def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, length: int, room: int, artifact=None,
@@ -324,7 +326,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     from jax.sharding import PartitionSpec as P
 
     from evals.synthetic import abstract_compressed_cache
-    from kvjax.cache import CacheSpec
+    from kvjax.cache import CacheSpec, bytes_by_memory_kind
     from kvjax.generate import decode_compiler_options, decode_step_jit
     from kvjax.sharding import DATA, is_split
 
@@ -375,25 +377,15 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
         cost = cost[0] if cost else None
     # a TPU program's async slices into VMEM are not counted reliably from the HLO: take XLA's own count there
     # (which includes the VMEM side, so an upper bound on HBM traffic)
-    traffic = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else float(counted["device"])
-
-    floor = weights_read(config, params) + cache_device_bytes(cache) / mesh.size
-    artifact = sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache.artifact))
+    xla = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else None
+    traffic = float(counted["device"]) if xla is None else xla
+    # the cache's device bytes: what a step reading everything it holds reads (Quest and HCAttention read less)
+    floor = weights_read(config, params) + bytes_by_memory_kind(cache)[0] / mesh.size
     return {"device_bytes": int(device), "host_bytes": int(host), "temp_bytes": int(mem.temp_size_in_bytes),
-            "artifact_bytes": artifact,
-            "device_traffic": traffic, "hlo_device_traffic": counted["device"],
-            "xla_bytes_accessed": float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else None,
+            "artifact_bytes": bytes_by_memory_kind(cache.artifact)[0],
+            "device_traffic": traffic, "hlo_device_traffic": counted["device"], "xla_bytes_accessed": xla,
             "host_traffic": counted["host"], "floor_bytes": floor,
             "compile_s": seconds, "compiled": compiled}
-
-
-def cache_device_bytes(cache) -> int:
-    """Bytes of the (abstract) cache's device-memory arrays, over all devices: what a step that reads everything the
-    cache holds reads (Quest and HCAttention read less: they select)."""
-    import jax
-
-    return sum(int(math.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)
-               if getattr(x.sharding, "memory_kind", None) != "pinned_host")
 
 
 def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, room: int, artifact, graphdef, params,
@@ -409,8 +401,7 @@ def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, roo
     one = compile_step(target, mesh, config, dtype, method, b1, length, room, artifact, graphdef=graphdef, params=params)
     # fixed: each chip's shards of the parameters (the embedding and the LM head are replicated) and the artifact
     # (replicated: trained heads, codebooks)
-    fixed = sum(int(math.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                for x in jax.tree_util.tree_leaves(params)) + one["artifact_bytes"]
+    fixed = sum(shard_bytes(x) for x in jax.tree_util.tree_leaves(params)) + one["artifact_bytes"]
     per_row = (one["device_bytes"] - fixed) / b1
     row = {"batch1": b1, "fixed_bytes": fixed, "per_row_bytes": per_row, "device_bytes_b1": one["device_bytes"],
            "host_bytes_b1": one["host_bytes"], "traffic_b1": one["device_traffic"],
