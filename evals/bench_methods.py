@@ -671,14 +671,17 @@ def render_markdown(report: dict) -> str:
         lines += ["", "## Host recall (methods with a pinned-host tier)", "",
                   "From `cache.stats()` after the timed decode loop (N - 1 steps): refreshes of follower heads "
                   "(summed over layers), their rate per (follower head, step), token rows and K+V bytes brought "
-                  "from host memory, and those bytes per decode step.", "",
-                  "| L | method | recall events | trigger rate | rows recalled | KiB recalled | KiB / step |",
-                  "|---:|---|---:|---:|---:|---:|---:|"]
+                  "from host memory (written into follower slots), those bytes per decode step, and the bytes one "
+                  "decode step transfers from the host (the schedule's fixed size, used or not).", "",
+                  "| L | method | recall events | trigger rate | rows recalled | KiB recalled | KiB / step | "
+                  "KiB fetched / step |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in recall_rows:
             a = r["cache_stats_after_decode"]
             steps = max(a["decode_steps"], 1)
             lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['recall_events']} | {a['recall_trigger_rate']:.3f} | "
-                         f"{a['rows_recalled']} | {a['bytes_recalled'] / 1024:.1f} | {a['bytes_recalled'] / 1024 / steps:.1f} |")
+                         f"{a['rows_recalled']} | {a['bytes_recalled'] / 1024:.1f} | {a['bytes_recalled'] / 1024 / steps:.1f} | "
+                         f"{a['bytes_fetched_per_step'] / 1024:.1f} |")
     value_rows = [r for r in report["rows"] if "selection_ratio" in (r.get("cache_stats_after_decode") or {})]
     if value_rows:
         lines += ["", "## Values in host memory (HCAttention)", "",

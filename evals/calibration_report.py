@@ -88,11 +88,11 @@ def main(argv=None) -> int:
         t1 = time.perf_counter()
         stats = head_statistics(records, topk=topk, group_layers=group, tokens=args.tokens)
         if args.kind == "heterocache":
-            from kvjax.methods.heterocache import heterocache_artifact
+            from kvjax.methods.recall.heterocache import heterocache_artifact
 
             art = heterocache_artifact(stats, mid, tau_sim=args.tau_sim, tau_stable=args.tau_stable)
         else:
-            from kvjax.methods.synckv import synckv_artifact
+            from kvjax.methods.recall.synckv import synckv_artifact
 
             art = synckv_artifact(stats, mid, seed=args.seed, default_representatives=paper_representatives(cfg))
         wall = record_s + time.perf_counter() - t1

@@ -95,8 +95,8 @@ def synthetic_artifact(method, spec: CacheSpec, seed: int = 0):
     model would have, so the cache it makes holds and moves the bytes a calibrated one would."""
     from kvjax.calibration import auto_group_layers
     from kvjax.methods import HCAttention, HeteroCache, Locret, SyncKV
-    from kvjax.methods.heterocache import heterocache_artifact
-    from kvjax.methods.synckv import synckv_artifact
+    from kvjax.methods.recall.heterocache import heterocache_artifact
+    from kvjax.methods.recall.synckv import synckv_artifact
     from kvjax.pq_codebooks import hcattention_artifact
     from kvjax.retaining_heads import random_heads_artifact
 

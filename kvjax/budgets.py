@@ -42,6 +42,26 @@ def tokens_per_head(budget: int | float, prompt_len: int) -> int:
     return tokens
 
 
+def budget_fraction(budget: int | float, longest_row: int) -> float:
+    """The budget as a fraction of the longest row (``rho``): an int ``b`` tokens per head is ``b / longest_row``."""
+    check_budget(budget)
+    return budget / longest_row if isinstance(budget, int) else float(budget)
+
+
+def compressed_head_tokens(rho: float, heads: int, full_heads: int, length: int, *, method: str, full: str) -> float:
+    """Tokens each compressed head keeps when ``full_heads`` of ``heads`` KV heads (all layers) keep the whole
+    ``length``-token prompt and the device holds ``rho`` of the prompt's KV over all heads:
+    ``(rho * heads - full_heads) * length / (heads - full_heads)`` (HeteroCache's base, Eq. 7; SyncKV's ``k``).
+    Raises when ``rho * heads <= full_heads`` (the full heads alone exceed the budget); ``length`` when every head
+    is full."""
+    if rho * heads <= full_heads:
+        raise ValueError(f"budget {rho:.3f} of the prompt cannot hold the {full_heads} {full} out of {heads} KV "
+                         f"heads: {method} needs budget > {full_heads / heads:.3f} (budget * N > F)")
+    if full_heads == heads:
+        return float(length)
+    return (rho * heads - full_heads) * length / (heads - full_heads)
+
+
 def row_tokens(budget: int | float, row_length):
     """Tokens per KV head a row of ``row_length`` real tokens keeps (numpy or jax arrays work too).
 

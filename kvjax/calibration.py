@@ -151,6 +151,10 @@ class AttentionRecorder:
         """One (the recorder takes one query per call)."""
         return 1
 
+    def finish_question(self, cache):
+        """Nothing: a question leaves no work for other layers."""
+        return cache
+
     def state_partition(self, state, spec: CacheSpec):
         """Calibration runs on one device."""
         raise not_shardable(self.name, "calibration records every head's attended sets on one device")

@@ -95,10 +95,14 @@ def _forward(graphdef, params, tokens, positions, cache: Cache, *, last_only: bo
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def prefill_jit(graphdef, params, tokens: jax.Array, cache: Cache):
-    """Jitted body of :func:`prefill` (no room check; use it for ahead-of-time lowering)."""
+    """Jitted body of :func:`prefill` (no room check; use it for ahead-of-time lowering). After a multi-token call on
+    the compressed cache, the method's ``finish_question``."""
     TRACE_COUNTS["prefill"] += 1
     positions = jnp.maximum(cache.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] - cache.pad[:, None], 0)
+    question = cache.stage == "compressed" and tokens.shape[1] > 1
     logits, cache = _forward(graphdef, params, tokens, positions, cache, last_only=True)
+    if question:
+        cache = cache.method.finish_question(cache)
     return logits[:, -1], constrain_cache(cache)
 
 

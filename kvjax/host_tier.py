@@ -101,7 +101,7 @@ Paged pools
 (``k_pages, v_pages[num_pages, page_size, D]``, ``block_table[B, Hkv, max_pages]``).
 
 These functions see one device's arrays: on a mesh, callers run them per device under ``shard_map``
-(``kvjax.head_recall``), or on arrays split by the compiler's annotations (HCAttention's values),
+(:mod:`kvjax.methods.recall`), or on arrays split by the compiler's annotations (HCAttention's values),
 whose batch axis is each device's own host heads. On CPU ``pinned_host`` and ``device`` are the same
 RAM: the tests here show correctness and the transfer structure, not speed.
 """

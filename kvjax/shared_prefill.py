@@ -61,6 +61,10 @@ class SharedStaging:
         """One (a staging never decodes)."""
         return 1
 
+    def finish_question(self, cache):
+        """Nothing: a question leaves no work for other layers."""
+        return cache
+
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs."""
         return staged_partition(state)

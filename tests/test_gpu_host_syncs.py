@@ -2,10 +2,10 @@
 
 XLA:GPU runs a ``conditional`` whose branch is chosen at run time as a ``ConditionalThunk``: it copies the
 predicate to the host and waits for the stream (``xla/backends/gpu/runtime/conditional_thunk.cc``), so each one
-in a decode step is a host synchronisation per step. The full cache's and the static methods' decode loops must
-have none. XLA:CPU's decode attention keeps one per layer on purpose (:func:`kvjax.attention.dense_causal_attention`:
-it avoids copies of the cache there); ``lax.platform_dependent`` keeps it out of the GPU and TPU lowerings.
-HeteroCache and SyncKV have them by design today (:mod:`kvjax.head_recall`, "Timing"): counted, not forbidden.
+in a decode step is a host synchronisation per step. No method's decode loop may have one: the full cache's, the
+static methods', and HeteroCache's and SyncKV's under every recall schedule. XLA:CPU's decode attention keeps one per
+layer on purpose (:func:`kvjax.attention.dense_causal_attention`: it avoids copies of the cache there);
+``lax.platform_dependent`` keeps it out of the GPU and TPU lowerings.
 
 Also here: what the recall's host-offloaded gathers wait for. A gather whose indices come from the same step's
 attention cannot start before that attention is done; ``recall_schedule="pipelined"`` exists so that they come
@@ -13,6 +13,7 @@ from the loop carry instead.
 """
 
 import jax
+import pytest
 import jax.numpy as jnp
 from jax._src.interpreters import mlir
 from jaxlib.mlir import ir
@@ -20,6 +21,7 @@ from jaxlib.mlir import ir
 from kvjax.cache import CacheSpec
 from kvjax.generate import compress, decode_loop_jit, prefill_prompt
 from kvjax.methods import FullCache, HeteroCache, SnapKV, SyncKV
+from kvjax.methods.recall import RECALL_SCHEDULES
 from tests.mesh_worker import CONFIG, CONFIG_D16, recall_artifacts, tiny_model
 from tests.test_kernel_lowering import export_for
 
@@ -137,22 +139,17 @@ def test_static_method_decode_has_no_host_syncs(monkeypatch):
     assert dynamic_conditionals(text) == 0
 
 
-def test_synckv_decode_conditionals_are_counted(monkeypatch):
-    """SyncKV's anticipation, re-anchoring check and recall are per-layer conditionals today (a known cost on a
-    GPU, see :mod:`kvjax.head_recall`): 3 per layer of the tiny model (2 layers, each with an R-head and
-    followers); the spread schedule has no recall conditional (2 per layer), nor have the ahead and pipelined
-    schedules (their rows written one or two calls later); without anticipation there are none."""
-    artifact = recall_artifacts(CONFIG_D16)[1]
-
-    def count(**kw):
-        method = SyncKV(budget=0.5, num_representatives=3, block=32, **kw)
-        return dynamic_conditionals(lowered_decode_loop(method, "cuda", monkeypatch, artifact, CONFIG_D16))
-
-    assert count() == 3 * CONFIG_D16.num_layers
-    assert count(recall_schedule="spread") == 2 * CONFIG_D16.num_layers
-    assert count(recall_schedule="ahead") == 2 * CONFIG_D16.num_layers
-    assert count(recall_schedule="pipelined") == 2 * CONFIG_D16.num_layers
-    assert count(anticipation=False) == 0
+@pytest.mark.parametrize("schedule", RECALL_SCHEDULES)
+def test_recall_decode_has_no_host_syncs(monkeypatch, schedule):
+    """HeteroCache's drift check and SyncKV's anticipation run every step with their decision predicated, and every
+    recall schedule's transfer has a fixed size: no conditional in either decode loop (2 layers, each with leaders and
+    followers), re-anchoring on or off. SyncKV's re-anchoring is the method's default."""
+    hetero, sync = recall_artifacts(CONFIG_D16)
+    for method, artifact in ((HeteroCache(budget=0.5, block=32, window=2, recall_schedule=schedule), hetero),
+                             (HeteroCache(budget=0.5, block=32, reanchor=True, recall_schedule=schedule), hetero),
+                             (SyncKV(budget=0.5, num_representatives=3, block=32, recall_schedule=schedule), sync)):
+        text = lowered_decode_loop(method, "cuda", monkeypatch, artifact, CONFIG_D16)
+        assert dynamic_conditionals(text) == 0, method
 
 
 def test_pipelined_recall_gathers_only_what_the_loop_carries(monkeypatch):

@@ -125,6 +125,6 @@ def test_pipelined_recall_overlaps_the_step_in_the_h100_schedule():
     for name, windows in found.items():
         if name.endswith("/xla-default"):
             assert windows and all(w["between"] == 0 for w in windows), (name, windows)
-    # the compiled step keeps the lowered program's conditionals (tests/test_gpu_host_syncs.py: SyncKV's anticipation
-    # and re-anchoring check, one each per layer), each a host synchronisation per step on a GPU
-    assert result["conditionals"]["synckv-pipelined/kvjax"] == 2 * CONFIG_D16.num_layers, result["conditionals"]
+    # no conditional in the compiled step (each would be a host synchronisation per step on a GPU), as in the
+    # lowered program (tests/test_gpu_host_syncs.py)
+    assert result["conditionals"] and set(result["conditionals"].values()) == {0}, result["conditionals"]

@@ -15,11 +15,12 @@ from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
-from kvjax.head_recall import (land_pending, leader_probs, leader_queries, prompt_only, publish_anchor, spread_moves,
-                               top_slots)
+from kvjax.methods.recall.layout import publish_anchor
+from kvjax.methods.recall.schedules import apply_anchors, spread_moves
+from kvjax.methods.recall.scores import leader_probs, leader_queries, prompt_only, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
-from kvjax.methods.heterocache import classify_group, head_capacities, spread_capped, star_clustering
-from kvjax.methods.synckv import cluster_group, kmeans
+from kvjax.methods.recall.heterocache import classify_group, head_capacities, spread_capped, star_clustering
+from kvjax.methods.recall.synckv import cluster_group, kmeans
 from kvjax.paged import build_paged
 from models import load_model
 from tests.tiny import save_tiny
@@ -301,7 +302,7 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
     """``recall_schedule="spread"`` with a new choice every m=3 steps: m steps after it, each follower's region
     holds exactly the host rows of its leader's choice (matched to host rows in numpy, as a set, no row twice),
     same-layer and cross-layer followers; after the first of those steps only part of it. ``"ahead"`` holds the
-    same once the rows a step gathered are written (at the next call: :func:`land_pending`), and not before;
+    same once the rows a step gathered are written (at the next call: the schedule's ``land``), and not before;
     ``"pipelined"`` once the next call has gathered them and the one after has written them, and not before."""
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 97, size=(1, L + 6)).astype(np.int32)
@@ -318,7 +319,7 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
         out = {}
         for layer, head in followers:
             st = state.layers[layer]
-            st = land_pending(st, drain=True) if landed else st  # every move chosen so far written
+            st = method.schedule.land(st, None, drain=True) if landed else st  # every move chosen so far written
             i = [f.head for f in st.plan.followers].index(head)
             start, count = int(st.region_start[0, i]), int(st.region_count[0, i])
             host_k = np.asarray(st.host.k)[st.host.heads.index((0, head))]
@@ -355,11 +356,12 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
 
 
 def test_pipelined_reanchoring_cancels_the_moves_in_flight(tiny):
-    """``recall_schedule="pipelined"``: a re-anchoring that reaches a follower in a one-token call while moves chosen
-    from the old set are in flight (gathered, not yet written) cancels them. After the call and a drain, each of
-    layer 1's followers holds exactly the host rows of the anchor's kept set, in order (numpy), though a write of the
-    cancelled moves would have changed it. (Today a re-anchoring arrives after a draining multi-token call, so the
-    state is built by hand: the leader layer re-anchors, layer 1 then runs a one-token call.)"""
+    """``recall_schedule="pipelined"``: a re-anchoring applied while moves chosen from the old set are in flight
+    (gathered, not yet written) cancels them, and the next spread step moves nothing (the region holds the anchor's
+    tokens already). After a drain, each of layer 1's followers holds exactly the host rows of the anchor's kept set,
+    in order (numpy), though a write of the cancelled moves would have changed it. (Re-anchorings are applied in
+    multi-token calls, which first drain what is in flight, so the state is built by hand: the leader layer
+    re-anchors while layer 1 has moves in flight.)"""
     rng = np.random.default_rng(13)
     tokens = rng.integers(0, 97, size=(1, L + 4)).astype(np.int32)
     method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule="pipelined")
@@ -368,23 +370,23 @@ def test_pipelined_reanchoring_cancels_the_moves_in_flight(tiny):
     for t in range(L, L + 4):  # a choice at the 3rd step: moves chosen then, gathered at the 4th, more chosen
         _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
     st0, st1 = cache.layers
-    p = st1.pending
-    assert int(p.fetched.count.sum()) > 0 and int(p.chosen_count.sum()) > 0  # moves in flight, and more chosen
+    schedule = method.schedule
+    new1 = schedule.land(st1, None, drain=False)  # the next call's start: the 4th step's moves gathered
+    p = new1.pending
+    assert int(p.fetched.count.sum()) > 0  # moves in flight
     start = int(st1.region_start[0, 0])
     assert (np.asarray(st1.region_start) == start).all()
     K, R = st0.anchor_picks.shape[-1], st0.picks.shape[-1]
     anchor = rng.permutation(L)[:K].astype(np.int32)  # the leader's new kept set, best first
     lead = publish_anchor(st0, jnp.asarray(anchor)[None, None], jnp.asarray(anchor[start:start + R])[None, None])
-    # the moves gathered at the start of the call below would put these tokens at these region positions
-    n, ids, dst = (np.asarray(x) for x in (p.chosen_count, p.chosen, p.chosen_dst))
+    # the moves in flight would put these tokens at these region positions
+    n, ids, dst = (np.asarray(x) for x in (p.fetched.count, p.fetched.idx, p.dst))
     assert any(anchor[dst[i, j]] != ids[i, j] for i in range(len(n)) for j in range(n[i]))
-    D = np.asarray(st0.host.k).shape[-1]
-    q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(1, 1, 4, D), (1, 1, 2, D), (1, 1, 2, D)])
-    ctx = AttendContext(start=cache.length, pad=cache.pad, positions=jnp.array([[L + 4]]), layers=(lead, st1), layer=1)
-    _, new1 = method.decode_attend(st1, q, k, v, ctx)
+    new1 = apply_anchors(new1, (lead, new1), 1, None)
     assert int(new1.pending.fetched.count.sum()) == 0  # cancelled
+    new1 = schedule.step(new1, (lead, new1), 1, None)
     assert int(new1.pending.chosen_count.sum()) == 0  # the region already holds the anchor's: nothing to move
-    landed = land_pending(new1, drain=True)
+    landed = schedule.land(new1, None, drain=True)
     for i, f in enumerate(st1.plan.followers):
         count = min(start + int(st1.region_count[0, i]), K)
         host_k = np.asarray(st1.host.k)[st1.host.heads.index((0, f.head))]
@@ -393,10 +395,10 @@ def test_pipelined_reanchoring_cancels_the_moves_in_flight(tiny):
 
 @pytest.mark.parametrize("schedule,reanchor", [("whole", True), ("whole", False), ("spread", True), ("ahead", True)])
 def test_synckv_recall_moves_the_dynamic_set_not_the_whole_capacity(tiny, monkeypatch, schedule, reanchor):
-    """A decode step's host transfer is as wide as what a follower refreshes: its dynamic set (whole schedule)
-    or ceil(dynamic / m) rows (spread), not its whole capacity (static + dynamic). Only a re-anchoring (its own
-    transfer, traced first) moves the whole kept set. A recall that moved the capacity produced the same
-    tokens (the extra rows were masked) at twice the bytes."""
+    """A one-token decode step's host transfer is as wide as what a follower refreshes: its dynamic set (whole
+    schedule) or ceil(dynamic / m) rows (spread), not its whole capacity (static + dynamic), with or without
+    re-anchoring. Only a re-anchoring (applied outside one-token steps) moves the whole kept set. A recall that moved
+    the capacity produced the same tokens (the extra rows were masked) at twice the bytes."""
     widths = []
     real = host_tier.recall  # every follower gather goes through it (host_tier.issue)
 
@@ -419,7 +421,10 @@ def test_synckv_recall_moves_the_dynamic_set_not_the_whole_capacity(tiny, monkey
     _, after = method.decode_attend(st, q, k, v, ctx)
     want = dynamic if schedule == "whole" else -(-dynamic // 3)
     assert 0 < dynamic < capacity  # a static part exists: moving the capacity would be wider
-    assert widths == ([capacity] if reanchor else []) + [want]
+    assert widths == [want]
+    if reanchor:
+        apply_anchors(after, (after, *cache.layers[1:]), 0, None)
+        assert widths == [want, capacity]
     if schedule == "ahead":  # the device buffer for the next call's rows is as wide as the transfer
         assert after.pending.fetched.k.shape[1] == want and st.pending.fetched.k.shape[1] == want
 
@@ -652,12 +657,13 @@ def _r_head_in_layer_1(model):
     return art, tokens, jnp.asarray(rng.integers(0, 97, size=(1, 4)), jnp.int32)
 
 
-def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny):
-    """The R-head sits in layer 1 and leads both heads of layer 0. A question in one pass (the jitted call alone)
-    leaves layer 0's NR-heads holding the prefill's choice while it attends; :func:`prefill` rehearses it first,
-    so they hold the host rows of the R-head's question choice (the anchor it publishes in that pass) when it
-    attends. The slot counter and every head's length advance by the question only (the rehearsal's tokens are
-    dropped)."""
+def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny, monkeypatch):
+    """The R-head sits in layer 1 and leads both heads of layer 0. A question in one pass leaves layer 0's NR-heads
+    holding the prefill's choice while it attends; :func:`prefill` rehearses it first, so they hold the host rows of
+    the R-head's question choice (the anchor published in the rehearsal) when it attends. What a layer attended with
+    is read from the pass without ``finish_question``; with it, every NR-head ends the call holding the anchor its
+    R-head published last (numpy on the host rows). The slot counter and every head's length advance by the question
+    only (the rehearsal's tokens are dropped)."""
     art, tokens, question = _r_head_in_layer_1(tiny)
     method = SyncKV(budget=0.5, block=16, num_representatives=1)
     assert method.question_passes() == 2 and SyncKV(budget=0.5, reanchor=False).question_passes() == 1
@@ -670,14 +676,30 @@ def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny):
     def copy(c):
         return jax.tree_util.tree_map(jnp.copy, c)
 
+    def host_rows(cache, h):
+        return np.asarray(cache.layers[0].host.k)[cache.layers[0].host.heads.index((0, h))]
+
+    def anchor(cache):
+        return np.asarray(cache.layers[1].anchor_picks)[0, 0, :n_keep]
+
+    jax.clear_caches()  # the jitted pass without finish_question
+    with monkeypatch.context() as m:
+        m.setattr(SyncKV, "finish_question", lambda self, cache: cache)
+        _, alone = prefill_jit(tiny.graphdef, tiny.params, question, copy(base))
+        rehearsed = rehearse_jit(tiny.graphdef, tiny.params, question, copy(base))
+        _, after_rehearsal = prefill_jit(tiny.graphdef, tiny.params, question, copy(rehearsed))
+    jax.clear_caches()
+    assert int(alone.layers[1].anchor_at[0, 0]) == 1
+    for h in (0, 1):
+        np.testing.assert_array_equal(_held_rows(alone.layers[0], 0, h)[:n_keep], before[h])
+        np.testing.assert_array_equal(_held_rows(rehearsed.layers[0], 0, h)[:n_keep], before[h])
+        np.testing.assert_array_equal(_held_rows(after_rehearsal.layers[0], 0, h)[:n_keep],
+                                      host_rows(rehearsed, h)[anchor(rehearsed)])
     _, one = prefill_jit(tiny.graphdef, tiny.params, question, copy(base))
     _, two = prefill(tiny.graphdef, tiny.params, question, copy(base))
-    anchor = np.asarray(one.layers[1].anchor_picks)[0, 0, :n_keep]  # the R-head's choice for the question
-    assert int(one.layers[1].anchor_at[0, 0]) == 1
-    for h in (0, 1):
-        np.testing.assert_array_equal(_held_rows(one.layers[0], 0, h)[:n_keep], before[h])
-        host = np.asarray(two.layers[0].host.k)[two.layers[0].host.heads.index((0, h))]
-        np.testing.assert_array_equal(_held_rows(two.layers[0], 0, h)[:n_keep], host[anchor])
+    for cache in (one, two):
+        for h in (0, 1):
+            np.testing.assert_array_equal(_held_rows(cache.layers[0], 0, h)[:n_keep], host_rows(cache, h)[anchor(cache)])
     assert not np.array_equal(before[0], _held_rows(two.layers[0], 0, 0)[:n_keep])
     assert int(two.length) == int(base.length) + 4
     for s, n in zip(two.layers, lengths):
@@ -685,11 +707,56 @@ def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny):
     assert int(two.layers[1].version[0, 0]) == 2  # published in the rehearsal and again in the call
 
 
+def test_heterocache_drift_rule_fires_where_the_median_overlap_crosses_the_threshold(tiny):
+    """``tau_drift=0.7``, ``window=3``, kernel 1, on hand-built attention: the pivot's keys are ``k_j = (j / 8) u +
+    b_j w`` (``u``, ``w`` orthogonal), so a query along ``u`` attends most to the last ``base`` tokens (the reference
+    set, set by hand) and one along ``w`` to the ``base`` tokens of largest ``b_j``, built to share exactly half of
+    them with the reference (overlap 0.5; along ``u``: 1.0). Queries u, w, u (median 1.0) publish nothing at step 3;
+    w, w, u (median 0.5 < 0.7) publish at step 6 and not before; the choice is the last query's top prompt tokens."""
+    method = HeteroCache(budget=0.6, block=16, window=3, tau_drift=0.7, kernel=1)
+    cache = _prefilled(tiny, method, np.random.default_rng(9).integers(0, 97, size=(1, L)).astype(np.int32),
+                       hc_artifact(tiny))
+    st = cache.layers[0]
+    pivot, base = st.plan.leaders[0], st.tracker.base
+    D, ps = st.paged.k_pages.shape[-1], st.paged.page_size
+    n = int(st.paged.lengths[0, pivot])
+    assert n == L and 2 < base < L // 2
+    u, w = np.eye(D, dtype=np.float32)[0], np.eye(D, dtype=np.float32)[1]
+    ref = np.arange(n - base, n)  # the u-query's top-base set: the last base tokens
+    shared = base // 2
+    b = np.zeros(n, np.float32)  # the w-query's top-base set: half of ref, then the first tokens
+    w_set = np.concatenate([ref[:shared], np.arange(base - shared)])
+    b[w_set] = 1.0 + np.arange(base, dtype=np.float32) / base
+    keys = (np.arange(n, dtype=np.float32)[:, None] / 8) * u + b[:, None] * w
+    pages = np.asarray(st.paged.block_table[0, pivot])
+    kp = st.paged.k_pages
+    for j in range(n):
+        kp = kp.at[pages[j // ps], j % ps].set(jnp.asarray(keys[j]))
+    positions = st.tracker.ref.shape[-1]
+    ref_mask = np.zeros((1, 1, positions), bool)
+    ref_mask[0, 0, ref] = True
+    st = st.replace(paged=st.paged.replace(k_pages=kp), tracker=st.tracker.replace(ref=jnp.asarray(ref_mask)))
+    Hq = tiny.config.num_attention_heads
+
+    def query(direction):
+        return jnp.asarray(np.broadcast_to(4.0 * direction, (1, 1, Hq, D)).copy())
+
+    versions = []
+    for step, direction in enumerate([u, w, u, w, w, u], start=1):
+        st = method.lead(st.replace(steps=jnp.asarray(step, jnp.int32)), query(direction), cache.pad)
+        versions.append(int(st.version[0, 0]))
+    assert versions == [0, 0, 0, 0, 0, 1]
+    picks = np.asarray(st.picks)[0, 0]
+    want = np.argsort(-np.arange(n), kind="stable")[:len(picks)]  # along u: the latest prompt tokens first
+    np.testing.assert_array_equal(picks, want + int(cache.pad[0]))
+    np.testing.assert_array_equal(np.asarray(st.tracker.ref)[0, 0], ref_mask[0, 0])  # the u set again
+
+
 @pytest.mark.parametrize("rehearsals", [0, 2])
 def test_synckv_question_rehearsals_count(tiny, rehearsals):
     """``rehearsals=n``: :func:`prefill` runs the question ``n + 1`` times. The R-head (layer 1) re-anchors in each
-    pass (its version counts the passes), layer 0's NR-heads then hold the host rows of the choice published in the
-    last rehearsal (none with 0: the prefill's choice), and the tokens are appended once."""
+    pass (its version counts the passes), layer 0's NR-heads end the call holding the host rows of the choice
+    published in the last pass, and the tokens are appended once."""
     art, tokens, question = _r_head_in_layer_1(tiny)
     method = SyncKV(budget=0.5, block=16, num_representatives=1, rehearsals=rehearsals)
     assert method.question_passes() == rehearsals + 1
@@ -698,15 +765,13 @@ def test_synckv_question_rehearsals_count(tiny, rehearsals):
     n_keep = int(st.region_start[0, 0] + st.region_count[0, 0])
     before = _held_rows(st, 0, 0)[:n_keep]
     lengths = [np.asarray(s.paged.lengths) for s in base.layers]
-    cache = base
-    for _ in range(rehearsals):  # the last rehearsal's published choice, read from its cache
-        cache = rehearse_jit(tiny.graphdef, tiny.params, question, jax.tree_util.tree_map(jnp.copy, cache))
-    anchor = np.asarray(cache.layers[1].anchor_picks)[0, 0, :n_keep]
     start = int(base.length)
     _, out = prefill(tiny.graphdef, tiny.params, question, base)  # donates base
     assert int(out.layers[1].version[0, 0]) == rehearsals + 1
+    anchor = np.asarray(out.layers[1].anchor_picks)[0, 0, :n_keep]
     host = np.asarray(out.layers[0].host.k)[out.layers[0].host.heads.index((0, 0))]
-    np.testing.assert_array_equal(_held_rows(out.layers[0], 0, 0)[:n_keep], host[anchor] if rehearsals else before)
+    np.testing.assert_array_equal(_held_rows(out.layers[0], 0, 0)[:n_keep], host[anchor])
+    assert not np.array_equal(_held_rows(out.layers[0], 0, 0)[:n_keep], before)
     assert int(out.length) == start + 4
     for s, n in zip(out.layers, lengths):
         np.testing.assert_array_equal(np.asarray(s.paged.lengths), n + 4)

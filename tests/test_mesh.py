@@ -151,7 +151,7 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
     # every array of every method's layer state is split 8 ways on every multi-device mesh (nothing replicated),
     # except what is indexed by leader head (HeteroCache/SyncKV: a follower on any device reads its leader's
     # choice), split by row only, and scalar counters
-    by_row_only = {".picks", ".version", ".prompt_len", ".anchor_picks", ".anchor_at", ".tracker.q", ".tracker.ref",
+    by_row_only = {".picks", ".version", ".prompt_len", ".anchor_picks", ".anchor_at", ".tracker.overlap", ".tracker.ref",
                    ".tracker.static", ".tracker.static_rows", ".tracker.keep_rows"}
     # padded per device block: pools of unequal capacities, follower slots (host copies and per-slot arrays)
     padded = {".paged.k_pages", ".paged.v_pages", ".host.k", ".host.v", ".region_start", ".region_count", ".applied",

@@ -11,12 +11,11 @@ from kvjax.methods.h2o import H2O
 from kvjax.methods.hbw import HBW
 from kvjax.methods.hcattention import HCAttention
 from kvjax.methods.locret import Locret
-from kvjax.methods.heterocache import HeteroCache
+from kvjax.methods.recall import HeteroCache, SyncKV
 from kvjax.methods.pyramidkv import PyramidKV
 from kvjax.methods.quest import Quest
 from kvjax.methods.snapkv import SnapKV
 from kvjax.methods.streaming_llm import StreamingLLM
-from kvjax.methods.synckv import SyncKV
 
 METHODS: dict[str, type] = {
     "full": FullCache,

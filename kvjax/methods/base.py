@@ -27,6 +27,11 @@ explicit per-layer lifecycle. Every function is required; nothing is discovered 
     or more for a method whose earlier layers follow choices its later layers make on those tokens.
     Every pass but the last is a rehearsal (``ctx.rehearsal``; :func:`kvjax.generate.prefill`): the
     method may change what it holds (recall, re-anchoring) and returns its state without the call's tokens.
+``finish_question(cache)``
+    Called once after a multi-token call's last pass on the compressed cache (inside the same jitted call): work
+    the call left for layers earlier than the ones that created it (HeteroCache and SyncKV: followers before their
+    leader's layer apply its re-anchoring), so that a one-token decode step never has to check for it. Most
+    methods return the cache unchanged.
 ``state_partition(state, spec)``
     Partition specs of one layer's state (either stage) over the mesh ``spec.mesh``, by row on
     ``data`` and by KV head on ``model`` (:mod:`kvjax.sharding`); a state that cannot be split that
@@ -85,6 +90,10 @@ class Method(Protocol):
 
     def question_passes(self) -> int:
         """Forward passes of a multi-token call after compression: 1, or ``n > 1`` (``n - 1`` rehearsals first)."""
+        ...
+
+    def finish_question(self, cache: Cache) -> Cache:
+        """Work a question's last pass leaves for layers before the ones that made it (once, after the pass)."""
         ...
 
     def state_partition(self, state: Any, spec: CacheSpec) -> Any:
@@ -229,6 +238,10 @@ class PromptCompression:
     def question_passes(self) -> int:
         """One pass: a question is appended and attended like any later token."""
         return 1
+
+    def finish_question(self, cache):
+        """Nothing: a question leaves no work for other layers."""
+        return cache
 
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs before compression, the layout's after."""

@@ -82,6 +82,10 @@ class FullCache:
         """One pass: a question is appended and attended like any later token."""
         return 1
 
+    def finish_question(self, cache):
+        """Nothing: a question leaves no work for other layers."""
+        return cache
+
     def state_partition(self, state, spec: CacheSpec):
         """K/V by (row, KV head) in both stages."""
         if isinstance(state, StagedKV):

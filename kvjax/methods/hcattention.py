@@ -360,6 +360,10 @@ class HCAttention:
         """One pass: a question is appended and attended like any later token."""
         return 1
 
+    def finish_question(self, cache):
+        """Nothing: a question leaves no work for other layers."""
+        return cache
+
     # -- reporting
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then codes / exact keys and the recent tokens by (row, KV head), the host values

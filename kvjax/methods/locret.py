@@ -210,6 +210,10 @@ class Locret:
         """One pass: a question is appended and attended like any later token."""
         return 1
 
+    def finish_question(self, cache):
+        """Nothing: a question leaves no work for other layers."""
+        return cache
+
     def state_partition(self, state, spec: CacheSpec):
         """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
         return bounded_partition(state)

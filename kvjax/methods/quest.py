@@ -168,6 +168,10 @@ class Quest:
         """One pass: a question is appended and attended like any later token."""
         return 1
 
+    def finish_question(self, cache):
+        """Nothing: a question leaves no work for other layers."""
+        return cache
+
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then pages as any paged layer with each page's bounds beside it."""
         if isinstance(state, StagedKV):

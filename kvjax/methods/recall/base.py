@@ -1,0 +1,209 @@
+"""The lifecycle HeteroCache and SyncKV share: a dense staging prefill, a leader/follower layout
+(:mod:`kvjax.methods.recall.layout`), and a decode step that attends, lets the leaders decide, and recalls by a
+schedule (:mod:`kvjax.methods.recall.schedules`). A method supplies its plans, its prefill selection, its leaders'
+decision (HeteroCache: the drift check; SyncKV: anticipation) and its re-anchoring on a question.
+
+A one-token decode step holds no data-dependent conditional: the leaders decide every step, with the decision
+predicated on the step count, and the schedule's transfer has a fixed size. Re-anchorings happen in multi-token calls
+only; those a question's last pass publishes for followers in layers before their leader's are applied by
+:meth:`LeaderFollowerMethod.finish_question`, right after that pass.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from kvjax.artifacts import Artifact
+from kvjax.budgets import check_budget
+from kvjax.cache import Cache, CacheSpec
+from kvjax.methods.base import check_common
+from kvjax.methods.recall.layout import (RecallKV, append_attend, attention_read_bytes, build_layer,
+                                         recall_partition, recall_stats)
+from kvjax.methods.recall.schedules import RecallSchedule, apply_anchors, make_schedule, refresh_all
+from kvjax.paged import append, paged_chunk_attention
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
+
+
+def check_calibrated(kernel: int, group_layers, recall_schedule: str, rehearsals: int) -> None:
+    """Validate the hyper-parameters HeteroCache and SyncKV share (score pooling, artifact group size, recall
+    schedule, question rehearsals)."""
+    make_schedule(recall_schedule, 1)
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel must be a positive odd number, got {kernel}")
+    if group_layers is not None and group_layers < 1:
+        raise ValueError(f"group_layers must be >= 1 or None, got {group_layers}")
+    if rehearsals < 0:
+        raise ValueError(f"rehearsals must be >= 0, got {rehearsals}")
+
+
+def calibrated_artifact(kind: str, spec, artifact, group_layers):
+    """The given artifact checked against ``kind`` and the spec's model, or the one shipped for the model
+    (``-g<group_layers>``; None: :func:`kvjax.calibration.auto_group_layers`)."""
+    from kvjax.artifacts import require_artifact, shipped_artifact
+    from kvjax.calibration import auto_group_layers
+
+    if artifact is None:
+        artifact = shipped_artifact(kind, spec.model_id, f"g{group_layers or auto_group_layers(spec.num_kv_heads)}")
+    return require_artifact(artifact, kind, spec.model_id)
+
+
+def reanchor_then_attend(state: RecallKV, q, k, v, ctx, choose):
+    """A multi-token call that re-anchors: append the tokens, let ``choose(state)`` publish the leaders' choice (when
+    the layer has leaders), recall it for every follower, *then* attend; a rehearsal (``ctx.rehearsal``) returns the
+    state without the tokens (their rows stay past ``lengths``, overwritten by the real pass)."""
+    held = state.paged.lengths
+    state = state.replace(paged=append(state.paged, k, v))
+    if state.plan.leaders:
+        state = choose(state)
+    state = refresh_all(state, ctx.layers, ctx.layer, ctx.mesh)
+    out = paged_chunk_attention(q, state.paged).astype(q.dtype)
+    if ctx.rehearsal:
+        state = state.replace(paged=state.paged.replace(lengths=held))
+    return out, state
+
+
+class LeaderFollowerMethod(abc.ABC):
+    """Base of the leader/follower methods (frozen dataclasses with ``budget``, ``kernel``, ``group_layers``,
+    ``rehearsals``, ``recall_schedule``, ``page_size``, ``block`` and ``implementation`` fields)."""
+
+    name: str
+
+    # -- what a method supplies
+    @property
+    @abc.abstractmethod
+    def every(self) -> int:
+        """Decode steps between the leaders' decisions (HeteroCache's drift window, SyncKV's stride)."""
+
+    @property
+    @abc.abstractmethod
+    def recalls(self) -> bool:
+        """Whether followers follow their leaders after prefill (False: the papers' static ablations)."""
+
+    @property
+    @abc.abstractmethod
+    def reanchors(self) -> bool:
+        """Whether a question asked after compression re-anchors every follower before it attends."""
+
+    @abc.abstractmethod
+    def check_artifact(self, spec: CacheSpec, art: Artifact) -> None:
+        """Raise when ``art`` does not describe the spec's model."""
+
+    @abc.abstractmethod
+    def plans(self, spec: CacheSpec, art: Artifact) -> tuple:
+        """``(per-layer LayerPlans, the method's set size)``; raises for a budget the full heads do not fit."""
+
+    @abc.abstractmethod
+    def lead(self, state: RecallKV, q, pad) -> RecallKV:
+        """The leaders' decision after the call's tokens are appended and attended (``q[B, T, Hq, D]``)."""
+
+    @abc.abstractmethod
+    def choose_for_question(self, state: RecallKV, q, pad) -> RecallKV:
+        """A question's re-anchoring: the leaders publish their choice for it (:func:`layout.publish_anchor` or
+        :func:`layout.publish`)."""
+
+    @abc.abstractmethod
+    def tracker_partition(self, tracker):
+        """Partition specs of the method's tracker."""
+
+    @abc.abstractmethod
+    def method_stats(self, cache: Cache) -> dict:
+        """The method's own facts for ``cache.stats()`` (roles, groups)."""
+
+    # -- shared
+    def check_shared(self) -> None:
+        """Validate the shared hyper-parameters (call from ``__post_init__``)."""
+        check_common(self.page_size, self.block, "max", self.implementation)
+        check_budget(self.budget)
+        check_calibrated(self.kernel, self.group_layers, self.recall_schedule, self.rehearsals)
+
+    @property
+    def schedule(self) -> RecallSchedule:
+        """The recall schedule (:mod:`kvjax.methods.recall.schedules`)."""
+        return make_schedule(self.recall_schedule, self.every, enabled=self.recalls)
+
+    def artifact_for(self, spec: CacheSpec, artifact=None) -> Artifact:
+        """The given artifact (checked) or the one shipped for the spec's model."""
+        art = calibrated_artifact(self.name, spec, artifact, self.group_layers)
+        self.check_artifact(spec, art)
+        return art
+
+    def recording(self) -> Recording:
+        """A dense staging that keeps the prompt's last query (shareable with other methods)."""
+        return Recording(window=1, block=self.block)
+
+    def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
+        """Dense staging recording the last query; the artifact (or the shipped one) travels with the cache."""
+        art = self.artifact_for(spec, artifact)
+        self.plans(spec, art)  # validates the budget against the full heads
+        return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
+
+    def prefill_chunk(self, state, q, k, v, ctx):
+        """Stage and attend."""
+        return stage_chunk(state, q, k, v, ctx)
+
+    def build(self, state: StagedKV, idx, lengths, ctx, plans: tuple, *, region_start, region_count, picks,
+              tracker) -> RecallKV:
+        """The compressed layer from the kept slots per head (:func:`layout.build_layer`), with the schedule's
+        in-flight buffers."""
+        layer = build_layer(state, idx, lengths, ctx.pad, ctx.spec, plans[ctx.layer], page_size=self.page_size,
+                            region_start=region_start, region_count=region_count, picks=picks, tracker=tracker)
+        return self.schedule.with_room(layer, plans)
+
+    def decode_attend(self, state: RecallKV, q, k, v, ctx):
+        """Attend over every head's held tokens, let the leaders decide, recall by the schedule. A multi-token call
+        first writes everything in flight; with re-anchoring it publishes and recalls *before* it attends, and in a
+        rehearsal (``ctx.rehearsal``) returns the state without its tokens."""
+        schedule, multi = self.schedule, q.shape[1] > 1
+        state = schedule.land(state, ctx.mesh, drain=multi)
+        if multi and self.reanchors:
+            return reanchor_then_attend(state, q, k, v, ctx, lambda st: self.choose_for_question(st, q, ctx.pad))
+        out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
+        if not self.recalls:
+            return out, state
+        if state.plan.leaders:
+            state = self.lead(state, q, ctx.pad)
+        if multi:
+            return out, refresh_all(state, ctx.layers, ctx.layer, ctx.mesh)
+        return out, schedule.step(state, ctx.layers, ctx.layer, ctx.mesh)
+
+    def question_passes(self) -> int:
+        """``1 + rehearsals`` with re-anchoring: each rehearsal lets every leader publish its question choice, so
+        followers in layers before their leader's hold it too when the question attends; else one."""
+        return 1 + self.rehearsals if self.reanchors else 1
+
+    def finish_question(self, cache: Cache) -> Cache:
+        """After a question's last pass: followers in layers before their leader's apply the re-anchoring that pass
+        published (the ones after it applied it in the pass)."""
+        if not self.reanchors:
+            return cache
+        layers = list(cache.layers)
+        for i, st in enumerate(layers):
+            layers[i] = apply_anchors(st, layers, i, cache.spec.mesh)
+        return cache.replace(layers=tuple(layers))
+
+    def state_partition(self, state, spec: CacheSpec):
+        """The staging's specs, then the leader/follower layout's (:func:`layout.recall_partition`)."""
+        if isinstance(state, StagedKV):
+            return staged_partition(state)
+        return recall_partition(state, self.tracker_partition(state.tracker))
+
+    def stats(self, cache: Cache) -> dict:
+        """The method's facts, kept tokens, recall events, rows recalled and rows fetched per one-token step."""
+        if cache.stage != "compressed":
+            return {}
+        layers, schedule = cache.layers, self.schedule
+        fetched = sum(schedule.fetched_rows(st, layers, i) for i, st in enumerate(layers))
+        return {**self.method_stats(cache), **recall_stats(layers, fetched)}
+
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """Attention over every held token, and the leaders' keys once more for their decision (every step)."""
+        if cache.stage != "compressed":
+            return 0
+        scoring = 0
+        if self.recalls:
+            for st in cache.layers:
+                if st.plan.leaders:
+                    held = int(st.paged.lengths[:, list(st.plan.leaders)].sum())
+                    scoring += held * st.paged.k_pages.shape[-1] * st.paged.k_pages.dtype.itemsize
+        return attention_read_bytes(cache.layers) + scoring

@@ -1,0 +1,329 @@
+"""The cache layout HeteroCache and SyncKV share: leader heads, follower heads, and the host copy.
+
+Some KV heads (**leaders**: HeteroCache's pivots, SyncKV's R-heads) keep every token on the device and, from their
+own attention, choose which prompt tokens their **followers** (satellites, NR-heads) should hold. A follower keeps a
+fixed number of prompt tokens on the device and its whole prompt KV in ``pinned_host`` memory
+(:mod:`kvjax.host_tier`). When its leader publishes a new choice, a region of the follower's device slots is
+overwritten with those tokens' rows from the host copy (:mod:`kvjax.methods.recall.schedules`). Other heads
+(HeteroCache's anchors and volatile heads) keep a static set or everything.
+
+One layer's state is a :class:`RecallKV`:
+
+* ``paged``: every head's tokens in page pools with per-head capacities (:mod:`kvjax.paged`): leaders and other full
+  heads hold the whole prompt in order (stored position ``j`` of row ``b`` is slot ``pad[b] + j``), compressed heads
+  their selection; later tokens are appended to all;
+* ``host``: the followers' prompt K/V (one host head per (row, follower slot));
+* ``picks[B, n_leaders, R]`` / ``version[B, n_leaders]``: the prompt slots each leader of this layer last chose (best
+  first) and how many times it chose;
+* ``anchor_picks[B, n_leaders, K]`` / ``anchor_at[B, n_leaders]``: a leader's latest **re-anchoring** (a question
+  asked after compression): the slots its followers' whole kept prompt set (slots ``0 .. region_start +
+  region_count``) should hold, best first, and the version it was published with (0: never). Unused (``K = 1``)
+  when the plan's ``anchor_picks`` is 0;
+* ``applied[B, n_slots]``: the leader version each follower holds; ``region_start``, ``region_count[B, n_slots]``:
+  the follower's slots a recall overwrites; ``held[B, n_slots, W]``: the prompt slot each of those region positions
+  holds now. One entry per follower slot (:func:`follower_slots`): without a mesh, the followers in order.
+
+A leader may sit in another layer (cross-layer groups): a follower reads it from the other layers' states. A leader
+in an earlier layer is read as of this call, one in a later layer as of the previous call.
+
+Meshes: a layer's follower slots are grouped by the mesh's KV-head blocks and each block is padded to the same
+number of slots with unused ones (no host copy, never recalled), so the per-follower arrays split by (row, KV head)
+and the host copy by device block (:func:`kvjax.sharding.flatten_heads`): each device holds the host rows of its own
+followers, gathers them in its own ``device_host`` region and writes them into its own block of the page pool.
+Leader-indexed state (``picks``, ``version``, the method's tracker) is split by row only: a follower on another
+device reads its leader's choice, a few token ids per step, which the compiler moves between devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.host_tier import HostKV, Prefetch, issue, scatter_to_slots, take, to_host
+from kvjax.paged import (PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes,
+                         paged_partition, paged_read_bytes, shard_map)
+from kvjax.sharding import (BY_DEVICE, DATA, MODEL, REPLICATED, ROWS_HEADS, OnHost, axis_size, device_block,
+                            flatten_heads, is_split)
+
+
+@dataclasses.dataclass(frozen=True)
+class Follower:
+    """A follower head of a layer and its leader: ``leader_layer`` and the leader's index among that layer's leaders."""
+
+    head: int
+    leader_layer: int
+    leader_index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """Static roles of one layer's KV heads.
+
+    Attributes:
+      capacities: prompt tokens each KV head keeps for the longest row (full heads: the whole row).
+      full: heads that keep every token.
+      leaders: heads that publish picks (a subset of ``full``), in order.
+      followers: heads refreshed from the host with their leader's picks.
+      picks: tokens each leader of this layer publishes (the largest region of its followers).
+      anchor_picks: tokens a re-anchoring publishes (the followers' whole kept prompt set); 0: the method
+        never re-anchors.
+    """
+
+    capacities: tuple
+    full: tuple = ()
+    leaders: tuple = ()
+    followers: tuple = ()
+    picks: int = 0
+    anchor_picks: int = 0
+
+
+# Partition specs of a follower gather (:func:`gather_followers`, :class:`PendingRecall`): split by device, like the
+# host copy it comes from.
+FETCHED_BY_DEVICE = Prefetch(k=BY_DEVICE, v=BY_DEVICE, idx=BY_DEVICE, count=BY_DEVICE)
+
+
+@struct.dataclass
+class PendingRecall:
+    """Follower rows gathered from the host in one decode call, written into their slots at the layer's next call
+    (``recall_schedule="ahead"``): the gather as a :class:`kvjax.host_tier.Prefetch` (one host head per (row,
+    follower slot), in :func:`kvjax.sharding.flatten_heads` order like the host copy; ``count`` 0: nothing
+    pending) and ``dst[B * n_slots, S]``, the region slot each row goes to."""
+
+    fetched: Prefetch
+    dst: jax.Array
+    # ``recall_schedule="pipelined"`` only: the moves the previous call chose, gathered by the next call (into
+    # ``fetched``) and written by the one after: host rows ``chosen[B * n_slots, S]`` (the first ``chosen_count``
+    # of each) and their region slots ``chosen_dst``
+    chosen: jax.Array | None = None
+    chosen_count: jax.Array | None = None
+    chosen_dst: jax.Array | None = None
+
+
+@struct.dataclass
+class RecallKV:
+    """One layer of a leader/follower cache (see the module docstring)."""
+
+    paged: PagedKV
+    host: HostKV | None
+    region_start: jax.Array  # int32 [B, n_slots]
+    region_count: jax.Array  # int32 [B, n_slots]
+    applied: jax.Array  # int32 [B, n_slots]
+    held: jax.Array  # int32 [B, n_slots, W] prompt slot each region position holds (positions < region_count)
+    prompt_len: jax.Array  # int32 [B] real prompt tokens of each row (held in order by full heads)
+    picks: jax.Array  # int32 [B, n_leaders, R]
+    version: jax.Array  # int32 [B, n_leaders]
+    anchor_picks: jax.Array  # int32 [B, n_leaders, K]
+    anchor_at: jax.Array  # int32 [B, n_leaders] version of the latest re-anchoring (0: none)
+    tracker: object  # the method's per-leader state
+    steps: jax.Array  # int32 [] decode calls with one token
+    recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
+    # int32 [] token rows brought from the host, counted when chosen (``"pipelined"`` gathers them a call later)
+    rows_moved: jax.Array
+    pending: PendingRecall | None = None  # rows in flight (``recall_schedule="ahead"`` or ``"pipelined"`` only)
+    plan: LayerPlan = struct.field(pytree_node=False, default=None)
+    slots: tuple = struct.field(pytree_node=False, default=())  # follower index of each slot, -1: padding
+
+
+def follower_slots(followers: tuple, num_kv_heads: int, mesh) -> tuple:
+    """The follower (index into ``followers``) of each slot, ``-1`` for padding: the followers of each of the
+    mesh's ``model`` blocks of KV heads, in order, each block padded to the fullest one's count."""
+    blocks = axis_size(mesh, MODEL)
+    per_block = num_kv_heads // blocks
+    groups = [[i for i, f in enumerate(followers) if f.head // per_block == blk] for blk in range(blocks)]
+    width = max(len(g) for g in groups)
+    return tuple(x for g in groups for x in g + [-1] * (width - len(g)))
+
+
+def slot_followers(slots: tuple):
+    """``(live bool [n_slots], follower int32 [n_slots])`` of :func:`follower_slots`' output: whether a slot holds a
+    follower, and which (0 for padding slots, so it can index ``[..., n_followers]`` arrays; mask with ``live``)."""
+    slots = np.asarray(slots, np.int32)
+    return slots >= 0, np.maximum(slots, 0)
+
+
+def leader_plan(state: RecallKV, layers, layer: int, f: Follower) -> LayerPlan:
+    """The plan of follower ``f``'s leader layer (``layers``: every layer's state, ``layer``: this one's index)."""
+    return state.plan if f.leader_layer == layer else layers[f.leader_layer].plan
+
+
+def leader_values(state: RecallKV, layers, layer: int, read):
+    """``read(leader layer state)[:, leader]`` for each follower slot: ``[B, n_slots, ...]`` (0 in padding slots;
+    per-leader vectors zero-padded to the widest)."""
+    live, follower = slot_followers(state.slots)
+    vals = []
+    for f in state.plan.followers:
+        src = state if f.leader_layer == layer else layers[f.leader_layer]
+        vals.append(read(src)[:, f.leader_index])
+    if vals[0].ndim == 2:
+        width = max(x.shape[-1] for x in vals)
+        vals = [jnp.pad(x, ((0, 0), (0, width - x.shape[-1]))) for x in vals]
+    vals = jnp.stack(vals, axis=1)[:, follower]
+    return vals if vals.ndim == 3 else jnp.where(live[None], vals, 0)
+
+
+# -------------------------------------------------------------------------------------------- build
+def host_copy(k, v, slot_heads, live, mesh, page_size: int) -> HostKV:
+    """The followers' prompt ``k, v[B, Hkv, P, D]`` in ``pinned_host`` memory, one host head per (row, slot) in
+    device-block order (:func:`kvjax.sharding.flatten_heads`); padding slots ``~live`` hold zeros."""
+    B, _, S, _ = k.shape
+    ids = jnp.asarray(slot_heads, jnp.int32)
+    heads = flatten_heads(np.stack(np.broadcast_arrays(np.arange(B)[:, None], np.asarray(slot_heads)[None]), -1), mesh)
+    pad = (-S) % page_size
+
+    def stage(x):
+        x = jnp.where(jnp.asarray(live)[None, :, None, None], x[:, ids], 0)  # [B, n_slots, P, D]
+        return to_host(jnp.pad(flatten_heads(x, mesh), ((0, 0), (0, pad), (0, 0))))
+
+    return HostKV(k=stage(k), v=stage(v), heads=tuple(map(tuple, heads.tolist())), length=S, page_size=page_size)
+
+
+def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size: int, region_start, region_count,
+                picks, tracker) -> RecallKV:
+    """A :class:`RecallKV` (no rows in flight) from a staged layer, the kept slots per head, and the method's
+    regions, picks and tracker.
+
+    ``keep_idx[B, Hkv, C]`` / ``keep_len[B, Hkv]``: kept prompt slots per head (in storage order).
+    ``region_start``, ``region_count``: ``[B, n_followers]`` (or broadcastable), in ``plan.followers`` order.
+    ``picks[B, n_leaders, R]``: the leaders' initial choice (version 0: followers hold it already).
+    """
+    P = spec.prompt_slots
+    paged = build_paged(st.k, st.v, keep_idx, keep_len, plan.capacities, spec.room, page_size, spec.mesh)
+    B = st.k.shape[0]
+    nf, nl = len(plan.followers), len(plan.leaders)
+    slots = follower_slots(plan.followers, spec.num_kv_heads, spec.mesh) if nf else ()
+    live, follower = slot_followers(slots)
+    blocks = axis_size(spec.mesh, MODEL)
+    per_block, width = spec.num_kv_heads // blocks, len(slots) // blocks
+    slot_heads = [plan.followers[i].head if i >= 0 else (n // width) * per_block for n, i in enumerate(slots)]
+    host = host_copy(st.k[:, :, :P], st.v[:, :, :P], slot_heads, live, spec.mesh, page_size) if nf else None
+
+    def per_slot(x):  # [B, n_followers] -> [B, n_slots], 0 in padding slots
+        x = jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B, nf))
+        return jnp.where(jnp.asarray(live)[None], x[:, jnp.asarray(follower)], 0)
+
+    zeros = jnp.zeros((), jnp.int32)
+    start, count = per_slot(region_start), per_slot(region_count)
+    width = max([plan.capacities[f.head] for f in plan.followers], default=1)
+    heads_of_slots = jnp.asarray(slot_heads, jnp.int32) if nf else jnp.zeros((0,), jnp.int32)
+    at = jnp.clip(start[..., None] + jnp.arange(width), 0, keep_idx.shape[-1] - 1)  # [B, n_slots, W]
+    held = jnp.take_along_axis(keep_idx[:, heads_of_slots], at, axis=-1).astype(jnp.int32)
+    return RecallKV(
+        paged=paged, host=host, slots=slots, region_start=start, region_count=count, held=held,
+        applied=jnp.zeros((B, len(slots)), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
+        picks=jnp.asarray(picks, jnp.int32), version=jnp.zeros((B, nl), jnp.int32),
+        anchor_picks=jnp.zeros((B, nl, max(plan.anchor_picks, 1)), jnp.int32), anchor_at=jnp.zeros((B, nl), jnp.int32),
+        tracker=tracker, steps=zeros, recalls=zeros, rows_moved=zeros, pending=None, plan=plan,
+    )
+
+
+# ------------------------------------------------------------------------------------------- decode
+def append_attend(state: RecallKV, q, k, v, implementation: str, mesh=None):
+    """Append the new tokens to every head and attend (kernel for one token, per device on a ``mesh``; XLA for a chunk)."""
+    paged = append(state.paged, k, v)
+    if q.shape[1] == 1:
+        out = paged_attention(q[:, 0], paged, implementation=implementation, mesh=mesh)[:, None]
+    else:
+        out = paged_chunk_attention(q, paged)
+    steps = state.steps + (1 if q.shape[1] == 1 else 0)
+    return out.astype(q.dtype), state.replace(paged=paged, steps=steps)
+
+
+def publish(state: RecallKV, new, picks):
+    """Leaders with ``new[B, n_leaders]`` set publish ``picks[B, n_leaders, R]`` (their version increases)."""
+    return state.replace(picks=jnp.where(new[..., None], picks, state.picks), version=state.version + new.astype(jnp.int32))
+
+
+def publish_anchor(state: RecallKV, anchor_picks, picks):
+    """Every leader re-anchors: its followers' whole kept prompt set becomes ``anchor_picks[B, n_leaders, K]``
+    (best first) and their region ``picks[B, n_leaders, R]`` (one new version for both)."""
+    state = publish(state, jnp.ones(state.version.shape, bool), picks)
+    return state.replace(anchor_picks=anchor_picks.astype(jnp.int32), anchor_at=state.version)
+
+
+def per_device(fn, mesh, in_specs, out_specs, *args):
+    """``fn(*args)``, run per device under ``shard_map`` on a multi-device ``mesh``."""
+    if is_split(mesh):
+        return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+    return fn(*args)
+
+
+def gather_followers(host: HostKV, ids, count, mesh) -> Prefetch:
+    """Host rows ``ids[B * n_slots, R]`` (flattened follower slots, :func:`kvjax.sharding.flatten_heads`) brought to
+    the device in one transfer per device (:func:`kvjax.host_tier.issue`): ``k, v[B * n_slots, R, D]``, zero past
+    ``count[B * n_slots]``."""
+
+    def local(host_k, host_v, ids, count):  # one device's followers (or all)
+        return issue(host.replace(k=host_k, v=host_v), ids, count)
+
+    return per_device(local, mesh, (BY_DEVICE,) * 4, FETCHED_BY_DEVICE, host.k, host.v, ids, count)
+
+
+def write_followers(paged: PagedKV, host: HostKV, fetched: Prefetch, dst, mesh) -> PagedKV:
+    """Write gathered rows (:func:`gather_followers`) into the followers' region slots ``dst[B * n_slots, R]`` (the
+    first ``fetched.count`` of each), per device on a mesh (each device into its own pages)."""
+    pairs = jnp.asarray(host.heads, jnp.int32)  # [B * n_slots, 2] (row, KV head) of each host head
+    rk, rv = take(fetched)
+
+    def local(k_pages, v_pages, table, pairs, rk, rv, dst, count):
+        block, row, head = device_block(mesh, *table.shape[:2])  # local page ids, rows and heads
+        return scatter_to_slots(k_pages, v_pages, table - block * k_pages.shape[0], rk, rv, pairs[:, 0] - row,
+                                pairs[:, 1] - head, dst, count)
+
+    kp, vp = per_device(local, mesh, (BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * 5, (BY_DEVICE, BY_DEVICE),
+                        paged.k_pages, paged.v_pages, paged.block_table, pairs, rk, rv, dst, fetched.count)
+    return paged.replace(k_pages=kp, v_pages=vp)
+
+
+def recall_rows(state: RecallKV, picks, count, dst, mesh) -> PagedKV:
+    """The follower slots' host rows ``picks[B, n_slots, R]`` (the first ``count[B, n_slots]`` of each) written
+    into their region slots ``dst[B, n_slots, R]`` now: one gather of fixed size, then the writes."""
+    picks, count, dst = (flatten_heads(x, mesh) for x in (picks, count, dst))
+    return write_followers(state.paged, state.host, gather_followers(state.host, picks, count, mesh), dst, mesh)
+
+
+# ------------------------------------------------------------------------------------ partition, stats
+def recall_partition(state: RecallKV, tracker) -> RecallKV:
+    """Partition specs of a :class:`RecallKV` (see the module docstring), with the method's ``tracker`` specs."""
+    host = None if state.host is None else state.host.replace(k=OnHost(BY_DEVICE), v=OnHost(BY_DEVICE))
+    pending = None
+    if state.pending is not None:
+        pending = PendingRecall(fetched=FETCHED_BY_DEVICE, dst=BY_DEVICE)
+        if state.pending.chosen is not None:
+            pending = pending.replace(chosen=BY_DEVICE, chosen_count=BY_DEVICE, chosen_dst=BY_DEVICE)
+    rows = jax.sharding.PartitionSpec(DATA)
+    return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, region_start=ROWS_HEADS,
+                         region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS, prompt_len=rows, picks=rows,
+                         version=rows, anchor_picks=rows, anchor_at=rows,
+                         tracker=tracker, steps=REPLICATED, recalls=REPLICATED, rows_moved=REPLICATED)
+
+
+def recall_stats(states, fetched_per_step: int) -> dict:
+    """Kept tokens per head, pools, host copy, recall events, rows moved (concrete values); ``fetched_per_step``:
+    host rows one one-token step transfers (its schedule's fixed size, summed over layers and rows)."""
+    steps = max(int(st.steps) for st in states)
+    followers = sum(len(st.plan.followers) * st.applied.shape[0] for st in states)
+    recalls = sum(int(st.recalls) for st in states)
+    rows = sum(int(st.rows_moved) for st in states)
+    d, itemsize = states[0].paged.k_pages.shape[-1], states[0].paged.k_pages.dtype.itemsize
+    return {
+        "kept_tokens_per_head": [list(st.plan.capacities) for st in states],
+        "full_heads": sum(len(st.plan.full) for st in states),
+        "follower_heads": sum(len(st.plan.followers) for st in states),
+        "page_pool_bytes": sum(paged_device_bytes(st.paged) for st in states),
+        "decode_steps": steps,
+        "recall_events": recalls,
+        "recall_trigger_rate": recalls / (steps * followers) if steps and followers else 0.0,
+        "rows_recalled": rows,
+        "bytes_recalled": 2 * rows * d * itemsize,
+        "rows_fetched_per_step": fetched_per_step,
+        "bytes_fetched_per_step": 2 * fetched_per_step * d * itemsize,
+    }
+
+
+def attention_read_bytes(states) -> int:
+    """K/V bytes one step's attention reads: every held token of every head."""
+    return sum(paged_read_bytes(st.paged) for st in states)

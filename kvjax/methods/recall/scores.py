@@ -1,0 +1,104 @@
+"""Attention scores the leader/follower methods choose tokens by: the prompt's last query at prefill, the leaders'
+queries over their held tokens at decode, and top-k helpers over stored positions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kvjax.attention import MASK_VALUE
+from kvjax.paged import PagedKV
+from kvjax.selection import gqa_aggregate, pool1d, window_attention
+
+
+def last_query_probs(st, pad, prompt_slots: int):
+    """Softmax (f32) of the prompt's last query over its keys, per query head ``[B, Hq, S]`` (staging recorded window >= 1)."""
+    return window_attention(st.q_window[:, -1:], st.k, pad, prompt_slots)
+
+
+def prompt_scores(probs, pad, prompt_slots: int, num_kv_heads: int, *, kernel: int, gqa: str):
+    """Per KV head scores ``[B, Hkv, S]`` from query-head probabilities: avg pooling, group aggregation; -inf off the prompt."""
+    S = probs.shape[-1]
+    slots = jnp.arange(S)[None, :]
+    real = (slots >= pad[:, None]) & (slots < prompt_slots)
+    pooled = pool1d(probs, real[:, None, :], kernel, "avg")
+    return jnp.where(real[:, None, :], gqa_aggregate(pooled, num_kv_heads, gqa), -jnp.inf)
+
+
+def staged_scores(state, ctx, *, kernel: int):
+    """Last-query prompt scores of staged layers during ``finish_prefill``: returns ``scores(layer) -> [B, Hkv, S]``.
+
+    Each layer is scored once (:func:`last_query_probs`, :func:`prompt_scores` with ``gqa="max"``) and
+    remembered; ``state`` is this layer's staging, ``ctx.layers`` the others' (every layer is still staged
+    while :func:`kvjax.generate.compress` runs), so a leader in any layer can be scored.
+    """
+    P, H = ctx.spec.prompt_slots, ctx.spec.num_kv_heads
+    done = {}
+
+    def scores(layer: int):
+        if layer not in done:
+            staged = state if layer == ctx.layer else ctx.layers[layer]
+            probs = last_query_probs(staged, ctx.pad, P)
+            done[layer] = prompt_scores(probs, ctx.pad, P, H, kernel=kernel, gqa="max")
+        return done[layer]
+
+    return scores
+
+
+def to_stored(slot_values, pad, positions: int, fill):
+    """Values per prompt slot ``[B, n, S]`` -> per stored position ``[B, n, positions]`` of a full head (``j`` <-> slot ``pad + j``)."""
+    S = slot_values.shape[-1]
+    j = pad[:, None] + jnp.arange(positions)[None, :]  # [B, positions]
+    got = jnp.take_along_axis(slot_values, jnp.clip(j, 0, S - 1)[:, None, :], axis=2)
+    return jnp.where((j < S)[:, None, :], got, fill)
+
+
+def leader_queries(q, heads: tuple, num_kv_heads: int):
+    """The leader heads' query groups of ``q[B, T, Hq, D]``: ``[B, T, n, G, D]``."""
+    B, T, Hq, D = q.shape
+    return q.reshape(B, T, num_kv_heads, Hq // num_kv_heads, D)[:, :, jnp.asarray(heads, jnp.int32)]
+
+
+def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str):
+    """Scores of consecutive queries ``qg[B, T, n, G, D]`` (:func:`leader_queries`) over the leader heads' held tokens.
+
+    Returns ``[B, n, T, positions]`` (f32): softmax per query head over the tokens each query saw
+    (the ``T`` queries are the newest tokens, already appended: query ``t`` saw all but the last
+    ``T - 1 - t``), average pooling (``kernel``), aggregation over the group (``gqa``); -inf where unseen.
+    """
+    B, T, n, G, D = qg.shape
+    M = paged.block_table.shape[-1]
+    ps = paged.page_size
+    ids = jnp.asarray(heads, jnp.int32)
+    k = paged.k_pages[paged.block_table[:, ids]].reshape(B, n, M * ps, D).astype(jnp.float32)
+    s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(jnp.float32), k, precision=lax.Precision.HIGHEST) * D**-0.5
+    lengths = paged.lengths[:, ids]  # [B, n]
+    limit = lengths[..., None] - T + jnp.arange(T) + 1  # [B, n, T]
+    seen = jnp.arange(M * ps)[None, None, None, :] < limit[..., None]  # [B, n, T, S]
+    p = jax.nn.softmax(jnp.where(seen[:, :, :, None], s, MASK_VALUE), axis=-1)  # [B, n, T, G, S]
+    p = pool1d(p, seen[:, :, :, None], kernel, "avg")
+    agg = p.mean(axis=3) if gqa == "mean" else p.max(axis=3)
+    return jnp.where(seen, agg, -jnp.inf)
+
+
+def prompt_only(scores, prompt_len):
+    """Scores over stored positions ``[B, n, positions]`` with everything past each row's prompt set to -inf."""
+    j = jnp.arange(scores.shape[-1])
+    return jnp.where(j[None, None, :] < prompt_len[:, None, None], scores, -jnp.inf)
+
+
+def top_mask(scores, k: int):
+    """Bool mask of the top-``k`` entries along the last axis (only finite entries)."""
+    k = min(k, scores.shape[-1])
+    vals, idx = lax.top_k(scores, k)
+    mask = jnp.zeros(scores.shape, bool)
+    mask = jnp.put_along_axis(mask, idx, jnp.isfinite(vals), axis=-1, inplace=False)
+    return mask
+
+
+def top_slots(scores, pad, count: int):
+    """Best-first prompt slots ``[B, n, count]`` from scores over stored positions ``[B, n, positions]``."""
+    count = min(count, scores.shape[-1])
+    _, j = lax.top_k(scores, count)
+    return (j + pad[:, None, None]).astype(jnp.int32)
