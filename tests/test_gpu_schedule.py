@@ -16,7 +16,6 @@ import sys
 import pytest
 
 from evals.gpu_schedule import host_call_windows, loop_conditionals, render, shape_bytes, summarize
-from tests.mesh_worker import CONFIG_D16
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
