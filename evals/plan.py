@@ -49,8 +49,8 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A device to plan for: its platform, the topology jax compiles for, chips, memory per chip and HBM bandwidth
-    (the vendor's nominal figures)."""
+    """A device to plan for: its platform, the topology jax compiles for, chips, memory per chip, HBM bandwidth and the
+    host link's bandwidth per direction (the vendors' nominal figures; None where not stated here)."""
 
     name: str
     platform: str  # "cuda" | "tpu"
@@ -58,6 +58,7 @@ class Target:
     chips: int
     memory_bytes: int  # per chip
     bandwidth: float  # bytes/s per chip
+    host_bandwidth: float | None = None  # host -> device bytes/s per chip
 
     @property
     def backend(self) -> str:
@@ -66,8 +67,9 @@ class Target:
 
 
 TARGETS = {
-    "h100": Target("h100", "cuda", "h100", 1, 84_929_347_584, 3.35e12),  # H100 SXM 80 GB (as CUDA reports it)
-    "h200": Target("h200", "cuda", "h200", 1, 150_754_820_096, 4.8e12),
+    # H100 SXM 80 GB (as CUDA reports it); both GPUs' host links are PCIe Gen5 x16, 64 GB/s per direction
+    "h100": Target("h100", "cuda", "h100", 1, 84_929_347_584, 3.35e12, 64e9),
+    "h200": Target("h200", "cuda", "h200", 1, 150_754_820_096, 4.8e12, 64e9),
     "v5e-8": Target("v5e-8", "tpu", "v5e:2x4", 8, 16 * GIB, 8.19e11),
     "v5p-8": Target("v5p-8", "tpu", "v5p:2x2x1", 4, 95 * GIB, 2.765e12),
     "v6e-8": Target("v6e-8", "tpu", "v6e:2x4", 8, 32 * GIB, 1.64e12),
@@ -318,8 +320,9 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
 
     Returns the compiled program's memory (per device: ``device_bytes`` = arguments + outputs - donated aliases +
     temporaries; ``host_bytes`` likewise for host memory), the bytes it moves (``device_traffic``, ``host_traffic``),
-    the bytes floor per device (``floor_bytes``: the chip's weights read + its share of the cache's device bytes), the compile time
-    and the compiled object (``compiled``)."""
+    the bytes floor per device (``floor_bytes``: the chip's weights read + its share of the cache's device bytes), the
+    bytes the step's host computations return to the device (``host_to_device``: a recall's gathered rows; GPU targets
+    only, else None), the compile time and the compiled object (``compiled``)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -340,7 +343,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     jax.clear_caches()  # kernels' forms and host regions are chosen at trace time: trace the step afresh for the target
     options = decode_compiler_options(target.backend)
     if target.platform == "cuda":  # deviceless GPU: export for cuda, compile with XLA:GPU (evals.gpu_schedule)
-        from evals.gpu_schedule import gpu_executable, gpu_topology
+        from evals.gpu_schedule import gpu_executable, gpu_topology, host_call_windows
         from pallas_kernels.backend import TRITON_CUSTOM_CALL
 
         def on(tree, gpu_mesh):
@@ -360,6 +363,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
         mem = executable.get_compiled_memory_stats()
         hlo, cost = executable.hlo_modules()[0].to_string(), None
         compiled = executable
+        host_to_device = sum(w["bytes"] for w in host_call_windows(hlo))
     else:
         with lowering_for(target):
             rows = NamedSharding(mesh, P(DATA) if is_split(mesh) else P())
@@ -368,6 +372,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
             lowered = decode_step_jit.lower(graphdef, params, tokens, cache, key)
         compiled = lowered.compile(compiler_options=options)
         mem, hlo, cost = compiled.memory_analysis(), compiled.as_text(), compiled.cost_analysis()
+        host_to_device = None  # a TPU's host transfers are not read from its HLO here
     seconds = time.perf_counter() - t
     device = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     host = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes - mem.host_alias_size_in_bytes
@@ -384,7 +389,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     return {"device_bytes": int(device), "host_bytes": int(host), "temp_bytes": int(mem.temp_size_in_bytes),
             "artifact_bytes": bytes_by_memory_kind(cache.artifact)[0],
             "device_traffic": traffic, "hlo_device_traffic": counted["device"], "xla_bytes_accessed": xla,
-            "host_traffic": counted["host"], "floor_bytes": floor,
+            "host_traffic": counted["host"], "host_to_device": host_to_device, "floor_bytes": floor,
             "compile_s": seconds, "compiled": compiled}
 
 
@@ -406,6 +411,7 @@ def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, roo
     row = {"batch1": b1, "fixed_bytes": fixed, "per_row_bytes": per_row, "device_bytes_b1": one["device_bytes"],
            "host_bytes_b1": one["host_bytes"], "traffic_b1": one["device_traffic"],
            "xla_bytes_accessed_b1": one["xla_bytes_accessed"], "host_traffic_b1": one["host_traffic"],
+           "host_to_device_b1": one["host_to_device"],
            "floor_b1": one["floor_bytes"], "compile_s": one["compile_s"]}
     fits = int((target.memory_bytes - fixed) // per_row) if per_row > 0 else 0
     row["max_batch"] = max(0, fits - fits % b1)
@@ -452,6 +458,9 @@ def render(report: dict) -> str:
         "taken; a kernel's whole operands, so Quest's selected pages count as all); TPU: XLA's "
         "`cost_analysis()['bytes accessed']`, which also counts the on-chip (VMEM) side of the copies the TPU "
         "compiler inserts: an upper bound on HBM traffic",
+        "- host → device: the bytes the step's host computations return to the device (a recall's gathered rows; "
+        "GPU targets), and their time at the host link's nominal bandwidth; not in the projected step, which a "
+        "recall adds to unless it overlaps the step's device work",
         "",
     ]
     for tname, rows in report["targets"].items():
@@ -460,24 +469,27 @@ def render(report: dict) -> str:
                   f"per chip, mesh (data, model) = {report['meshes'][tname]}", "",
                   "| method | budget | prompt | GiB/chip at batch 1 | GiB/row | host GiB at batch 1 | max batch | fits | "
                   "bytes moved/step, GiB (batch 1) | floor GiB | projected ms/step (batch 1) | ÷ floor | "
-                  "vs full (batch 1) | tokens/s at max batch | vs full (max batch) | compile s |",
-                  "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "vs full (batch 1) | host → device MiB/step (batch 1) | host link ms/step | "
+                  "tokens/s at max batch | vs full (max batch) | compile s |",
+                  "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         full = {r["length"]: r for r in rows if r["method"] == "full" and "error" not in r}
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['method']} | {r['budget']} | {r['length']} | {r['error']} |||||||||||||")
+                lines.append(f"| {r['method']} | {r['budget']} | {r['length']} | {r['error']} |||||||||||||||")
                 continue
             f = full.get(r["length"])
             speed = f"{f['step_s_b1'] / r['step_s_b1']:.2f}×" if f else ""
             tps = r.get("tokens_per_s_max")
             tps_ratio = f"{tps / f['tokens_per_s_max']:.2f}×" if f and tps and f.get("tokens_per_s_max") else ""
             fits = {True: "yes", False: "no"}.get(r.get("fits_checked"), "")
+            h2d = r.get("host_to_device_b1")  # absent in plans made before it was counted
+            link = f"{h2d / t.host_bandwidth * 1e3:.2f}" if h2d is not None and t.host_bandwidth else ""
             lines.append(
                 f"| {r['method']} | {r['budget']} | {r['length']} | {_gib(r['device_bytes_b1'])} | "
                 f"{_gib(r['per_row_bytes'] * r['batch1'])} | {_gib(r['host_bytes_b1'])} | {r['max_batch']} | "
                 f"{fits} | {_gib(r['traffic_b1'])} | {_gib(r['floor_b1'])} | {r['step_s_b1'] * 1e3:.2f} | "
-                f"{r['step_s_b1'] / r['floor_s_b1']:.2f} | {speed} | {'' if tps is None else f'{tps:.0f}'} | "
-                f"{tps_ratio} | {r['compile_s']:.0f} |")
+                f"{r['step_s_b1'] / r['floor_s_b1']:.2f} | {speed} | {'' if h2d is None else f'{h2d / 2**20:.1f}'} | "
+                f"{link} | {'' if tps is None else f'{tps:.0f}'} | {tps_ratio} | {r['compile_s']:.0f} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -7,8 +7,8 @@ for a layer's compute), the ways a layer can recall ``--rows`` token rows for ea
 from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a device page pool:
 
 * ``none``: compute only (the baseline);
-* ``cond``: every ``--every`` steps, inside a per-layer ``lax.cond`` (what :func:`kvjax.head_recall.apply_recalls`
-  does today): the gather, the copy and the scatter all in the branch;
+* ``cond``: every ``--every`` steps, inside a per-layer ``lax.cond`` (what kvjax's recall did before its one-token step lost
+  its conditionals): the gather, the copy and the scatter all in the branch;
 * ``always``: the same recall and scatter unconditionally, every step (no ``cond``);
 * ``prefetch``: issued unconditionally at layer ``l`` of step ``t`` and scattered at layer ``l`` of step ``t+1``
   (the prefetch pattern of :mod:`kvjax.host_tier`: a whole step of compute between issue and use);

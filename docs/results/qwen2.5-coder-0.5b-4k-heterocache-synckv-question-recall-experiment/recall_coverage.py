@@ -10,7 +10,7 @@ from kvjax.generate import compress, prefill, prefill_prompt
 from kvjax.methods import SyncKV, HeteroCache
 from kvjax.shared_prefill import cache_for, init_shared_cache
 from kvjax.api import left_pad
-from kvjax.head_recall import last_query_probs
+from kvjax.methods.recall.scores import last_query_probs
 
 task = sys.argv[1] if len(sys.argv) > 1 else "niah_single"
 model = load_model("qwen2.5-coder-0.5b", "float32")

@@ -71,8 +71,9 @@ def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str):
     M = paged.block_table.shape[-1]
     ps = paged.page_size
     ids = jnp.asarray(heads, jnp.int32)
-    k = paged.k_pages[paged.block_table[:, ids]].reshape(B, n, M * ps, D).astype(jnp.float32)
-    s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(jnp.float32), k, precision=lax.Precision.HIGHEST) * D**-0.5
+    k = paged.k_pages[paged.block_table[:, ids]].reshape(B, n, M * ps, D)  # the cache's dtype: no f32 copy
+    s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(k.dtype), k, precision=lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32) * D**-0.5
     lengths = paged.lengths[:, ids]  # [B, n]
     limit = lengths[..., None] - T + jnp.arange(T) + 1  # [B, n, T]
     seen = jnp.arange(M * ps)[None, None, None, :] < limit[..., None]  # [B, n, T, S]
