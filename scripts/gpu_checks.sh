@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The accelerator checks the open issues ask for, in stages that each fit one 10-minute call of a lent GPU
+# kvjax's accelerator checks, in stages that each fit one 10-minute call of a lent GPU
 # machine (docs/GPU.md). Run from the repository root. Every stage but `pack` runs on the accelerator
 # machine without installing kvjax (its image has jax, flax, optax, orbax, torch, transformers) and writes
 # to $OUT (default ./gpu-out).
@@ -11,10 +11,11 @@
 #                                         # 10% and 25%, batch 1 and the plan's largest batch, caches built directly,
 #                                         # vs the full cache and the plan (docs/results/plan/)
 #   scripts/gpu_checks.sh kernels         # the Pallas kernel and host-tier tests, compiled for the GPU
-#   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall (spread, ahead, pipelined)
-#                                         # vs the full cache, 30K (decode compiled with kvjax's GPU options)
+#   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall (whole, spread, ahead,
+#                                         # pipelined) vs the full cache, 30K (decode compiled with kvjax's GPU options;
+#                                         # BENCH_METHODS overrides the methods)
 #   scripts/gpu_checks.sh bench-xla-default  # the same for full, SyncKV pipelined / without recall, compiled with XLA's
-#                                         # default schedule (no latency-hiding scheduler), as sessions 39-46 ran it
+#                                         # default schedule (no latency-hiding scheduler)
 #   scripts/gpu_checks.sh recall-micro    # where a step's recall time goes: cond / unconditional / prefetch / pages,
 #                                         # fixed indices and indices from the step's compute (dep-*)
 #   scripts/gpu_checks.sh profile         # a jax.profiler trace of a few decode steps: full, SyncKV (spread, ahead, pipelined), 30K
@@ -55,7 +56,7 @@ kernels)
     ;;
 bench)
     "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
-        --methods full,heterocache:recall_schedule=spread,heterocache:recall_schedule=ahead,heterocache:recall_schedule=pipelined,heterocache:retrieval=false,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,synckv:recall_schedule=pipelined,synckv:anticipation=false \
+        --methods "${BENCH_METHODS:-full,heterocache,heterocache:recall_schedule=spread,heterocache:recall_schedule=ahead,heterocache:recall_schedule=pipelined,heterocache:retrieval=false,synckv,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,synckv:recall_schedule=pipelined,synckv:anticipation=false}" \
         --chunk-size 2048 --new-tokens 64 --repeats "${REPEATS:-3}" --dtype "${DTYPE:-bfloat16}" --out "$out/bench_recall_gpu.md"
     ;;
 bench-xla-default)

@@ -1,4 +1,4 @@
-"""Per-layer prefill attention and H2O column sums: the code before session 4 (git 2c131b6) vs HEAD.
+"""Per-layer prefill attention and H2O column sums: the code before the rewrite (git 2c131b6) vs HEAD.
 
 Qwen2.5-0.5B shapes (14 query heads, 2 KV heads, head dim 64), batch 1, f32, best of 3 after a warm-up.
 Run from the repository root: python docs/results/microbench/attention_old_vs_new.py

@@ -1,7 +1,7 @@
 """Where a decode step's host recall time goes: the structure of HeteroCache's / SyncKV's recall, isolated.
 
 On an H200 a decode step with recall cost 5.5-8.5 ms more than one without (docs/RESULTS.md, "On a GPU"), and
-the session had no device time left to profile why. This script times, in one jitted loop of ``--steps`` decode
+no device time was left to profile why. This script times, in one jitted loop of ``--steps`` decode
 steps over ``--layers`` synthetic layers (two bf16 products of Qwen2.5-0.5B's MLP shapes each, as a stand-in
 for a layer's compute), the ways a layer can recall ``--rows`` token rows for each of ``--heads`` follower heads
 from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a device page pool:
@@ -26,18 +26,18 @@ from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a
   ``t+1``. If ``spread`` is cheap and ``dep-spread`` is not, the dependency (a device -> host -> device round
   trip per layer) is the cost; if ``dep-prefetch`` then costs about what ``prefetch`` does, issuing recalls a
   step ahead removes it.
-* ``dep-spread-ahead``, ``dep-pipelined`` (session 46): ``spread``'s bytes with indices from the step's compute.
+* ``dep-spread-ahead``, ``dep-pipelined``: ``spread``'s bytes with indices from the step's compute.
   ``dep-spread-ahead`` gathers them in the step that computes them and writes them at the layer in the next
   step (kvjax's ``recall_schedule="ahead"``); ``dep-pipelined`` carries the indices to the next step, gathers
   there at the layer's start and writes the rows the step after (a two-step pipeline: the gather's inputs are
   ready when the step begins). On an H100 the real decode's ``ahead`` did not overlap its recall (docs/RESULTS.md,
-  "On a GPU, third session"): if ``dep-pipelined`` costs clearly less than ``dep-spread-ahead``, the pipeline is
+  "On a GPU: recall schedules and profiles"): if ``dep-pipelined`` costs clearly less than ``dep-spread-ahead``, the pipeline is
   the fix to build.
 
 Every variant is timed twice (``--schedulers``): compiled with kvjax's decode options (``kvjax``:
 :data:`kvjax.generate.GPU_DECODE_COMPILER_OPTIONS` on a GPU, XLA:GPU's latency-hiding scheduler) and with XLA's
-defaults (``xla-default``), under which XLA:GPU schedules a host computation's start and done back to back (found in
-session 48 by compiling for an H100 without one: ``python -m evals.gpu_schedule``). Sessions 39-46 timed XLA's defaults.
+defaults (``xla-default``), under which XLA:GPU schedules a host computation's start and done back to back (found by
+compiling for an H100 without one: ``python -m evals.gpu_schedule``). The GPU timings before then used XLA's defaults.
 
 Each row reports ms per step, the extra over ``none``, rows and MiB moved per step and the rate of the extra.
 If ``always`` costs about ``every`` times ``cond``'s extra and ``prefetch`` costs as much as ``always``, the

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Session-4 microbenchmarks behind the prefill-attention rewrite and the XLA_FLAGS claims in README/notes.
+# Microbenchmarks behind the prefill-attention rewrite and the XLA_FLAGS claims in README/notes.
 # Run from the repository root inside .venv, on a quiet machine:  bash docs/results/microbench/run.sh
 set -euo pipefail
 here=docs/results/microbench
 {
-  echo "# Microbenchmarks (session 4)"; echo
+  echo "# Microbenchmarks (this CPU)"; echo
   echo "Command: \`bash $here/run.sh\`; $(date -u +%Y-%m-%dT%H:%M:%SZ); $(nproc) cores."; echo
   echo "## Prefill attention and H2O column sums, before/after"; echo
   python $here/attention_old_vs_new.py

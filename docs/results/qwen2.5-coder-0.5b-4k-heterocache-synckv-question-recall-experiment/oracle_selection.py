@@ -1,4 +1,4 @@
-"""Issue 12 oracle: query-agnostic protocol, but the compression chooses with the question's last query
+"""Oracle: query-agnostic protocol, but the compression chooses with the question's last query
 (swapped into the context-only staging) instead of the context's last query. The question is still prefilled
 over the compressed cache. Tells whether selection (fixable by recall) or the question's states are the gap."""
 import json, sys

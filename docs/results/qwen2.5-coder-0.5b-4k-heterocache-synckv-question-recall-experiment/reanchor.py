@@ -1,4 +1,4 @@
-"""Issue 12: SyncKV re-anchoring on a question (query-agnostic protocol), against reanchor=False, in one pass and in
+"""SyncKV re-anchoring on a question (query-agnostic protocol), against reanchor=False, in one pass and in
 two passes (the question prefilled, its tokens dropped from every head, prefilled again). Needs commit 1945237
 (``SyncKV(reanchor=...)``, reverted by the next commit). Usage: python reanchor.py TASKS [BUDGET]"""
 import json, sys

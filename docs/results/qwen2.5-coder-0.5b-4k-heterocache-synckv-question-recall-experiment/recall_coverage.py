@@ -1,4 +1,4 @@
-"""Issue 12 diagnosis: in the query-agnostic protocol, which KV heads attend to the needle (full cache, question in
+"""Diagnosis: in the query-agnostic protocol, which KV heads attend to the needle (full cache, question in
 the prompt), and do those heads hold the needle after SyncKV / HeteroCache recall for the question?"""
 import sys
 import numpy as np, jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Issue 12 experiment: two-pass question prefill in the query-agnostic protocol. Pass 1 prefills the question
+"""Experiment: two-pass question prefill in the query-agnostic protocol. Pass 1 prefills the question
 (leaders choose, followers are refreshed from the host); the question's tokens are then dropped from every head
 (lengths rolled back) and pass 2 prefills it again over the refreshed cache. Compared with one pass, same prompts."""
 import json, sys

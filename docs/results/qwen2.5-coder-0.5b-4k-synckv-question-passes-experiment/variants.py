@@ -1,4 +1,4 @@
-"""Issue 12 experiments: SyncKV (kernel=7, one R-head for the whole model), query-agnostic, the 4K suite's prompts of
+"""Experiments: SyncKV (kernel=7, one R-head for the whole model), query-agnostic, the 4K suite's prompts of
 one task: which variant answers. Run from the repository root: ``python <this file> EXPERIMENT niah_multikey 0.1``.
 
 EXPERIMENT: ``stride`` (m = 5 shipped, 1, 10**6: never after the question), ``window`` (re-anchoring scored by the
