@@ -221,30 +221,42 @@ def gpu_lowering():
         jax.default_backend = real
 
 
-def decode_module(model, method, length: int, new_tokens: int, artifact=None) -> str:
-    """StableHLO of ``method``'s decode loop for one row after a ``length``-token prompt, lowered for ``cuda``
-    (``artifact``: the method's calibration, default the one shipped for the model).
-
-    Only shapes are needed: the compressed cache's are those of ``compress_jit`` applied to a fresh cache (traced,
-    not run), its host arrays keep their ``pinned_host`` memory kind."""
+def export_for_gpu(fn, *args, donate_argnums=()):
+    """``jax.export`` of ``jax.jit(fn)`` for ``cuda`` as on a GPU (:func:`gpu_lowering`): ``args`` are abstract
+    (``jax.ShapeDtypeStruct``), placed replicated on the GPU lowering's mesh with their memory kinds (``pinned_host``
+    host tiers stay there); the Pallas Triton kernels' custom call is allowed."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from kvjax.cache import new_cache
-    from kvjax.generate import compress_jit, decode_loop_jit
     from pallas_kernels.backend import TRITON_CUSTOM_CALL
 
-    config = model.config
+    def kind(x):
+        sharding = getattr(x, "sharding", None)
+        return getattr(sharding, "memory_kind", None) or "device"
 
-    def compressed():
-        return compress_jit(new_cache(method, config, 1, length, new_tokens, model.dtype, artifact=artifact))
+    with gpu_lowering() as mesh:  # a NamedSharding's memory kind reaches the traced value's type
+        placed = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, P(), memory_kind=kind(x))), args)
+        return jax.export.export(jax.jit(fn, donate_argnums=donate_argnums), platforms=["cuda"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(
+            *placed)
 
-    traced = jax.jit(compressed).trace()  # one trace: the cache's structure and its values' memory spaces
-    avals = traced.jaxpr.out_avals
-    kinds = {"Host": "pinned_host", "Device": "device"}
-    tree = jax.tree_util.tree_structure(traced.out_info)
+
+def decode_module(model, method, length: int, new_tokens: int, artifact=None) -> str:
+    """StableHLO of ``method``'s decode loop for one row after a ``length``-token prompt, lowered for ``cuda``
+    (``artifact``: the method's calibration, default the one shipped for the model). Only shapes are needed: the
+    compressed cache's come from :func:`evals.synthetic.abstract_compressed_cache` (traced, not run)."""
+    import jax
+    import jax.numpy as jnp
+
+    from evals.plan import cpu_mesh
+    from evals.synthetic import abstract_compressed_cache
+    from kvjax.cache import CacheSpec
+    from kvjax.generate import decode_loop_jit
+
+    spec = CacheSpec.for_model(model.config, 1, length, new_tokens, model.dtype)
+    cache = abstract_compressed_cache(method, spec, cpu_mesh(), artifact)
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
     first = jax.ShapeDtypeStruct((1,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
@@ -253,14 +265,7 @@ def decode_module(model, method, length: int, new_tokens: int, artifact=None) ->
         return decode_loop_jit(model.graphdef, params, first, cache, key, max_new_tokens=new_tokens)
 
     jax.clear_caches()  # the kernels' form is chosen at trace time: trace again, as on a GPU
-    with gpu_lowering() as mesh:  # a NamedSharding's memory kind reaches the traced value's type
-        cache = jax.tree_util.tree_unflatten(tree, [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P(), memory_kind=kinds[a.memory_space.name]))
-            for a in avals])
-        exported = jax.export.export(jax.jit(loop), platforms=["cuda"],
-                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(
-            params, first, cache, key)
-    return exported.mlir_module()
+    return export_for_gpu(loop, params, first, cache, key).mlir_module()
 
 
 def summarize(windows: list[dict]) -> dict:

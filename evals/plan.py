@@ -343,22 +343,13 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     jax.clear_caches()  # kernels' forms and host regions are chosen at trace time: trace the step afresh for the target
     options = decode_compiler_options(target.backend)
     if target.platform == "cuda":  # deviceless GPU: export for cuda, compile with XLA:GPU (evals.gpu_schedule)
-        from evals.gpu_schedule import gpu_executable, gpu_topology, host_call_windows
-        from pallas_kernels.backend import TRITON_CUSTOM_CALL
-
-        def on(tree, gpu_mesh):
-            return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
-                gpu_mesh, P(), memory_kind=getattr(x.sharding, "memory_kind", None) or "device")), tree)
+        from evals.gpu_schedule import export_for_gpu, gpu_executable, gpu_topology, host_call_windows
 
         def step(params, tokens, cache, key):
             return decode_step_jit(graphdef, params, tokens, cache, key)
 
-        with lowering_for(target) as gpu_mesh:
-            args = on((params, jax.ShapeDtypeStruct((batch,), jnp.int32), cache,
-                       jax.ShapeDtypeStruct((2,), jnp.uint32)), gpu_mesh)
-            exported = jax.export.export(
-                jax.jit(step, donate_argnums=(2,)), platforms=["cuda"],
-                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*args)
+        exported = export_for_gpu(step, params, jax.ShapeDtypeStruct((batch,), jnp.int32), cache,
+                                  jax.ShapeDtypeStruct((2,), jnp.uint32), donate_argnums=(2,))
         executable = gpu_executable(exported.mlir_module(), gpu_topology(target.topology), options)
         mem = executable.get_compiled_memory_stats()
         hlo, cost = executable.hlo_modules()[0].to_string(), None
