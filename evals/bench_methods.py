@@ -686,17 +686,20 @@ def render_markdown(report: dict) -> str:
     if value_rows:
         lines += ["", "## Values in host memory (HCAttention)", "",
                   "From `cache.stats()` after the timed decode loop: key representation on the device, the mean fraction "
-                  "of the prompt selected per query (Eq. 4), value rows per (row, KV head) and decode call, and the "
-                  "bytes crossing between host and device per decode step over all layers: with `value_path=host` "
-                  "the row ids and weights go to the host and the weighted sums come back; with `device` the "
-                  "selected value rows come to the device.", "",
-                  "| L | method | keys | tau | value path | selected | value rows / head / call | KiB moved / step |",
-                  "|---:|---|---|---:|---|---:|---:|---:|"]
+                  "of the prompt selected per query (Eq. 4), value rows per (row, KV head) and decode call: "
+                  "selected (the union of the call's selections) and fetched (the rows that cross, device path, or "
+                  "are weighted on the host, host path: the call's transfer size), and the bytes crossing between "
+                  "host and device per decode step over all layers: with `value_path=host` the row ids and weights "
+                  "go to the host and the weighted sums come back; with `device` the value rows come to the "
+                  "device.", "",
+                  "| L | method | keys | tau | value path | selected | value rows selected / head / call | "
+                  "value rows fetched / head / call | KiB moved / step |",
+                  "|---:|---|---|---:|---|---:|---:|---:|---:|"]
         for r in value_rows:
             a = r["cache_stats_after_decode"]
             lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['key_representation']} | {a['tau']} | {a['value_path']} | "
                          f"{a['selection_ratio']:.3f} | {a['value_rows_per_head_per_call']:.1f} | "
-                         f"{a['bytes_moved_per_call'] / 1024:.1f} |")
+                         f"{a['value_rows_fetched_per_head_per_call']:.1f} | {a['bytes_moved_per_call'] / 1024:.1f} |")
     own = sorted({r["method"] for r in report["rows"] if r.get("staging") == "own prefill" and r["method"] != REFERENCE})
     lines += ["", "## Prefill sharing", "", "- full: its own `FullCache().init_cache` prefill."]
     if own:

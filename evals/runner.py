@@ -113,7 +113,7 @@ def budget_label(budget) -> str:
 
 RECALL_STATS = ("recall_trigger_rate", "bytes_recalled")  # per run of methods that recall from the host tier
 SELECTION_STATS = ("selection_ratio", "selection_ratio_per_layer", "value_rows_per_head_per_call",
-                   "key_representation")  # per run of methods that select values per step (HCAttention)
+                   "value_rows_fetched_per_head_per_call", "key_representation")  # per run of methods that select values per step (HCAttention)
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:

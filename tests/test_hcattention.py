@@ -64,13 +64,15 @@ def test_top_p_hand_cases():
 
 
 # ------------------------------------------------------------------------- one layer vs numpy
-def _reference(q, keys, values, rk, rv, pad, n_prev, tau, renormalize=True):
+def _reference(q, keys, values, rk, rv, pad, n_prev, tau, renormalize=True, union=False):
     """Per query: exact softmax over prompt slots >= pad and newer tokens <= its own, Eq. 4 over the prompt
-    with the newer tokens counted first, the (renormalised) weighted sum; float64."""
+    with the newer tokens counted first, the (renormalised) weighted sum; float64. With ``union``, also the size of
+    each (row, KV head)'s union of selections over its query heads and tokens ``[B, H]``."""
     B, T, Hq, D = q.shape
     H, S = keys.shape[1], keys.shape[2]
     G = Hq // H
     out = np.zeros((B, T, Hq, D))
+    sets = [[set() for _ in range(H)] for _ in range(B)]
     for b in range(B):
         for t in range(T):
             for hq in range(Hq):
@@ -86,6 +88,9 @@ def _reference(q, keys, values, rk, rv, pad, n_prev, tau, renormalize=True):
                 num = pp[keep] @ values[b, h, pad[b]:][keep] + pr @ rv[b, h, :n_prev + t + 1]
                 den = (pp[keep].sum() + pr.sum()) if renormalize else total
                 out[b, t, hq] = num / den
+                sets[b][h].update(int(i) for i in keep)
+    if union:
+        return out, np.array([[len(x) for x in row] for row in sets])
     return out
 
 
@@ -121,14 +126,16 @@ def _layer_case(quantized: bool, seed: int = 0):
     state = HCAttentionKV(
         codes=codes, keys=None if quantized else jnp.asarray(keys), values=to_host(jnp.asarray(values.reshape(B * H, S, D))),
         recent_k=jnp.asarray(rk), recent_v=jnp.asarray(rv), selected=jnp.zeros(()), queries=jnp.zeros(()),
-        rows=jnp.zeros(()), calls=jnp.zeros((), jnp.int32), moved=jnp.zeros(()), truncated=jnp.zeros((), jnp.int32))
+        rows=jnp.zeros(()), fetched=jnp.zeros(()), calls=jnp.zeros((), jnp.int32), moved=jnp.zeros(()),
+        truncated=jnp.zeros((), jnp.int32))
     ctx = AttendContext(start=jnp.asarray(S + n_prev, jnp.int32), pad=jnp.asarray(pad, jnp.int32),
                         positions=jnp.zeros((B, T), jnp.int32), artifact=art, layer=0)
     rk[:, :, n_prev:n_prev + T] = k_new.transpose(0, 2, 1, 3)
     rv[:, :, n_prev:n_prev + T] = v_new.transpose(0, 2, 1, 3)
 
-    def reference(tau, renormalize=True):
-        return _reference(q.astype(np.float64), ref_keys, values.astype(np.float64), rk, rv, pad, n_prev, tau, renormalize)
+    def reference(tau, renormalize=True, union=False):
+        return _reference(q.astype(np.float64), ref_keys, values.astype(np.float64), rk, rv, pad, n_prev, tau,
+                          renormalize, union)
 
     return state, (jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new)), ctx, rk, reference
 
@@ -159,6 +166,31 @@ def test_row_cap(value_path):
     assert np.abs(np.asarray(out) - reference(1.0)).max() > 1e-3
 
 
+@pytest.mark.parametrize("value_path", ["host", "device"])
+@pytest.mark.parametrize("tau", [0.05, 0.4, 0.8])
+def test_value_rows_follow_the_selected_union(value_path, tau):
+    """``row_buckets=3`` on a 24-token prompt: transfer sizes 6, 12 and 24 rows per (row, KV head). The call moves
+    (device path) or weighs on the host (host path) the smallest size that holds the largest union of selections,
+    computed by numpy, and stays exact against the float64 reference whichever size it takes, also when the union
+    exceeds the smallest size (the larger sizes are the fallback). ``rows`` counts the unions, ``fetched`` the
+    rows that crossed or were summed, ``moved`` their bytes."""
+    state, qkv, ctx, _, reference = _layer_case(False)
+    want, unions = reference(tau, union=True)
+    B, H = unions.shape
+    method = HCAttention(groups=0, tau=tau, value_path=value_path, row_buckets=3)
+    assert method.row_sizes(24) == (6, 12, 24)
+    out, new = jax.jit(method.decode_attend)(state, *qkv, ctx)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=2e-5)
+    size = min(r for r in (6, 12, 24) if r >= unions.max())
+    assert size == {0.05: 6, 0.4: 12, 0.8: 24}[tau]  # each size is taken by one of the cases
+    assert float(new.fetched) == B * H * size and float(new.rows) == unions.sum()
+    G, T, D = 3, 3, 8
+    if value_path == "device":
+        assert float(new.moved) == 4 * B * H * size + B * H * size * D * 4
+    else:
+        assert float(new.moved) == 4 * B * H * size + 4 * B * H * G * T * size + 4 * B * H * G * T * D
+
+
 def test_pallas_interpret_scoring_equals_xla():
     rng = np.random.default_rng(1)
     B, H, G, S, D = 1, 2, 2, 40, 16
@@ -170,7 +202,7 @@ def test_pallas_interpret_scoring_equals_xla():
                         positions=jnp.zeros((B, 1), jnp.int32), artifact=art, layer=0)
     qg = jnp.asarray(rng.normal(size=(B, H, G, 1, D)).astype(np.float32))
     st = HCAttentionKV(codes=codes, keys=None, values=None, recent_k=None, recent_v=None, selected=None,
-                       queries=None, rows=None, calls=None, moved=None, truncated=None)
+                       queries=None, rows=None, fetched=None, calls=None, moved=None, truncated=None)
     xla = HCAttention(groups=8, centroids=16, implementation="xla").prompt_logits(st, qg, ctx)
     interp = HCAttention(groups=8, centroids=16, implementation="pallas_interpret").prompt_logits(st, qg, ctx)
     ref = np.einsum("bhgtd,bhsd->bhgts", np.asarray(qg, np.float64), _decoded(np.asarray(codes), cb)) / np.sqrt(D)

@@ -48,7 +48,11 @@ Where kvjax differs from the paper (each a choice the paper leaves open or one f
   the union of their selections, capped at ``max_selected`` of the prompt (default 1.0: no cap,
   Eq. 4 exactly). A cap makes the transfer of the device path bounded; where the union exceeds it,
   the rows with the highest group-max probability are used and the event is counted
-  (``truncated_selections`` in the stats).
+  (``truncated_selections`` in the stats). The transfer has one size per call: the cap, or with ``row_buckets = n``
+  the smallest of ``cap, cap / 2, ..., cap / 2^(n-1)`` that holds the call's largest union (exact either way; the
+  stats count the rows selected, ``value_rows_per_head_per_call``, and the rows that crossed or were weighted on the
+  host, ``value_rows_fetched_per_head_per_call``). The size is chosen on the device by ``lax.switch``: on a GPU a
+  host synchronisation per layer and call. The default (``row_buckets=1``) moves or weighs every prompt row.
 * **Value fetch timing**: the rows a step needs depend on that step's query, so the transfer cannot
   be issued a step ahead (unlike HeteroCache's/SyncKV's recalls); it is issued as soon as the
   selection is known, after the scores.
@@ -110,7 +114,10 @@ class HCAttentionKV:
         the tokens after the prompt (device).
       selected: sum over queries of the fraction of the row's prompt tokens selected (float32).
       queries: number of (row, query head, new token) selections made.
-      rows: sum over calls and (row, KV head) of the value rows used (moved, or weighted on the host).
+      rows: sum over calls and (row, KV head) of the value rows selected (the union of the call's selections, at
+        most the cap).
+      fetched: sum over calls and (row, KV head) of the value rows that cross (device path) or are weighted on the
+        host (host path): the call's transfer size.
       calls: decode calls (a question counts once).
       moved: bytes crossing between host and device (ids and weights out, sums or rows back), summed over calls.
       truncated: (row, KV head, call) whose union of selections exceeded the row cap.
@@ -124,6 +131,7 @@ class HCAttentionKV:
     selected: jax.Array
     queries: jax.Array
     rows: jax.Array
+    fetched: jax.Array
     calls: jax.Array
     moved: jax.Array
     truncated: jax.Array
@@ -156,6 +164,9 @@ class HCAttention:
       tau: cumulative attention mass kept (Eq. 4; paper 0.9).
       value_path: "host" (weighted sum where the values live) | "device" (selected rows transferred).
       max_selected: cap on the value rows per KV head and call, as a fraction of the prompt (1.0: none).
+      row_buckets: transfer sizes a call chooses from: the cap, and halved ``row_buckets - 1`` times; each call takes
+        the smallest that holds every (row, KV head)'s union of selections (exact; 1: always the cap, every prompt row
+        without a cap). Chosen on the device by a switch (a conditional per layer and call).
       renormalize: divide by the selected mass (False: the literal Eq. 5).
       local: last prompt tokens kept exact on the device and always selected (0: every prompt key
         quantized, the paper; module docstring).
@@ -169,6 +180,7 @@ class HCAttention:
     tau: float = 0.9
     value_path: str = "host"
     max_selected: float = 1.0
+    row_buckets: int = 1
     renormalize: bool = True
     local: int = 0
     block: int = 256
@@ -192,6 +204,8 @@ class HCAttention:
             raise ValueError(f"value_path must be one of {VALUE_PATHS}, got {self.value_path!r}")
         if not 0.0 < self.max_selected <= 1.0:
             raise ValueError(f"max_selected must be in (0, 1], got {self.max_selected}")
+        if isinstance(self.row_buckets, bool) or not isinstance(self.row_buckets, int) or self.row_buckets < 1:
+            raise ValueError(f"row_buckets must be an int >= 1, got {self.row_buckets!r}")
         if self.block <= 0:
             raise ValueError(f"block must be positive, got {self.block}")
         if isinstance(self.local, bool) or not isinstance(self.local, int) or self.local < 0:
@@ -216,6 +230,12 @@ class HCAttention:
         if g and D % g:
             raise ValueError(f"groups={g} must divide the head dimension {D}")
         return g
+
+    def row_sizes(self, prompt_slots: int) -> tuple[int, ...]:
+        """The value-row transfer sizes of a call, smallest first: the cap halved ``row_buckets - 1`` times (at
+        least one row each), then the cap."""
+        cap = self.row_cap(prompt_slots)
+        return tuple(sorted({max(1, -(-cap // 2**i)) for i in range(self.row_buckets)}))
 
     def row_cap(self, prompt_slots: int) -> int:
         """Static number of value rows per KV head and call for a prompt of ``prompt_slots``."""
@@ -271,7 +291,7 @@ class HCAttention:
         return HCAttentionKV(
             codes=codes, keys=exact, values=to_host(flatten_heads(values, spec.mesh)),
             recent_k=recent_k, recent_v=recent_v,
-            selected=zero, queries=zero, rows=zero, calls=jnp.zeros((), jnp.int32), moved=zero,
+            selected=zero, queries=zero, rows=zero, fetched=zero, calls=jnp.zeros((), jnp.int32), moved=zero,
             truncated=jnp.zeros((), jnp.int32),
         )
 
@@ -320,31 +340,44 @@ class HCAttention:
         union = chosen.any(axis=(2, 3))  # [B, H, S]: rows any query of the KV head needs
         in_union = union.sum(-1)
         weights = jnp.where(chosen, p_p, 0.0)
-        if cap == S:  # no cap: every row id in order, unselected rows weigh 0
-            rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
-            count = jnp.full((B, H), S, jnp.int32)
-            w = weights
-        else:  # the cap's worth of union rows, by group-max probability
-            key = jnp.where(union, (p_p / total[..., None]).max(axis=(2, 3)), -1.0)
-            rows = lax.top_k(key, cap)[1].astype(jnp.int32)  # [B, H, cap]: union members first
-            count = jnp.minimum(in_union, cap).astype(jnp.int32)
-            live = jnp.arange(cap)[None, None, :] < count[..., None]
-            w = jnp.take_along_axis(weights, jnp.broadcast_to(rows[:, :, None, None], (B, H, G, T, cap)), axis=-1)
-            w = jnp.where(live[:, :, None, None], w, 0.0)
+        key = jnp.where(union, (p_p / total[..., None]).max(axis=(2, 3)), -1.0)  # union members first, best first
 
-        ids_bytes = 4 * B * H * cap
-        if self.value_path == "host":  # ids + weights out, one f32 sum per query head and token back
-            moved = ids_bytes + 4 * B * H * G * T * cap + 4 * B * H * G * T * D
-            out_p = weighted_rows_on_host(state.values, flatten_heads(rows, ctx.mesh),
-                                          flatten_heads(w.reshape(B, H, G * T, cap), ctx.mesh))
-            out_p = unflatten_heads(out_p, B, H, ctx.mesh).reshape(B, H, G, T, D)
-        else:  # ids out, the [cap] value rows back (a static block)
-            moved = ids_bytes + B * H * cap * D * state.values.dtype.itemsize
-            vals = unflatten_heads(gather_rows(state.values, flatten_heads(rows, ctx.mesh), flatten_heads(count, ctx.mesh)),
-                                   B, H, ctx.mesh)
-            out_p = jnp.einsum("bhgtr,bhrd->bhgtd", w, vals.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        def weighted_sum(R: int):
+            """(summed values [B, H, G, T, D], their weights' sum [B, H, G, T], bytes moved) over ``R`` rows per
+            (row, KV head): every prompt row in order when ``R == S``, else the ``R`` union rows of largest
+            group-max probability."""
+            if R == S:  # unselected rows weigh 0
+                rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
+                count, w = jnp.full((B, H), S, jnp.int32), weights
+            else:
+                rows = lax.top_k(key, R)[1].astype(jnp.int32)  # [B, H, R]
+                count = jnp.minimum(in_union, R).astype(jnp.int32)
+                live = jnp.arange(R)[None, None, :] < count[..., None]
+                w = jnp.take_along_axis(weights, jnp.broadcast_to(rows[:, :, None, None], (B, H, G, T, R)), axis=-1)
+                w = jnp.where(live[:, :, None, None], w, 0.0)
+            ids_bytes = 4 * B * H * R
+            if self.value_path == "host":  # ids + weights out, one f32 sum per query head and token back
+                moved = ids_bytes + 4 * B * H * G * T * R + 4 * B * H * G * T * D
+                summed = weighted_rows_on_host(state.values, flatten_heads(rows, ctx.mesh),
+                                               flatten_heads(w.reshape(B, H, G * T, R), ctx.mesh))
+                summed = unflatten_heads(summed, B, H, ctx.mesh).reshape(B, H, G, T, D)
+            else:  # ids out, the [R] value rows back (a static block)
+                moved = ids_bytes + B * H * R * D * state.values.dtype.itemsize
+                vals = unflatten_heads(gather_rows(state.values, flatten_heads(rows, ctx.mesh),
+                                                   flatten_heads(count, ctx.mesh)), B, H, ctx.mesh)
+                summed = jnp.einsum("bhgtr,bhrd->bhgtd", w, vals.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+            return summed, w.sum(-1), jnp.asarray(moved, jnp.float32), jnp.asarray(B * H * R, jnp.float32)
+
+        sizes = self.row_sizes(S)
+        if len(sizes) == 1:
+            out_p, w_sum, moved, fetched = weighted_sum(sizes[0])
+        else:  # the smallest size that holds every (row, KV head)'s union (the cap when none does: truncated)
+            need = jnp.minimum(in_union.max(), cap)
+            which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need.astype(jnp.int32))
+            out_p, w_sum, moved, fetched = lax.switch(jnp.minimum(which, len(sizes) - 1),
+                                                      [lambda R=R: weighted_sum(R) for R in sizes])
         out_r = jnp.einsum("bhgtr,bhrd->bhgtd", p_r, rv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-        denom = w.sum(-1) + forced if self.renormalize else total
+        denom = w_sum + forced if self.renormalize else total
         out = (out_p + out_r) / denom[..., None]
         out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
 
@@ -352,7 +385,8 @@ class HCAttention:
         frac = chosen.sum(-1) / prompt_len[:, None, None, None]
         state = state.replace(
             recent_k=rk, recent_v=rv, selected=state.selected + frac.sum(), queries=state.queries + frac.size,
-            rows=state.rows + jnp.minimum(in_union, cap).sum().astype(jnp.float32), calls=state.calls + 1, moved=state.moved + moved,
+            rows=state.rows + jnp.minimum(in_union, cap).sum().astype(jnp.float32), fetched=state.fetched + fetched,
+            calls=state.calls + 1, moved=state.moved + moved,
             truncated=state.truncated + (in_union > cap).sum().astype(jnp.int32))
         return out, state
 
@@ -373,7 +407,8 @@ class HCAttention:
         return state.replace(
             codes=None if state.codes is None else ROWS_HEADS, keys=None if state.keys is None else ROWS_HEADS,
             values=OnHost(BY_DEVICE), recent_k=ROWS_HEADS, recent_v=ROWS_HEADS, selected=REPLICATED,
-            queries=REPLICATED, rows=REPLICATED, calls=REPLICATED, moved=REPLICATED, truncated=REPLICATED)
+            queries=REPLICATED, rows=REPLICATED, fetched=REPLICATED, calls=REPLICATED, moved=REPLICATED,
+            truncated=REPLICATED)
 
     def stats(self, cache: Cache) -> dict:
         """Key representation, bytes by kind, selection ratio per layer, value rows per call."""
@@ -396,6 +431,8 @@ class HCAttention:
             "selection_ratio_per_layer": [round(r, 5) for r in ratios],
             "selection_ratio": round(sum(ratios) / len(ratios), 5),
             "value_rows_per_head_per_call": round(sum(float(st.rows) for st in layers) / (calls * BH * len(layers)), 2),
+            "value_rows_fetched_per_head_per_call": round(
+                sum(float(st.fetched) for st in layers) / (calls * BH * len(layers)), 2),
             "bytes_moved_per_call": round(sum(float(st.moved) for st in layers) / calls),
             "truncated_selections": sum(int(st.truncated) for st in layers),
         }
