@@ -108,16 +108,12 @@ def target_mesh(target: Target, config):
 
 @contextlib.contextmanager
 def lowering_for(target: Target):
-    """Trace as on the target: ``jax.default_backend()`` names its platform, so kvjax builds its kernels' forms for it
-    (and, for a GPU, an abstract H100 mesh names the GPU model the Triton lowering needs: :func:`evals.gpu_schedule.gpu_lowering`)."""
+    """Trace as on a TPU target: ``jax.default_backend()`` names its platform, so kvjax builds its kernels' forms for
+    it. (GPU targets trace through :func:`evals.gpu_schedule.export_for_gpu`.)"""
     import jax
 
-    if target.platform == "cuda":
-        from evals.gpu_schedule import gpu_lowering
-
-        with gpu_lowering() as mesh:
-            yield mesh
-        return
+    if target.platform != "tpu":
+        raise ValueError(f"lowering_for is for TPU targets; {target.name} exports through evals.gpu_schedule")
     real = jax.default_backend
     jax.default_backend = lambda: target.backend
     try:

@@ -82,6 +82,14 @@ def spread_moves(held, target, count, spread_over: int, slots: int):
 
 
 # ------------------------------------------------------------------------------- whole-set refreshes
+def followed(state: RecallKV, due, versions, count, **changes) -> RecallKV:
+    """``state`` with ``changes`` after the follower slots in ``due[B, n_slots]`` took their leaders' ``versions``,
+    writing ``count[B, n_slots]`` rows: the versions they hold and the recall counters updated."""
+    return state.replace(applied=jnp.where(due, versions, state.applied),
+                         recalls=state.recalls + due.sum().astype(jnp.int32),
+                         rows_moved=state.rows_moved + count.sum().astype(jnp.int32), **changes)
+
+
 def apply_anchors(state: RecallKV, layers, layer: int, mesh) -> RecallKV:
     """Followers whose leader re-anchored since they last applied a version take the whole re-anchored set (their
     slots ``0 .. region_start + region_count``) from the host, in one fixed-size transfer (a no-op for a layer whose
@@ -103,9 +111,7 @@ def apply_anchors(state: RecallKV, layers, layer: int, mesh) -> RecallKV:
     if pending is not None:
         keep = ~flatten_heads(due, mesh)
         pending = pending.replace(fetched=pending.fetched.replace(count=jnp.where(keep, pending.fetched.count, 0)))
-    return state.replace(paged=paged, held=held, pending=pending, applied=jnp.where(due, anchor_at, state.applied),
-                         recalls=state.recalls + due.sum().astype(jnp.int32),
-                         rows_moved=state.rows_moved + count.sum().astype(jnp.int32))
+    return followed(state, due, anchor_at, count, paged=paged, held=held, pending=pending)
 
 
 def refresh_regions(state: RecallKV, layers, layer: int, mesh) -> RecallKV:
@@ -121,9 +127,7 @@ def refresh_regions(state: RecallKV, layers, layer: int, mesh) -> RecallKV:
     dst = state.region_start[..., None] + jnp.arange(chosen, dtype=jnp.int32)
     paged = recall_rows(state, picks, count, dst, mesh)
     held = jnp.where(due[..., None], fit_width(picks, state.held.shape[-1]), state.held)
-    return state.replace(paged=paged, held=held, applied=jnp.where(due, versions, state.applied),
-                         recalls=state.recalls + due.sum().astype(jnp.int32),
-                         rows_moved=state.rows_moved + count.sum().astype(jnp.int32))
+    return followed(state, due, versions, count, paged=paged, held=held)
 
 
 def refresh_all(state: RecallKV, layers, layer: int, mesh) -> RecallKV:
@@ -207,9 +211,7 @@ class SpreadRecall(RecallSchedule):
             held.reshape(-1, held.shape[-1]), positions.reshape(-1, positions.shape[-1]),
             ids.reshape(-1, ids.shape[-1])).reshape(held.shape)
         due = versions > state.applied
-        state = state.replace(held=held, applied=jnp.where(due, versions, state.applied),
-                              recalls=state.recalls + due.sum().astype(jnp.int32),
-                              rows_moved=state.rows_moved + count.sum().astype(jnp.int32))
+        state = followed(state, due, versions, count, held=held)
         return (state, *flat)
 
     def step(self, state, layers, layer, mesh):

@@ -244,8 +244,8 @@ class SyncKV(LeaderFollowerMethod):
                          f"({group} layer(s) per group; clusters exist for N_r in {[c[0] for c in meta['clusters']]})")
 
     def plans(self, spec: CacheSpec, art: Artifact) -> tuple[tuple[LayerPlan, ...], int]:
-        """Per-layer plans and ``k`` (tokens each NR-head keeps for the longest row)."""
-        self.check_artifact(spec, art)
+        """Per-layer plans and ``k`` (tokens each NR-head keeps for the longest row); ``art`` as :meth:`artifact_for`
+        returns it."""
         roles, leader = self.clusters(art)
         L = spec.longest_row
         N = spec.num_layers * spec.num_kv_heads
