@@ -226,16 +226,9 @@ def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_sh
     return dev + out[0], host + out[1]
 
 
-def hlo_bytes(hlo: str) -> dict:
-    """Bytes a compiled (optimized) HLO module moves, counted per kernel as XLA's cost analysis does.
-
-    Every instruction that launches work (a fusion, a custom call such as a Pallas kernel, a copy...) reads its operands
-    and writes its output, in the computations that run (the entry, loop bodies and conditions, conditional branches:
-    each branch counted as if taken, an upper bound); a fusion that only slices or gathers from an operand reads those
-    slices; a fusion whose root updates its first operand in place (``dynamic-update-slice``, ``scatter``) writes the
-    update only. Arrays in
-    host memory (``S(5)``) count as host traffic. Returns ``{"device": bytes, "host": bytes}``.
-    """
+def instruction_bytes(hlo: str):
+    """``(instruction name, its jax op name or HLO opcode, device bytes, host bytes)`` of every instruction of a
+    compiled (optimized) HLO module that launches work, in the computations that run (see :func:`hlo_bytes`)."""
     comps = _parse(hlo)
     shapes = {i.name: i.shape for insts in comps.values() for i in insts}
     run = set(re.findall(r"\b(?:body|condition)=%([\w.\-]+)", hlo))
@@ -247,7 +240,6 @@ def hlo_bytes(hlo: str) -> dict:
         run.add(entry.group(1))
     for insts in list(comps.values()):
         run.update(re.findall(r"to_apply=%([\w.\-]+)", " ".join(i.tail for i in insts if i.op == "call")))
-    dev = host = 0
     for comp in run:
         for i in comps.get(comp, []):
             if i.op in _NO_KERNEL:
@@ -260,8 +252,24 @@ def hlo_bytes(hlo: str) -> dict:
                 for o in i.operands:
                     od, oh = _arrays(shapes.get(o, ""))
                     d, h = d + od, h + oh
-            dev += d
-            host += h
+            op_name = re.search(r'op_name="([^"]*)"', i.tail)
+            yield i.name, op_name.group(1) if op_name else i.op, d, h
+
+
+def hlo_bytes(hlo: str) -> dict:
+    """Bytes a compiled (optimized) HLO module moves, counted per kernel as XLA's cost analysis does.
+
+    Every instruction that launches work (a fusion, a custom call such as a Pallas kernel, a copy...) reads its operands
+    and writes its output, in the computations that run (the entry, loop bodies and conditions, conditional branches:
+    each branch counted as if taken, an upper bound); a fusion that only slices or gathers from an operand reads those
+    slices; a fusion whose root updates its first operand in place (``dynamic-update-slice``, ``scatter``) writes the
+    update only. Arrays in
+    host memory (``S(5)``) count as host traffic. Returns ``{"device": bytes, "host": bytes}``.
+    """
+    dev = host = 0
+    for _, _, d, h in instruction_bytes(hlo):
+        dev += d
+        host += h
     return {"device": dev, "host": host}
 
 
