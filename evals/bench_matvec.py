@@ -17,7 +17,7 @@ feeding the next, like a decode step) inside one jitted ``lax.fori_loop``, for
 
 and reports ms per step, the weight bytes read per step, the achieved GB/s and the ratio of the
 step time to its bandwidth limit (bytes / the machine's read bandwidth, measured in the same run
-by ``bench_foundation.worker_bandwidth``, as in the other benchmarks). Random weights; the numbers do not depend on
+by ``bench_machine.worker_bandwidth``, as in the other benchmarks). Random weights; the numbers do not depend on
 their values. ``XLA_FLAGS`` from the environment apply (e.g. ``--xla_cpu_use_onednn=true``).
 
 Usage::
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         raise ValueError("--steps, --repeats, --bandwidth-mib, --bandwidth-repeats and --layers must be >= 1")
     import jax
 
-    from evals.bench_foundation import worker_bandwidth
+    from evals.bench_machine import worker_bandwidth
 
     config = _config(args.model)
     layers = args.layers or config.num_layers

@@ -34,7 +34,7 @@ process, for the full cache and each requested method (``kvjax.methods.METHODS``
   tokens per head ``cache.stats()["kept_tokens_per_head"]`` + N/2 decoded ones; Quest: its own
   ``kv_bytes_read_per_step``, averaged over the cache before and after decoding, which counts the
   pages selected per step and the page bounds read to score them). The limit in ms = bytes / the
-  machine's read bandwidth measured in the same run (``bench_foundation.worker_bandwidth``, best of
+  machine's read bandwidth measured in the same run (``bench_machine.worker_bandwidth``, best of
   jitted ``jnp.sum`` and numpy sums over a ``--bandwidth-mib`` array);
 * **ratios** vs the full cache of the same run: decode speed-up (full ms/tok ÷ method ms/tok),
   device-bytes ratio (method ÷ full), prefill ratio (method prefill s ÷ full prefill s).
@@ -47,7 +47,8 @@ Usage::
 
 Results: Markdown at ``--out`` (default ``docs/results/bench_methods_<model>.md``), the raw
 numbers as JSON and a plot (decode ms/token and device KV bytes vs context length) next to it
-(same stem, ``.json`` / ``.png``). Progress (a tqdm bar and ``[bench]`` lines) goes to stderr.
+(same stem, ``.json`` / ``.png``), written by :mod:`evals.bench_methods_report`, which also derives the
+limits and ratios from the measured rows. Progress (a tqdm bar and ``[bench]`` lines) goes to stderr.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import re
 import shlex
@@ -65,18 +65,9 @@ import traceback
 
 import numpy as np
 
-from evals.bench_foundation import (
-    GIB,
-    MIB,
-    effective_chunk,
-    machine_info,
-    peak_rss_kib,
-    prompt_tokens,
-    reset_peak_rss,
-    rss_now_kib,
-    versions,
-    worker_bandwidth,
-)
+from evals.bench_machine import (MIB, effective_chunk, machine_info, peak_rss_kib, prompt_tokens, reset_peak_rss,
+                                 rss_now_kib, versions, worker_bandwidth)
+from evals.bench_methods_report import REFERENCE, add_derived, write_report
 from kvjax.budgets import parse_budget
 from kvjax.cache import new_cache
 from kvjax.distributed import add_mesh_args, setup_devices
@@ -85,8 +76,6 @@ from kvjax.sharding import place_cache
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)  # 16384 by --lengths: the defaults fit in ~20 min on 2 cores
 DEFAULT_PROG = "kvjax bench"
-REFERENCE = "full"
-KIB_PER_GIB = 1024 ** 2
 
 
 def _log(msg: str) -> None:
@@ -572,215 +561,6 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
     return [rows[n] for n in methods]
 
 
-def _ratio(a, b):
-    return a / b if a is not None and b not in (None, 0) else None
-
-
-def add_derived(rows: list[dict], weights: dict, bandwidth: float | None) -> None:
-    """Bytes per step, bandwidth limit and the ratios vs the full cache of the same length (in place)."""
-    full_by_length = {r["prompt_tokens"]: r for r in rows if r["method"] == REFERENCE and "error" not in r}
-    for r in rows:
-        if "error" in r:
-            continue
-        kv = r.get("kv_read_bytes_per_step")
-        r["weights_read_bytes"] = weights["weights_read_bytes"]
-        r["step_bytes"] = None if kv is None else weights["weights_read_bytes"] + kv
-        r["limit_ms_per_token"] = 1000 * r["step_bytes"] / bandwidth if r["step_bytes"] and bandwidth else None
-        r["over_limit"] = _ratio(r["decode_ms_per_token"], r["limit_ms_per_token"])
-        full = full_by_length.get(r["prompt_tokens"])
-        r["decode_speedup"] = _ratio(full and full["decode_ms_per_token"], r["decode_ms_per_token"])
-        r["device_bytes_ratio"] = _ratio(r["device_bytes"], full and full["device_bytes"])
-        r["prefill_ratio"] = _ratio(r["prefill_s"], full and full["prefill_s"])
-        peaks = [m["peak_kib"] for m in (r["prefill_memory"], r["decode_memory"])]
-        r["peak_rss_kib"] = max(peaks)
-
-
-# --------------------------------------------------------------------------------------------
-# report
-
-
-def _f(x, fmt="{:.2f}"):
-    return "—" if x is None else fmt.format(x)
-
-
-def render_markdown(report: dict) -> str:
-    """The Markdown report: set-up, one table per model/dtype, the limit's inputs and notes on every column."""
-    m, v, bw, a = report["machine"], report["versions"], report["bandwidth"], report["args"]
-    w = report["weights"]
-    budget = a["budget"]
-    budget_text = f"{budget} tokens per KV head" if isinstance(budget, int) else f"{budget:g} of the prompt's KV"
-    lines = [
-        "# KV-cache methods: latency and memory vs context length",
-        "",
-        f"Model `{a['model']}` ({a['dtype']}), batch 1, random prompt ids (seed {a['seed']}), budget {budget_text}, "
-        f"{a['new_tokens']} greedy new tokens ({a['new_tokens'] - 1} timed decode steps, no EOS), prefill chunk "
-        f"{a['chunk_size'] or 'none (whole prompt)'}, best of {a['repeats']} decode run(s), after AOT compilation "
-        "and a warm-up run.",
-        "",
-        f"- command: `{report['command']}`",
-        f"- machine: {m['cpu']}, {m['usable_cores']} usable cores ({m['logical_cores']} logical), "
-        f"{_f(m['memory_bytes'] and m['memory_bytes'] / GIB, '{:.1f}')} GiB RAM, {m['os']}; "
-        f"JAX backend {report['backend']} ({', '.join(report['devices'])})",
-        f"- versions: python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
-        f"- date: {report['date']}, total time {report['total_s'] / 60:.1f} min",
-    ]
-    options = report.get("decode_compiler_options")
-    lines.append("- decode loop compiled with XLA options " + (", ".join(f"`{k}={v}`" for k, v in options.items())
-                                                            if options else "none (XLA's defaults)"))
-    if a.get("random_weights"):
-        lines.append("- **random weights** (`--random-weights`): the model's shapes, not its trained weights. Times and "
-                     "bytes are the model's; data-dependent figures (recall trigger rates, selections) are not")
-    if "error" in bw:
-        lines.append(f"- bandwidth measurement failed: {bw['error']} (no limits)")
-    else:
-        lines.append(
-            f"- machine read bandwidth {bw['machine'] / 1e9:.1f} GB/s (best of jitted `jnp.sum` {bw['jax_sum'] / 1e9:.1f}, "
-            f"numpy `a.sum()` {bw['numpy_sum'] / 1e9:.1f}, numpy in {bw['threads']} threads "
-            f"{bw['numpy_threaded_sum'] / 1e9:.1f} GB/s over a {bw['array_bytes'] / MIB:.0f} MiB f32 array, "
-            f"best of {bw['repeats']})"
-        )
-    what = ("all parameters (tied embeddings: the LM head reads the whole table)" if w["tied_embeddings"]
-            else f"all parameters except the untied input-embedding table ({w['embedding_bytes'] / MIB:.0f} MiB)")
-    lines += [
-        f"- weights read per decode step: {w['weights_read_bytes'] / MIB:.1f} MiB = {what}",
-        "",
-        f"## {a['model']} {a['dtype']}",
-        "",
-        "| L | method | prefill s | prefill ÷ full | compress s | decode ms/tok | decode speed-up vs full | "
-        "limit ms/tok | ÷ limit | device KV MiB | ÷ full bytes | host KV MiB | peak RSS GiB (prefill / decode) | "
-        "compile s (prefill / decode) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["rows"]:
-        head = [str(r["prompt_tokens"]), r["method"]]
-        if "error" in r:
-            lines.append("| " + " | ".join(head + ["error"] + ["—"] * 12) + " |")
-            continue
-        c = r["compile_s"]
-        lines.append("| " + " | ".join(head + [
-            _f(r["prefill_s"]), _f(r["prefill_ratio"]), _f(r["compress_s"], "{:.3f}"),
-            _f(r["decode_ms_per_token"]), _f(r["decode_speedup"], "{:.2f}×"),
-            _f(r["limit_ms_per_token"]), _f(r["over_limit"]),
-            _f(r["device_bytes"] / MIB, "{:.1f}"), _f(r["device_bytes_ratio"], "{:.3f}"), _f(r["host_bytes"] / MIB, "{:.1f}"),
-            f"{r['prefill_memory']['peak_kib'] / KIB_PER_GIB:.2f} / {r['decode_memory']['peak_kib'] / KIB_PER_GIB:.2f}",
-            f"{c['prefill'] + c['compress']:.1f} / {c['decode']:.1f}",
-        ]) + " |")
-
-    recall_rows = [r for r in report["rows"] if "recall_events" in (r.get("cache_stats_after_decode") or {})]
-    if recall_rows:
-        lines += ["", "## Host recall (methods with a pinned-host tier)", "",
-                  "From `cache.stats()` after the timed decode loop (N - 1 steps): refreshes of follower heads "
-                  "(summed over layers), their rate per (follower head, step), token rows and K+V bytes brought "
-                  "from host memory (written into follower slots), those bytes per decode step, and the bytes one "
-                  "decode step transfers from the host (the schedule's fixed size, used or not).", "",
-                  "| L | method | recall events | trigger rate | rows recalled | KiB recalled | KiB / step | "
-                  "KiB fetched / step |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
-        for r in recall_rows:
-            a = r["cache_stats_after_decode"]
-            steps = max(a["decode_steps"], 1)
-            lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['recall_events']} | {a['recall_trigger_rate']:.3f} | "
-                         f"{a['rows_recalled']} | {a['bytes_recalled'] / 1024:.1f} | {a['bytes_recalled'] / 1024 / steps:.1f} | "
-                         f"{a['bytes_fetched_per_step'] / 1024:.1f} |")
-    value_rows = [r for r in report["rows"] if "selection_ratio" in (r.get("cache_stats_after_decode") or {})]
-    if value_rows:
-        lines += ["", "## Values in host memory (HCAttention)", "",
-                  "From `cache.stats()` after the timed decode loop: key representation on the device, the mean fraction "
-                  "of the prompt selected per query (Eq. 4), value rows per (row, KV head) and decode call: "
-                  "selected (the union of the call's selections) and fetched (the rows that cross, device path, or "
-                  "are weighted on the host, host path: the call's transfer size), and the bytes crossing between "
-                  "host and device per decode step over all layers: with `value_path=host` the row ids and weights "
-                  "go to the host and the weighted sums come back; with `device` the value rows come to the "
-                  "device.", "",
-                  "| L | method | keys | tau | value path | selected | value rows selected / head / call | "
-                  "value rows fetched / head / call | KiB moved / step |",
-                  "|---:|---|---|---:|---|---:|---:|---:|---:|"]
-        for r in value_rows:
-            a = r["cache_stats_after_decode"]
-            lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['key_representation']} | {a['tau']} | {a['value_path']} | "
-                         f"{a['selection_ratio']:.3f} | {a['value_rows_per_head_per_call']:.1f} | "
-                         f"{a['value_rows_fetched_per_head_per_call']:.1f} | {a['bytes_moved_per_call'] / 1024:.1f} |")
-    own = sorted({r["method"] for r in report["rows"] if r.get("staging") == "own prefill" and r["method"] != REFERENCE})
-    lines += ["", "## Prefill sharing", "", "- full: its own `FullCache().init_cache` prefill."]
-    if own:
-        lines.append(f"- its own prefill (evicting while prefilling): {', '.join(own)}")
-    for kind in report["staging_kinds"]:
-        lines.append(f"- one staging prefill (observation window {kind['window']}, accumulated attention "
-                     f"{'yes' if kind['accumulate'] else 'no'}) per length, shared by {', '.join(kind['shared_by'])}")
-
-    lines += [
-        "", "## Columns", "",
-        "- **prefill s**: the full cache: its chunked jitted `prefill` of the prompt (incl. the argmax of the first "
-        "token). A static method: the shared staging prefill of its kind (same window / accumulation; "
-        "`kvjax.shared_prefill`, timed once and reported for every method of the kind) + its own `compress`. "
-        "**prefill ÷ full**: that time ÷ the full cache's prefill s at the same L.",
-        "- **compress s**: the method's jitted `compress` (selection + gathering into page pools) alone; "
-        "the full cache's is the identity.",
-        "- **decode ms/tok**: `decode_loop` (one jitted `lax.while_loop`, no EOS) time ÷ (N − 1) steps, best of the "
-        "repeats, each run on a freshly derived cache. **decode speed-up vs full**: full ms/tok ÷ method ms/tok.",
-        "- **limit ms/tok**: bytes one decode step must read ÷ the machine read bandwidth above. Bytes = weights "
-        "read per step + K/V read at the mean decode context: full: every layer and KV head's `L + N/2` tokens; "
-        "eviction methods: `kept_tokens_per_head` + N/2 per head; Quest: its `kv_bytes_read_per_step` (selected "
-        "pages + page bounds; dense layers whole), averaged before/after decoding. The dense full cache's XLA "
-        "attention reads its whole buffer (L + N rounded up to 256 slots), i.e. somewhat more than counted. "
-        "**÷ limit**: measured ms/tok ÷ limit (1.00 = at the memory-bandwidth limit).",
-        "- **device KV MiB / host KV MiB**: `cache.stats()` of the compressed cache before decoding: every array "
-        "the cache holds (pools, block tables, lengths, Quest's page bounds; the full cache: its dense buffer of "
-        "L + N slots rounded up to 256). **÷ full bytes**: device bytes ÷ the full cache's at the same L "
-        "(Quest keeps every token: it saves bandwidth, not memory).",
-        "- **peak RSS GiB (prefill / decode)**: process resident-set high-water mark (`ru_maxrss`), reset right before "
-        "the timed prefill of the method's staging (prefill) and right before its timed compress + decode "
-        "(decode). It includes the weights, everything still alive (the staging kept for the other methods of its "
-        "kind), compiled code and memory the allocator kept (JAX's caches are cleared after every method); the RSS at "
-        "each reset is `rss_base_kib` in the JSON. On an "
-        "accelerator the caches are in device memory, not in RSS (`device_memory` in the JSON).",
-        "- **compile s (prefill / decode)**: ahead-of-time `lower` + `compile` (persistent compilation cache off) of "
-        "the prefill executables of the method's staging kind (one per chunk shape, shared by the kind) "
-        "+ its `compress`, and of its decode loop.",
-    ]
-    for r in report["rows"]:
-        if "error" in r:
-            lines.append(f"- L={r['prompt_tokens']} {r['method']} failed: {r['error']}")
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict, path: str) -> None:
-    """PNG: decode ms/token vs context length per method (+ the full cache's limit, dashed), device KV bytes vs length."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    rows = [r for r in report["rows"] if "error" not in r]
-    a = report["args"]
-    fig = Figure(figsize=(12, 4.8))
-    FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(1, 2)
-    for name in a["methods"]:
-        rs = sorted((r for r in rows if r["method"] == name), key=lambda r: r["prompt_tokens"])
-        if not rs:
-            continue
-        x = [r["prompt_tokens"] for r in rs]
-        ax1.plot(x, [r["decode_ms_per_token"] for r in rs], marker="o", label=name)
-        ax2.plot(x, [r["device_bytes"] / MIB for r in rs], marker="o", label=name)
-    limit = sorted((r["prompt_tokens"], r["limit_ms_per_token"]) for r in rows
-                   if r["method"] == REFERENCE and r.get("limit_ms_per_token"))
-    if limit:
-        ax1.plot(*zip(*limit), linestyle="--", color="black", label="full: bandwidth limit")
-    ax1.set(xlabel="context length (tokens)", ylabel="decode ms / token", title=f"decode latency, {a['model']} {a['dtype']}")
-    ax2.set(xlabel="context length (tokens)", ylabel="device KV cache (MiB)", title=f"KV cache bytes, budget {a['budget']}")
-    lengths = sorted({r["prompt_tokens"] for r in rows})
-    labels = [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths]
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        if lengths:
-            ax.set_xticks(lengths, labels)
-            ax.minorticks_off()
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    ax2.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 # --------------------------------------------------------------------------------------------
 # entry point
 
@@ -857,17 +637,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         "rows": rows,
         "total_s": time.perf_counter() - start,
     }
-    md = render_markdown(report)
-    stem = os.path.splitext(out)[0]
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    written = [out, stem + ".json"]
-    if not args.no_plot:
-        plot(report, stem + ".png")
-        written.append(stem + ".png")
+    md, written = write_report(report, out, with_plot=not args.no_plot)
     print(md)
     _log(f"[bench] wrote {', '.join(written)} in {report['total_s'] / 60:.1f} min")
     failed = any("error" in r for r in rows) or "error" in bandwidth

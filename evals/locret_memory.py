@@ -66,7 +66,7 @@ def run_and_read_peak(model, method, length: int, chunk: int) -> dict:
     compilation). Large buffers must be returned to the system when freed for this to see them: the parent
     starts the process with a fixed ``MALLOC_MMAP_THRESHOLD_``. The weights' bytes are reported beside both.
     """
-    from evals.bench_foundation import proc_status_kib, reset_peak_rss
+    from evals.bench_machine import proc_status_kib, reset_peak_rss
     from kvjax.cache import new_cache
     from kvjax.generate import compress, prefill_prompt
 

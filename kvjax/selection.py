@@ -9,6 +9,11 @@ A compressing method is a composition (``kvjax.methods.base.PromptCompression``)
 * a **selector** turns scores and per-row capacities into a keep mask ``[B, Hkv, S]``;
 * a **layout** (``kvjax.methods.base``) stores the kept tokens (pages with room, or H2O's evicting pool).
 
+The scorers also rescore a bounded working buffer while it is prefilled in pieces
+(:mod:`kvjax.bounded_prefill`, used by ``kvjax.methods.chunked_eviction``): ``held_scores`` maps the
+previous priorities, one piece's attention probabilities and the buffer's slots to new priorities,
+and ``needs_probs`` says whether it reads the probabilities.
+
 Selection works on *slots*: row ``b``'s real prompt tokens are slots ``pad[b] .. P - 1`` (``P`` =
 prompt slots). Padding is never kept, and a row never keeps more than its own capacity, so a budget
 at or above a row's length keeps exactly that row's tokens.
@@ -103,6 +108,15 @@ def keep_to_indices(keep, capacity: int):
     return idx, jnp.minimum(keep.sum(axis=-1), capacity).astype(jnp.int32)
 
 
+def piece_attention(probs, first: int, how: str):
+    """Attention of a piece's queries from index ``first`` on, summed over them and aggregated over the GQA group.
+
+    ``probs[B, Hkv, G, P, C]``: the piece's ``P`` queries' probabilities over ``C`` buffer entries -> ``[B, Hkv, C]``.
+    """
+    B, Hkv, G, _, C = probs.shape
+    return gqa_aggregate(probs[:, :, :, first:].sum(axis=3).reshape(B, Hkv * G, C), Hkv, how)
+
+
 def window_attention(q_window, k, pad, prompt_slots: int):
     """Softmax (f32) of the last W prompt queries over the prompt's keys, summed over the window: [B, Hq, S].
 
@@ -130,6 +144,7 @@ class WindowAttentionScores:
     kernel: int = 7
     pooling: str = "max"
     gqa: str = "mean"
+    needs_probs = True
 
     def recording(self, block: int) -> Recording:
         """The staging must keep the last ``window`` queries."""
@@ -142,12 +157,30 @@ class WindowAttentionScores:
         pooled = pool1d(sums, prefix[:, None, :], self.kernel, self.pooling)
         return gqa_aggregate(pooled, st.k.shape[1], self.gqa)
 
+    def held_scores(self, previous, probs, slots):
+        """A bounded buffer's priorities ``[B, Hkv, C]`` after a piece: its last ``window`` queries' attention.
+
+        The sums are aggregated over the GQA group first, then pooled over neighbouring *held* entries
+        in slot order (``slots`` -1 = empty; the buffer is compacted, so neighbours may be distant
+        slots). ``previous`` is not used: each piece's window replaces the scores.
+        """
+        P = probs.shape[3]
+        s = piece_attention(probs, P - min(self.window, P), self.gqa)
+        if self.kernel == 1:
+            return s
+        held = slots >= 0
+        order = jnp.argsort(jnp.where(held, slots, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
+        ranked, ranked_held = (jnp.take_along_axis(x, order, axis=-1) for x in (s, held))
+        pooled = pool1d(ranked, ranked_held, self.kernel, self.pooling)
+        return jnp.take_along_axis(pooled, jnp.argsort(order, axis=-1), axis=-1)
+
 
 @dataclasses.dataclass(frozen=True)
 class AccumulatedAttentionScores:
     """H2O scores: attention of every prompt query (causal, f32), summed per key, aggregated over the GQA group."""
 
     gqa: str = "mean"
+    needs_probs = True
 
     def recording(self, block: int) -> Recording:
         """The staging must accumulate attention."""
@@ -157,10 +190,16 @@ class AccumulatedAttentionScores:
         """Scores ``[B, Hkv, S]``."""
         return gqa_aggregate(st.acc, st.k.shape[1], self.gqa)
 
+    def held_scores(self, previous, probs, slots):
+        """A bounded buffer's priorities ``[B, Hkv, C]`` after a piece: ``previous`` plus every query's attention."""
+        return previous + piece_attention(probs, 0, self.gqa)
+
 
 @dataclasses.dataclass(frozen=True)
 class RecencyScores:
     """StreamingLLM's order: later slots score higher."""
+
+    needs_probs = False
 
     def recording(self, block: int) -> Recording:
         """Nothing to record."""
@@ -170,6 +209,10 @@ class RecencyScores:
         """Scores ``[B, Hkv, S]`` = slot index."""
         B, Hkv, S, _ = st.k.shape
         return jnp.broadcast_to(jnp.arange(S, dtype=jnp.float32), (B, Hkv, S))
+
+    def held_scores(self, previous, probs, slots):
+        """A bounded buffer's priorities ``[B, Hkv, C]``: each held entry's slot (``probs`` may be None)."""
+        return slots.astype(jnp.float32)
 
 
 # -------------------------------------------------------------------------------------- allocators

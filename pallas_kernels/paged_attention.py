@@ -83,7 +83,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import (MASK_VALUE, check_call, check_group, check_lengths_shape, check_sizes,
+                                    resolve_backend)
 
 __all__ = [
     "MASK_VALUE",
@@ -92,10 +93,6 @@ __all__ = [
     "paged_decode_attention_reference",
 ]
 
-MASK_VALUE = 0.7 * float(np.finfo(np.float32).min)
-
-_IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
-_BACKENDS = (None, "tpu", "gpu")
 _KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 # Target number of KV tokens per kernel block when pages_per_block is not given: large DMA
@@ -168,12 +165,7 @@ def check_block_table(block_table, lengths, num_pages: int, page_size: int) -> N
 
 def _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend, pages_per_block,
               num_splits):
-    if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; allowed: {_IMPLEMENTATIONS}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r}; allowed: {_BACKENDS}")
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, H_q, D], got shape {q.shape}")
+    check_call(implementation, backend, q)
     if k_pages.ndim != 3:
         raise ValueError(f"k_pages must be [num_pages, page_size, D], got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape:
@@ -191,17 +183,10 @@ def _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend
             f"block_table must be [B={batch}, H_kv, max_pages], got shape {block_table.shape}"
         )
     num_kv_heads = block_table.shape[1]
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"H_q={num_q_heads} (from q) must be a positive multiple of H_kv={num_kv_heads} "
-            "(from block_table)"
-        )
+    check_group(num_q_heads, num_kv_heads, "block_table")
     if block_table.shape[2] < 1:
         raise ValueError(f"block_table needs max_pages >= 1, got shape {block_table.shape}")
-    if lengths.shape != (batch, num_kv_heads):
-        raise ValueError(
-            f"lengths must have shape [B, H_kv] = {(batch, num_kv_heads)}, got {lengths.shape}"
-        )
+    check_lengths_shape(lengths, batch, num_kv_heads)
     kv_dtype = jnp.dtype(k_pages.dtype)
     if kv_dtype not in _KV_DTYPES:
         raise ValueError(f"k_pages dtype {kv_dtype} not supported; allowed: bfloat16, float32")
@@ -215,14 +200,7 @@ def _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend
         raise ValueError(f"block_table dtype must be int32, got {block_table.dtype}")
     if jnp.dtype(lengths.dtype) != jnp.int32:
         raise ValueError(f"lengths dtype must be int32, got {lengths.dtype}")
-    if pages_per_block is not None and (
-        not isinstance(pages_per_block, (int, np.integer)) or pages_per_block < 1
-    ):
-        raise ValueError(f"pages_per_block={pages_per_block!r}; must be a positive int or None")
-    if num_splits is not None and (
-        not isinstance(num_splits, (int, np.integer)) or num_splits < 1
-    ):
-        raise ValueError(f"num_splits={num_splits!r}; must be a positive int or None")
+    check_sizes(pages_per_block=pages_per_block, num_splits=num_splits)
 
 
 def _gpu_max_block_tokens(head_dim: int, dtype) -> int:

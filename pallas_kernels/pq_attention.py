@@ -54,28 +54,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import (MASK_VALUE, check_call, check_group, check_lengths_shape, check_sizes,
+                                    resolve_backend)
 
 __all__ = ["MASK_VALUE", "pq_scores", "pq_scores_reference", "pq_lookup_table"]
 
-MASK_VALUE = 0.7 * float(np.finfo(np.float32).min)
-
-_IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
-_BACKENDS = (None, "tpu", "gpu")
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _validate(q, codebooks, codes, lengths, implementation, backend, block_s):
-    if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; allowed: {_IMPLEMENTATIONS}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r}; allowed: {_BACKENDS}")
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, H_q, D], got shape {q.shape}")
+    check_call(implementation, backend, q)
     if codebooks.ndim != 4:
         raise ValueError(f"codebooks must be [H_kv, g, c, D // g], got shape {codebooks.shape}")
     if codes.ndim != 4:
@@ -86,10 +77,7 @@ def _validate(q, codebooks, codes, lengths, implementation, backend, block_s):
         raise ValueError(
             f"codebooks shape {codebooks.shape} does not split D={head_dim} into g groups: "
             f"need [H_kv, g, c, D // g] with D % g == 0")
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"H_q={num_q_heads} (from q) must be a positive multiple of H_kv={num_kv_heads} "
-            "(from codebooks)")
+    check_group(num_q_heads, num_kv_heads, "codebooks")
     if (codes.shape[0], codes.shape[1], codes.shape[3]) != (batch, num_kv_heads, groups):
         raise ValueError(
             f"codes must be [B, H_kv, S, g] = [{batch}, {num_kv_heads}, S, {groups}], "
@@ -108,14 +96,10 @@ def _validate(q, codebooks, codes, lengths, implementation, backend, block_s):
             f"codes dtype {codes.dtype} does not match c={num_centroids}: use uint8 for "
             f"c <= 256 and uint16 for 256 < c <= 65536 (expected {want})")
     if lengths is not None:
-        if lengths.shape != (batch, num_kv_heads):
-            raise ValueError(
-                f"lengths must have shape [B, H_kv] = {(batch, num_kv_heads)}, got "
-                f"{lengths.shape}")
+        check_lengths_shape(lengths, batch, num_kv_heads)
         if not jnp.issubdtype(lengths.dtype, jnp.integer):
             raise ValueError(f"lengths dtype must be an integer type, got {lengths.dtype}")
-    if block_s is not None and (not isinstance(block_s, (int, np.integer)) or block_s < 1):
-        raise ValueError(f"block_s={block_s!r}; must be a positive int or None")
+    check_sizes(block_s=block_s)
 
 
 def pq_lookup_table(q, codebooks, *, scale=None):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from evals import bench_foundation
+from evals import bench_foundation, bench_machine
 
 pytestmark = pytest.mark.real_model
 
@@ -52,11 +52,11 @@ def test_bench_report_has_a_row_per_dtype_and_length_with_both_frameworks(tiny_c
 
 
 def test_prompt_length_must_be_a_multiple_of_the_chunk():
-    assert bench_foundation.effective_chunk(64, 1024) == 64
-    assert bench_foundation.effective_chunk(4096, 1024) == 1024
-    assert bench_foundation.effective_chunk(1000, 0) == 1000
+    assert bench_machine.effective_chunk(64, 1024) == 64
+    assert bench_machine.effective_chunk(4096, 1024) == 1024
+    assert bench_machine.effective_chunk(1000, 0) == 1000
     with pytest.raises(ValueError, match="multiple"):
-        bench_foundation.effective_chunk(1500, 1024)
+        bench_machine.effective_chunk(1500, 1024)
 
 
 def test_target_lines_flag_each_missed_target():

@@ -341,7 +341,7 @@ def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
 
 def test_resident_peak_measurement_sees_a_known_allocation():
     """The CPU path of ``--measure``: after a reset, the resident high-water mark rises by an allocation's size."""
-    from evals.bench_foundation import proc_status_kib, reset_peak_rss
+    from evals.bench_machine import proc_status_kib, reset_peak_rss
 
     before = proc_status_kib("VmRSS") * 1024
     if not before or not reset_peak_rss():

@@ -4,14 +4,18 @@ The Locret paper compares against cache-eviction methods run with the same chunk
 same fixed budget (its Fig. 6a: SnapKV with chunked prefill). This method is Locret's schedule
 (:mod:`kvjax.bounded_prefill`: pieces of ``chunk`` tokens, a buffer of at most
 ``b + n_loc + B`` tokens per KV head, the last ``n_loc`` prompt tokens never evicted) with one of
-the baselines' scores instead of a trained head:
+the baselines' scores instead of a trained head. The scores are those of :mod:`kvjax.selection`'s
+scorers, rescoring the held tokens after each piece (their ``held_scores``):
 
-* ``"snapkv"``: after each piece, the attention of the piece's last ``window`` queries over the
-  held tokens (f32 softmax, summed over the window, mean over the GQA group), max-pooled over
-  ``kernel`` neighbouring held tokens; the window itself is kept (stabilizers = ``window``);
-* ``"h2o"``: accumulated attention: each piece adds every query's attention (mean over the group)
-  to the held tokens' scores; the recent half of ``b`` is forced (stabilizers = 0.5);
-* ``"streaming_llm"``: the ``sinks`` first tokens of each row plus the most recent ones.
+* ``"snapkv"`` (:class:`~kvjax.selection.WindowAttentionScores`): the attention of the piece's last
+  ``window`` queries over the held tokens (f32 softmax, summed over the window, mean over the GQA
+  group), max-pooled over ``kernel`` neighbouring held tokens; the window itself is kept
+  (stabilizers = ``window``);
+* ``"h2o"`` (:class:`~kvjax.selection.AccumulatedAttentionScores`): accumulated attention: each
+  piece adds every query's attention (mean over the group) to the held tokens' scores; the recent
+  half of ``b`` is forced (stabilizers = 0.5);
+* ``"streaming_llm"`` (:class:`~kvjax.selection.RecencyScores`): the ``sinks`` first tokens of each
+  row plus the most recent ones.
 
 Deviations: the static methods (``snapkv``, ``h2o``, ``streaming_llm``) see the whole prompt before
 choosing; here every choice is made with the tokens seen so far, as the bounded memory requires.
@@ -26,7 +30,6 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-from jax import lax
 
 from kvjax.artifacts import no_artifact
 from kvjax.attention import resolve_implementation
@@ -35,6 +38,7 @@ from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_si
 from kvjax.budgets import check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
 from kvjax.paged import PagedKV, append_and_attend
+from kvjax.selection import AccumulatedAttentionScores, RecencyScores, WindowAttentionScores
 
 SCORERS = ("snapkv", "h2o", "streaming_llm")
 DEFAULT_STABILIZERS = {"h2o": 0.5, "streaming_llm": 0}
@@ -89,23 +93,15 @@ class ChunkedEviction:
         return self.window if self.scorer == "snapkv" else DEFAULT_STABILIZERS[self.scorer]
 
     # -- scorers
+    def scores(self) -> WindowAttentionScores | AccumulatedAttentionScores | RecencyScores:
+        """The :mod:`kvjax.selection` scorer named by ``scorer`` (max pooling and mean over the GQA group)."""
+        if self.scorer == "snapkv":
+            return WindowAttentionScores(self.window, self.kernel, pooling="max", gqa="mean")
+        return AccumulatedAttentionScores(gqa="mean") if self.scorer == "h2o" else RecencyScores()
+
     def rescore(self, buf, probs, start):
         """Priorities ``[B, Hkv, C]`` of the held tokens after a piece is stored."""
-        if self.scorer == "streaming_llm":
-            return buf.slots.astype(jnp.float32)
-        if self.scorer == "h2o":
-            return buf.scores + probs.sum(axis=3).mean(axis=2)
-        P = probs.shape[3]
-        w = min(self.window, P)
-        s = probs[:, :, :, P - w:].sum(axis=3).mean(axis=2)  # [B, Hkv, C]
-        if self.kernel == 1:
-            return s
-        # max-pool over neighbouring held tokens in slot order (the buffer has gaps where tokens were evicted)
-        held = buf.slots >= 0
-        order = jnp.argsort(jnp.where(held, buf.slots, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
-        ranked = jnp.take_along_axis(jnp.where(held, s, -jnp.inf), order, axis=-1)
-        pooled = lax.reduce_window(ranked, -jnp.inf, lax.max, (1, 1, self.kernel), (1, 1, 1), "SAME")
-        return jnp.take_along_axis(pooled, jnp.argsort(order, axis=-1), axis=-1)
+        return self.scores().held_scores(buf.scores, probs, buf.slots)
 
     # -- protocol
     def recording(self) -> None:
@@ -126,7 +122,7 @@ class ChunkedEviction:
     def prefill_chunk(self, state: BoundedPrefill, q, k, v, ctx: AttendContext):
         """The bounded schedule with this scorer."""
         zeros = jnp.zeros((*k.shape[:3],), jnp.float32)
-        return prefill_in_pieces(state, q, k, v, ctx, zeros, self.rescore, needs_probs=self.scorer != "streaming_llm")
+        return prefill_in_pieces(state, q, k, v, ctx, zeros, self.rescore, needs_probs=self.scores().needs_probs)
 
     def finish_prefill(self, state: BoundedPrefill, ctx: FinishContext) -> PagedKV:
         """The survivors into page pools with room for later tokens."""
