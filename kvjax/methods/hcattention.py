@@ -90,6 +90,11 @@ from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged
 from pallas_kernels.pq_attention import pq_scores
 
 VALUE_PATHS = ("host", "device")
+# Named configurations (``hcattention:preset=tuned``), chosen on the dev split: the last 64 prompt tokens kept
+# exact, so a question at the prompt's end is not quantized (docs/methods/hcattention.md).
+PRESETS: dict[str, dict] = {
+    "tuned": {"local": 64},
+}
 
 
 # ------------------------------------------------------------------------------------- selection

@@ -53,6 +53,12 @@ from kvjax.sharding import DATA
 
 ROLES = ("pivot", "satellite", "anchor", "volatile")
 KIND = "heterocache"
+# Named configurations (``heterocache:preset=tuned``), chosen on the dev split; each departs from the paper:
+# one pivot for the whole model, re-anchoring on a question asked after compression, satellites starting from
+# their pivot's choice (docs/methods/heterocache.md).
+PRESETS: dict[str, dict] = {
+    "tuned": {"group_layers": 24, "reanchor": True, "rehearsals": 2, "prefill_from_pivot": True},
+}
 
 
 # ------------------------------------------------------------------------------------ calibration

@@ -1,0 +1,59 @@
+"""What an evaluation run's records and settings mean, shared by the runner and the reports (which need no jax):
+method specs with their budgets, budget labels, and reading JSON-lines records."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def budget_label(budget) -> str:
+    """``0.25`` -> ``"0.25"``; ``512`` -> ``"512"``; the full cache's budget is ``"full"``."""
+    return "full" if budget is None else (f"{budget:g}" if isinstance(budget, float) else str(budget))
+
+
+def split_budget(spec: str) -> tuple[str, object]:
+    """``"snapkv:budget=0.1:window=8"`` -> ``("snapkv:window=8", 0.1)``; a spec without a budget gives ``None``.
+
+    A budget inside a method's spec runs that method at that budget alone instead of at every ``--budgets``
+    entry (e.g. HCAttention's memory configurations next to baselines at one budget, sharing one prefill).
+    """
+    from kvjax.budgets import check_budget
+    from kvjax.methods import parse_method_spec
+
+    base, kwargs = parse_method_spec(spec)
+    if "budget" not in kwargs:
+        return spec, None
+    budget = kwargs.pop("budget")
+    try:
+        check_budget(budget)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"budget in method spec {spec!r}: {e}") from None
+    return ":".join([base] + [f"{k}={v}" for k, v in kwargs.items()]), budget
+
+
+def method_budgets(methods, budgets) -> list[tuple[str, object]]:
+    """``(method name, budget)`` of every method other than the full cache: a spec's own budget
+    (:func:`split_budget`), else each of ``budgets``."""
+    pairs = []
+    for spec in methods:
+        if spec != "full":
+            name, own = split_budget(spec)
+            pairs += [(name, b) for b in (budgets if own is None else (own,))]
+    return pairs
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSON-lines file ([] when it does not exist); a line cut by an interrupted write is skipped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by an interrupted write: redo that record
+                    continue
+    return out
