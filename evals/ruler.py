@@ -9,19 +9,20 @@ saved copy of our tokenizer, and the ``base`` model template (task template + an
 wrapping is ours: the generated input is cut before RULER's answer prefix, the part before it becomes the user
 turn of the model's chat template and the answer prefix starts the assistant turn (what RULER's chat templates,
 e.g. ``meta-chat``, do by hand). The generator's length budget is lowered by the chat wrapping's tokens, so prompt
-plus ``tokens_to_generate`` stays within the target length, as RULER defines the length.
+plus ``tokens_to_generate`` stays within the length, as RULER defines it.
 
 Splits: ``test`` is RULER's own seed (42, the seed ``prepare.py`` uses) and, for QA, its first questions;
 ``dev`` uses seed 1042 and the QA questions from :data:`DEV_QA_FIRST_QUESTION` on, whose documents are disjoint
 from the test questions' for up to :data:`QA_SAMPLES_LIMIT` samples per split (:func:`qa_gold_documents`).
 
 Sentence splitting (NIAH essays) uses nltk's ``sent_tokenize`` with the English Punkt model from NLTK's data,
-shipped in ``evals/data/nltk`` (the model RULER's ``nltk.download('punkt')`` fetches), so no download is needed.
+shipped in ``evals/data/nltk`` (``punkt_tab``, the format current nltk reads), so no download is needed.
 
-Differences from RULER as published, by RULER's own design: prompt lengths follow RULER's search, which grows
-essay haystacks in steps of 500 words (~650 tokens), so a 4K essay prompt is 80-100% of its budget and a 16K one
-95-100%; RULER generates a (task, length) set in one pass, so ``n`` samples are the first ``n`` of RULER's
-sequence only for the same ``n`` (each set is generated and cached whole).
+Behaviour of RULER's own code, kept: prompt lengths follow RULER's search, which grows essay haystacks in steps of
+500 words (~650 tokens) and QA contexts by 10 documents, so prompts fall short of the length by up to that step
+(docs/EVALUATION.md gives the lengths measured at 4K); FWE's generator sizes its input alone to the length, so its
+prompt plus answer may exceed it; RULER generates a (task, length) set in one pass, so ``n`` samples are the first
+``n`` of RULER's sequence only for the same ``n`` (each set is generated and cached whole).
 """
 
 from __future__ import annotations
