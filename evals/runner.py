@@ -352,9 +352,14 @@ def build_parser():
                    help="prompts drawn from the dev split (choices are made there) or the held-out test split (reported)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    from kvjax.methods import METHODS, PRESETS
+
+    presets = "; ".join(f"{m}:preset={p} = {':'.join(f'{k}={v}' for k, v in o.items())}"
+                        for m, have in PRESETS.items() for p, o in have.items())
     p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS,
-                   help="comma list (the full cache always runs); hyper-parameters as name:key=value, e.g. synckv:stride=10; "
-                   "name:budget=B runs that entry at budget B alone instead of at every --budgets entry")
+                   help=f"comma list of {', '.join(sorted(METHODS))} (the full cache always runs); hyper-parameters as "
+                   "name:key=value, e.g. synckv:stride=10; name:budget=B runs that entry at budget B alone instead of at "
+                   f"every --budgets entry; presets chosen on the dev split: {presets}")
     p.add_argument("--budgets", type=_csv(parse_budget), default=(0.1, 0.25, 0.5), help="comma list of fractions (or ints: tokens/head)")
     p.add_argument("--tasks", type=_csv(str), default=None,
                    help="comma list (default: kvjax niah_single,passkey; ruler all 13: " + ",".join(SUITES["ruler"].tasks)
