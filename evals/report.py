@@ -2,7 +2,7 @@
 
 :func:`write_report` (also ``python -m evals.report RUN_DIR``, e.g. for a partial run) reads
 ``config.json``, ``samples.jsonl`` and ``fidelity.jsonl`` of a run directory and writes
-``summary.json``, ``README.md``, ``accuracy_vs_budget.png`` and ``depth_heatmap.png``. Accuracy is
+``summary.json``, ``README.md``, ``accuracy_vs_budget.png``, ``accuracy_vs_bytes.png`` and ``depth_heatmap.png``. Accuracy is
 the mean exact-match score (RULER's ``string_match_all``: the fraction of expected strings found in
 the answer), in percent.
 """
@@ -193,6 +193,7 @@ def render_markdown(summary: dict, config: dict) -> str:
     lines += [f"- {s}" for s in short] if short else [f"- no method is {SHORTFALL_POINTS:.0f}+ points below the full cache on mean accuracy or on any task."]
     lines += ["", "## Plots", ""]
     for name, caption in (("accuracy_vs_budget.png", "accuracy vs budget per method"),
+                          ("accuracy_vs_bytes.png", "accuracy vs device bytes per method"),
                           ("depth_heatmap.png", "accuracy by needle depth x length per method and budget")):
         lines.append(f"![{caption}]({name})")
     lines.append("")
@@ -200,7 +201,7 @@ def render_markdown(summary: dict, config: dict) -> str:
 
 
 def plot(summary: dict, out_dir: str) -> list[str]:
-    """Write ``accuracy_vs_budget.png`` and ``depth_heatmap.png``; returns the paths."""
+    """Write ``accuracy_vs_budget.png``, ``accuracy_vs_bytes.png`` and ``depth_heatmap.png``; returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,6 +227,26 @@ def plot(summary: dict, out_dir: str) -> list[str]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(os.path.join(out_dir, "accuracy_vs_budget.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for m in methods:
+        pts = sorted((r["device_bytes_vs_full"], r["mean_accuracy"]) for r in rows
+                     if r["method"] == m and r["device_bytes_vs_full"] is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    if full is not None:
+        ax.plot([1.0], [full["mean_accuracy"]], marker="*", markersize=12, color="black", linestyle="", label="full cache")
+    ax.set_xscale("log")
+    ax.set_xlabel("device bytes of the KV cache ÷ the full cache's (log)")
+    ax.set_ylabel("mean accuracy (%)")
+    ax.set_ylim(-3, 103)
+    ax.set_title(f"accuracy vs device memory ({', '.join(map(str, summary['lengths']))} tokens)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "accuracy_vs_bytes.png"))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 

@@ -30,7 +30,7 @@ def test_kvjax_eval_writes_every_output_and_resumes(tiny_chat_model, tmp_path):
     assert cli_main(argv) == 0
     run = tmp_path / "t"
     for name in ("config.json", "samples.jsonl", "fidelity.jsonl", "summary.json", "README.md",
-                 "accuracy_vs_budget.png", "depth_heatmap.png"):
+                 "accuracy_vs_budget.png", "accuracy_vs_bytes.png", "depth_heatmap.png"):
         assert (run / name).stat().st_size > 0, name
     records = _lines(run / "samples.jsonl")
     keys = {(r["task"], r["index"], r["method"], r["budget"]) for r in records}
