@@ -1,6 +1,6 @@
 """Several evaluation runs of the same prompts in one table, ordered by device bytes.
 
-``python -m evals.side_by_side RUN_DIR [RUN_DIR ...] [--out FILE.md] [--title TEXT]``
+``python -m evals.side_by_side RUN_DIR [RUN_DIR ...] [--out FILE.md] [--title TEXT] [--plot FILE.png]``
 
 Each run directory holds the ``config.json`` and ``samples.jsonl`` of ``kvjax eval``. The runs must
 share model, dtype, seed, tasks, lengths and samples (checked), so their prompts are the same. Only
@@ -9,7 +9,7 @@ to the samples it has), and the table says how many. The full cache is listed on
 run); a warning says when the runs' full caches disagree on those samples. Rows: every (method,
 budget) of every run with its accuracy per task, the mean, the device and host bytes per prompt and
 the device bytes over the full cache's, sorted by device bytes: methods at equal device memory sit
-next to each other.
+next to each other. ``--plot`` draws mean accuracy against device bytes ÷ the full cache's, one line per method.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-SAME = ("model", "dtype", "seed", "tasks", "lengths", "samples")
+SAME = ("model", "dtype", "seed", "lengths", "samples")  # and the same set of tasks, in any order
 
 
 def _records(path: Path) -> list[dict]:
@@ -38,6 +38,7 @@ def load_runs(dirs) -> list[dict]:
     ref = runs[0]["config"]
     for r in runs[1:]:
         diff = [k for k in SAME if r["config"].get(k) != ref.get(k)]
+        diff += ["tasks"] if sorted(r["config"].get("tasks", [])) != sorted(ref.get("tasks", [])) else []
         if diff:
             raise SystemExit(f"{r['dir']} differs from {runs[0]['dir']} in {', '.join(diff)}: not the same prompts")
     common = set.intersection(*({(x["task"], x["length"], x["index"]) for x in r["records"]} for r in runs))
@@ -69,14 +70,61 @@ def table(runs) -> list[str]:
     return lines
 
 
+def short_name(spec: str) -> str:
+    """A method spec named by its preset when its options are exactly a preset's (``synckv:preset=tuned``)."""
+    from kvjax.methods import PRESETS, parse_method_spec
+
+    base, options = parse_method_spec(spec)
+    for preset, preset_options in PRESETS.get(base, {}).items():
+        if options == preset_options:
+            return f"{base}:preset={preset}"
+    return spec
+
+
+def plot(runs, path: str, title: str) -> None:
+    """Mean accuracy against device bytes ÷ the full cache's: one line per method (its budgets, over all runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points, full = {}, None
+    for run in runs:
+        for row in run["rows"]:
+            if row["method"] == "full":
+                full = full or row
+            elif row["device_bytes_vs_full"] is not None:
+                points.setdefault(short_name(row["method"]), []).append((row["device_bytes_vs_full"], row["mean_accuracy"]))
+    fig, ax = plt.subplots(figsize=(7.5, 5.6))
+    markers = "osD^vP<>Xh*p"
+    for i, (method, pts) in enumerate(points.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], label=method)
+    if full is not None:
+        ax.plot([1.0], [full["mean_accuracy"]], marker="*", markersize=14, color="black", linestyle="", label="full cache")
+    ax.set_xscale("log")
+    ax.set_xlabel("device bytes of the KV cache ÷ the full cache's (log)")
+    ax.set_ylabel("mean accuracy (%)")
+    ax.set_ylim(-3, 103)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     """Print (or write) the side-by-side table of the given runs."""
     p = argparse.ArgumentParser(prog="python -m evals.side_by_side", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="run directories (docs/results/<run>)")
     p.add_argument("--out", default=None, help="write the Markdown here (default: print)")
     p.add_argument("--title", default="Evaluation runs side by side")
+    p.add_argument("--plot", default=None, help="also draw accuracy vs device bytes per method (PNG)")
     args = p.parse_args(argv)
     runs = load_runs(args.runs)
+    if args.plot:
+        plot(runs, args.plot, args.title)
     fulls = {json.dumps(r["accuracy"], sort_keys=True) for run in runs for r in run["rows"] if r["method"] == "full"}
     cfg = runs[0]["config"]
     lines = [f"# {args.title}", "", "Made with `python -m evals.side_by_side " + " ".join(args.runs) + "`.", "",
