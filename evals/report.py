@@ -200,6 +200,33 @@ def render_markdown(summary: dict, config: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_accuracy_vs_bytes(points: dict, full_accuracy, path: str, title: str) -> None:
+    """Mean accuracy against device bytes ÷ the full cache's (log): one line per label over its ``(ratio, accuracy)``
+    points, the full cache as a star at 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5.6))
+    markers = "osD^vP<>Xh*p"
+    for i, (label, pts) in enumerate(p for p in points.items() if p[1]):
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], label=label)
+    if full_accuracy is not None:
+        ax.plot([1.0], [full_accuracy], marker="*", markersize=14, color="black", linestyle="", label="full cache")
+    ax.set_xscale("log")
+    ax.set_xlabel("device bytes of the KV cache ÷ the full cache's (log)")
+    ax.set_ylabel("mean accuracy (%)")
+    ax.set_ylim(-3, 103)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(summary: dict, out_dir: str) -> list[str]:
     """Write ``accuracy_vs_budget.png``, ``accuracy_vs_bytes.png`` and ``depth_heatmap.png``; returns the paths."""
     import matplotlib
@@ -230,25 +257,11 @@ def plot(summary: dict, out_dir: str) -> list[str]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for m in methods:
-        pts = sorted((r["device_bytes_vs_full"], r["mean_accuracy"]) for r in rows
-                     if r["method"] == m and r["device_bytes_vs_full"] is not None)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-    if full is not None:
-        ax.plot([1.0], [full["mean_accuracy"]], marker="*", markersize=12, color="black", linestyle="", label="full cache")
-    ax.set_xscale("log")
-    ax.set_xlabel("device bytes of the KV cache ÷ the full cache's (log)")
-    ax.set_ylabel("mean accuracy (%)")
-    ax.set_ylim(-3, 103)
-    ax.set_title(f"accuracy vs device memory ({', '.join(map(str, summary['lengths']))} tokens)", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    points = {m: [(r["device_bytes_vs_full"], r["mean_accuracy"]) for r in rows
+                  if r["method"] == m and r["device_bytes_vs_full"] is not None] for m in methods}
     paths.append(os.path.join(out_dir, "accuracy_vs_bytes.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    plot_accuracy_vs_bytes(points, full["mean_accuracy"] if full is not None else None, paths[-1],
+                           f"accuracy vs device memory ({', '.join(map(str, summary['lengths']))} tokens)")
 
     budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=_budget_key)
     names = (["full"] if full is not None else []) + methods

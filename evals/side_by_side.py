@@ -83,10 +83,7 @@ def short_name(spec: str) -> str:
 
 def plot(runs, path: str, title: str) -> None:
     """Mean accuracy against device bytes ÷ the full cache's: one line per method (its budgets, over all runs)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from evals.report import plot_accuracy_vs_bytes
 
     points, full = {}, None
     for run in runs:
@@ -95,23 +92,7 @@ def plot(runs, path: str, title: str) -> None:
                 full = full or row
             elif row["device_bytes_vs_full"] is not None:
                 points.setdefault(short_name(row["method"]), []).append((row["device_bytes_vs_full"], row["mean_accuracy"]))
-    fig, ax = plt.subplots(figsize=(7.5, 5.6))
-    markers = "osD^vP<>Xh*p"
-    for i, (method, pts) in enumerate(points.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], label=method)
-    if full is not None:
-        ax.plot([1.0], [full["mean_accuracy"]], marker="*", markersize=14, color="black", linestyle="", label="full cache")
-    ax.set_xscale("log")
-    ax.set_xlabel("device bytes of the KV cache ÷ the full cache's (log)")
-    ax.set_ylabel("mean accuracy (%)")
-    ax.set_ylim(-3, 103)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_accuracy_vs_bytes(points, full["mean_accuracy"] if full is not None else None, path, title)
 
 
 def main(argv=None) -> int:

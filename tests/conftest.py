@@ -62,6 +62,14 @@ def tiny_llama3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The SmolLM2-135M tokenizer (has a chat template), without the model's weights."""
+    from models.tokenizer import load_tokenizer
+
+    return load_tokenizer(ready_model_or_skip("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory):
     """Path of a 2-layer random Llama with SmolLM2's tokenizer (and chat template) saved next to it. The layers'
     weights are scaled up (x50) so attention is peaked and greedy answers depend on the prompt (at the default

@@ -19,14 +19,8 @@ NIAH_NEEDLE = re.compile(r"One of the special magic numbers for ([a-z-]+) is: (\
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from models import is_installed
-    from models.registry import ready_model_path
-    from models.tokenizer import load_tokenizer
-
-    if not is_installed("smollm2-135m"):
-        pytest.skip("ready model smollm2-135m not installed")
-    return load_tokenizer(ready_model_path("smollm2-135m"))
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,8 @@ VT_STATEMENT = re.compile(r"VAR ([A-Z]{5}) = ([A-Z]{5}|\d{5})\.")
 
 
 @pytest.fixture(scope="module")
-def tok():
-    """The SmolLM2-135M tokenizer (has a chat template)."""
-    from models import is_installed
-    from models.registry import ready_model_path
-    from models.tokenizer import load_tokenizer
-
-    if not is_installed("smollm2-135m"):
-        pytest.skip("ready model smollm2-135m not installed")
-    return load_tokenizer(ready_model_path("smollm2-135m"))
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def haystack_span(context: str) -> tuple[int, int]:
