@@ -41,6 +41,21 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 HCATTENTION_OPTIONS = ("groups", "centroids", "tau", "value_path", "local")
 
 
+def methods_help() -> str:
+    """Every method with its hyper-parameters and defaults, and its presets (``kvjax generate --help``)."""
+    import dataclasses
+
+    from kvjax.methods import METHODS, PRESETS
+
+    lines = ["methods (--method name:key=value[:key=value], defaults as shown; presets as name:preset=P):"]
+    for name, cls in sorted(METHODS.items()):
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
+        lines.append(f"  {name}: {fields}")
+        for preset, options in PRESETS.get(name, {}).items():
+            lines.append(f"    preset {preset}: " + ":".join(f"{k}={v}" for k, v in options.items()))
+    return "\n".join(lines)
+
+
 def method_from_args(args):
     """The method a parsed command line names (``--method`` with ``--budget``, ``--implementation`` and HCAttention's flags); ValueError for flags that do not apply."""
     from kvjax.methods import get_method
@@ -67,9 +82,10 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.prompt_file is None):
         raise SystemExit("kvjax generate: give exactly one of --prompt or --prompt-file")
     prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
+    method = method_from_args(args)  # a bad spec or budget fails here, before the model loads
     model = kvjax.load(args.model, args.dtype, progress=True, mesh=setup_devices(args))
     result = kvjax.generate(
-        model, prompt, method=method_from_args(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
+        model, prompt, method=method, max_new_tokens=args.max_new_tokens, chat=args.chat,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size,
         stream=lambda s: print(s, end="", flush=True), progress=True,
     )
@@ -103,30 +119,68 @@ def _decode_speed(timings: dict) -> str:
     return f"{timings['decode_ms_per_token']:.1f} ms/token (incl. compilation)"
 
 
-def cmd_demo(args) -> int:
-    """Passkey hidden in a ~4K-token haystack, answered by the default model with the full cache."""
-    import kvjax
-    from evals.passkey import make_passkey
+DEMO_METHODS = ("snapkv:budget=0.1", "locret:budget=0.1")
+
+
+def demo_methods(specs) -> list[tuple[str, object]]:
+    """``(label, method)`` for the full cache and each spec (``name[:budget=B][:key=value]``, default budget 0.1),
+    built before any model loads so a typo costs nothing."""
+    from evals.records import split_budget
+    from kvjax.methods import FullCache, get_method
+
+    out = [("full", FullCache())]
+    for spec in specs:
+        name, budget = split_budget(spec)
+        if name == "full":
+            continue
+        budget = 0.1 if budget is None else budget
+        out.append((f"{name} @ {budget:g}", get_method(name, budget=budget)))
+    return out
+
+
+def demo_table(rows) -> str:
+    """The demo's side-by-side table: one line per (protocol, method)."""
     from kvjax.cache import format_bytes
 
+    head = f"{'question':<17} {'method':<24} {'answer':<14} {'ok':<3} {'device KV':>10} {'host KV':>10} {'prefill s':>9} {'decode ms/tok':>13}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['protocol']:<17} {r['method']:<24} {r['answer'][:14]:<14} {'yes' if r['ok'] else 'NO':<3} "
+                     f"{format_bytes(r['device_bytes']):>10} {format_bytes(r['host_bytes']):>10} {r['prefill_s']:>9.2f} "
+                     f"{r['decode_ms_per_token']:>13.1f}")
+    return "\n".join(lines)
+
+
+def cmd_demo(args) -> int:
+    """A pass key in a long haystack, answered with the full cache and with compressed methods, side by side: the
+    question inside the compressed prompt, then asked after the context alone was compressed."""
+    import kvjax
+    from evals.passkey import QUESTION, make_passkey
+
+    methods = demo_methods(args.methods)
     t0 = time.perf_counter()
     model = kvjax.load(args.model, args.dtype, progress=True, mesh=setup_devices(args))
-    load_s = time.perf_counter() - t0
+    print(f"model {args.model} ({args.dtype}) loaded in {time.perf_counter() - t0:.1f} s")
     sample = make_passkey(model.tokenizer, args.length, depth=args.depth, seed=args.seed)
-    print(f"model {args.model} ({args.dtype}) loaded in {load_s:.1f} s")
-    print(f"prompt: {sample.num_tokens} tokens of filler with a pass key at depth {sample.depth:.0%}; expected answer {sample.answer}")
-    print("answer: ", end="", flush=True)
-    result = kvjax.generate(
-        model, sample.prompt, method=method_from_args(args), max_new_tokens=16, chat=True,
-        chunk_size=args.chunk_size, stream=lambda s: print(s, end="", flush=True), progress=True,
-    )
-    s, t = result.cache_stats, result.timings
-    ok = sample.answer in result.text
-    print(f"\n{'CORRECT' if ok else 'WRONG'} | prefill {t['prefill_s']:.2f} s "
-          f"({result.prompt_tokens[0] / t['prefill_s']:.0f} tokens/s incl. compilation), "
-          f"decode {_decode_speed(t)} | cache ({s['method']}): device {format_bytes(s['device_bytes'])}, "
-          f"host {format_bytes(s['host_bytes'])}")
-    return 0 if ok else 1
+    print(f"prompt: {sample.num_tokens} tokens of filler with a pass key at depth {sample.depth:.0%}; expected {sample.answer}")
+    context = sample.prompt[: sample.prompt.rindex(QUESTION)]
+    rows = []
+    for protocol, prompt, question in (("in the prompt", sample.prompt, None), ("after compression", context, QUESTION)):
+        for label, method in methods:
+            if question is not None and label == "full":  # the same tokens: the full cache's answer does not change
+                continue
+            print(f"  {label}, question {protocol} ...", flush=True)
+            r = kvjax.generate(model, prompt, question=question, method=method, max_new_tokens=16, chat=True,
+                               chunk_size=args.chunk_size)
+            rows.append({"protocol": protocol, "method": label, "answer": r.text.strip().replace("\n", " "),
+                         "ok": sample.answer in r.text, "device_bytes": r.cache_stats["device_bytes"],
+                         "host_bytes": r.cache_stats["host_bytes"], "prefill_s": r.timings["prefill_s"],
+                         "decode_ms_per_token": r.timings["decode_ms_per_token"]})
+    print()
+    print(demo_table(rows))
+    print("\ndevice/host KV: the bytes the cache holds after compression; times include compilation (one per method). "
+          "With the question after compression a method keeps what it can without knowing the question.")
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -183,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvjax", description="Llama/Qwen in JAX with compressed KV caches")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text, streaming the answer")
+    g = sub.add_parser("generate", help="generate text, streaming the answer", epilog=methods_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(g)
     _add_method_args(g)
     g.add_argument("--prompt")
@@ -200,9 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the ready models")
     m.set_defaults(func=cmd_models)
 
-    d = sub.add_parser("demo", help="passkey in a ~4K-token haystack on the default model")
+    d = sub.add_parser("demo", help="a pass key in a ~4K-token haystack: the full cache and compressed methods side by side")
     _add_model_args(d)
-    _add_method_args(d)
+    d.add_argument("--methods", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()), default=DEMO_METHODS,
+                   help=f"comma list of method specs, name[:budget=B][:key=value] (default {','.join(DEMO_METHODS)}; "
+                        "budget 0.1 when none is given); the full cache always runs")
     d.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
     d.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1]")
     d.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,57 @@
+"""The command line: `kvjax demo`'s methods and table, specs checked before any model loads, `generate --help`."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvjax
+from kvjax.cli import demo_methods, demo_table, main as cli_main, methods_help
+from kvjax.methods import FullCache, Locret, SnapKV
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading a model fails loudly: a command that validates first never gets there."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the method spec was checked")
+
+    monkeypatch.setattr(kvjax, "load", refuse)
+
+
+def test_demo_methods_default_budget_and_spec_budget():
+    got = demo_methods(("snapkv", "locret:budget=0.25", "full"))
+    assert [label for label, _ in got] == ["full", "snapkv @ 0.1", "locret @ 0.25"]
+    assert isinstance(got[0][1], FullCache) and got[1][1] == SnapKV(budget=0.1) and got[2][1] == Locret(budget=0.25)
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--methods", "snapkv,nope"],
+    ["demo", "--methods", "snapkv:budget=1.5"],
+    ["demo", "--methods", "snapkv:windw=3"],
+    ["generate", "--prompt", "hi", "--method", "snapkv:windw=3"],
+    ["generate", "--prompt", "hi", "--method", "synckv:preset=best"],
+])
+def test_bad_specs_fail_before_the_model_loads(argv, no_model_load, capsys):
+    assert cli_main(argv) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_demo_table_rows():
+    rows = [{"protocol": "in the prompt", "method": "full", "answer": "60494", "ok": True, "device_bytes": 102 * 2**20,
+             "host_bytes": 0, "prefill_s": 25.97, "decode_ms_per_token": 532.44},
+            {"protocol": "after compression", "method": "snapkv @ 0.1", "answer": "6049", "ok": False,
+             "device_bytes": 10 * 2**20 + 2**19, "host_bytes": 3 * 2**10, "prefill_s": 28.1, "decode_ms_per_token": 861.0}]
+    lines = demo_table(rows).splitlines()
+    assert len(lines) == 4 and lines[0].split()[:3] == ["question", "method", "answer"]
+    assert lines[2].split() == ["in", "the", "prompt", "full", "60494", "yes", "102.0", "MiB", "0", "B", "25.97", "532.4"]
+    assert lines[3].split() == ["after", "compression", "snapkv", "@", "0.1", "6049", "NO", "10.5", "MiB", "3.0", "KiB",
+                                "28.10", "861.0"]
+
+
+def test_generate_help_lists_every_method_its_defaults_and_presets():
+    text = methods_help()
+    assert "  snapkv: budget=0.25, page_size=16" in text and "window=32" in text
+    assert "    preset tuned: kernel=7:group_layers=24:rehearsals=2" in text
+    from kvjax.methods import METHODS
+
+    assert all(f"  {name}: " in text for name in METHODS)
