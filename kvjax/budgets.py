@@ -10,7 +10,7 @@ It is never the fraction *removed* (kvpress' ``compression_ratio`` is ``1 - frac
 
 In a left-padded batch every row's budget applies to **its own real length**: a float keeps
 ``floor(fraction * row_length)`` tokens of that row, an int keeps ``min(budget, row_length)`` (a
-row shorter than the budget keeps all its tokens). Device memory is allocated for the longest row.
+row shorter than the budget keeps all its tokens, and so does a prompt shorter than the budget). Device memory is allocated for the longest row.
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ def tokens_per_head(budget: int | float, prompt_len: int) -> int:
     """Average tokens kept per KV head per layer for ``budget`` on a prompt of ``prompt_len`` tokens."""
     check_budget(budget)
     if isinstance(budget, int):
-        if budget > prompt_len:
-            raise ValueError(f"budget of {budget} tokens per KV head is larger than the prompt ({prompt_len} tokens)")
-        return budget
+        return min(budget, prompt_len)  # a budget above the prompt keeps the whole prompt, as for a shorter row
     tokens = math.floor(budget * prompt_len)
     if tokens <= 0:
         raise ValueError(f"budget {budget} of a {prompt_len}-token prompt keeps no token")

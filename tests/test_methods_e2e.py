@@ -86,7 +86,6 @@ def test_generate_api_accepts_method_names_and_instances(tiny):
 @pytest.mark.parametrize("bad, match", [
     (lambda: SnapKV(budget=0), "budget must be > 0"),
     (lambda: SnapKV(budget=1.5), r"fractional budget must be in \(0, 1\]"),
-    (lambda: SnapKV(budget=100).head_capacities(spec(40)), "larger than the prompt"),
     (lambda: SnapKV(budget=8, window=32).head_capacities(spec(40)), "window 32 is larger than the budget of 8"),
     (lambda: HBW(budget=16, window=4, block_size=32).head_capacities(spec(40)), "block size 32 is larger than the capacity of 16"),
     (lambda: StreamingLLM(budget=3, sinks=4).head_capacities(spec(40)), "sinks 4 is larger than the budget of 3"),
@@ -103,9 +102,14 @@ def spec(prompt_len):
                      longest_row=prompt_len, room=0)
 
 
-def test_budget_larger_than_longest_row(tiny):
-    with pytest.raises(ValueError, match="larger than the prompt"):
-        generate_tokens(tiny, [[1] * 40, [1] * 10], method=SnapKV(budget=41, window=4), max_new_tokens=2)
+def test_budget_larger_than_longest_row_keeps_the_whole_prompt(tiny):
+    """A token budget above every row keeps every row whole: the full cache's tokens, capacities of the longest row."""
+    rows = [list(np.random.default_rng(5).integers(0, 97, size=40)), list(np.random.default_rng(6).integers(0, 97, size=10))]
+    assert SnapKV(budget=100).head_capacities(spec(40)) == SnapKV(budget=40).head_capacities(spec(40))
+    full, full_count, _, _ = generate_tokens(tiny, rows, method=FullCache(), max_new_tokens=6)
+    out, count, cache, _ = generate_tokens(tiny, rows, method=SnapKV(budget=41, window=4), max_new_tokens=6)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(full))
+    assert cache.stats()["kept_tokens_per_head"] == [[40, 40], [40, 40]]  # per layer and KV head: the longest row
 
 
 EVERY = [
