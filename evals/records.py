@@ -43,6 +43,14 @@ def method_budgets(methods, budgets) -> list[tuple[str, object]]:
     return pairs
 
 
+def run_split(config: dict) -> str | None:
+    """The split a run's ``config.json`` names; for a run written before splits existed, ``"dev"`` when its seed is 0
+    (the kvjax suite's dev seed, the only suite then), else None (a seed of neither split)."""
+    if "split" in config:
+        return config["split"]
+    return "dev" if config.get("seed") == 0 else None
+
+
 def read_jsonl(path: str) -> list[dict]:
     """The records of a JSON-lines file ([] when it does not exist); a line cut by an interrupted write is skipped."""
     if not os.path.exists(path):

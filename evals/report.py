@@ -115,11 +115,12 @@ def shortfalls(summary: dict) -> list[str]:
 
 def render_markdown(summary: dict, config: dict) -> str:
     """The run's README.md: settings, accuracy table, bytes, fidelity, shortfalls, plots."""
+    from evals.records import run_split
     from evals.suites import get_suite
 
     mib = 1024 ** 2
     suite = get_suite(config.get("suite", "kvjax"))
-    split = config.get("split", "dev" if config.get("seed") == 0 else f"none (seed {config.get('seed')})")
+    split = run_split(config) or "none"
     lines = [f"# Evaluation run `{config.get('run_name', '')}`", ""]
     if config.get("command"):
         lines += ["Produced by:", "", "```", config["command"], "```", ""]

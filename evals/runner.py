@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from evals.records import budget_label, method_budgets, read_jsonl, split_budget
+from evals.records import budget_label, method_budgets, read_jsonl, run_split, split_budget
 from evals.suites import SPLITS, SUITES, get_suite
 from evals.tasks import MAX_NEW_TOKENS  # noqa: F401  (the kvjax suite's answer lengths, for scripts)
 from kvjax.distributed import add_mesh_args, setup_devices
@@ -165,7 +165,7 @@ def _prepare_out_dir(cfg: EvalConfig) -> None:
             old = json.load(f)
         old.setdefault("protocol", "query-aware")  # runs written before protocols existed
         old.setdefault("suite", "kvjax")  # runs written before suites and splits existed: kvjax tasks, seed 0 = dev
-        old.setdefault("split", "dev" if old.get("seed") == 0 else None)
+        old["split"] = run_split(old)
         mismatch = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
         if mismatch:
             raise ValueError(f"{cfg.out_dir} holds a run with different settings {mismatch} (old, new); "
