@@ -121,7 +121,7 @@ def worker_kvjax(args) -> dict:
     import jax.numpy as jnp
 
     jax.config.update("jax_enable_compilation_cache", False)  # compile times are real compilations
-    from kvjax.generate import compress_jit, decode_compiler_options, decode_loop_jit, prefill_jit, prefill_prompt
+    from kvjax.decoding import compress_jit, decode_compiler_options, decode_loop_jit, prefill_jit, prefill_prompt
     from kvjax.methods import FullCache
     from models import load_model
 

@@ -152,7 +152,7 @@ def parse_compiler_option(text: str) -> tuple[str, bool | int | float | str]:
 
 def decode_options(args) -> dict:
     """XLA options the decode loop is compiled with: kvjax's own for this backend, then ``--compiler-option``."""
-    from kvjax.generate import decode_compiler_options
+    from kvjax.decoding import decode_compiler_options
 
     return decode_compiler_options() | dict(args.compiler_option or ())
 
@@ -193,7 +193,7 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
                         "without the model's packages): timings and bytes only, recall rates are not the model's")
     p.add_argument("--compiler-option", type=parse_compiler_option, action="append", metavar="KEY=VALUE",
                    help="an XLA option for the decode loop's compilation, over kvjax's own for the backend "
-                        "(kvjax.generate.decode_compiler_options); repeatable. E.g. "
+                        "(kvjax.decoding.decode_compiler_options); repeatable. E.g. "
                         "xla_gpu_enable_latency_hiding_scheduler=false times XLA's default schedule on a GPU")
     add_mesh_args(p)
     return p
@@ -341,7 +341,7 @@ class _Prefiller:
     """AOT-compiled chunked prefill of one cache kind (the full cache or one staging kind) for one length."""
 
     def __init__(self, model, new_cache, chunks):
-        from kvjax.generate import prefill_jit
+        from kvjax.decoding import prefill_jit
 
         self.model, self.new_cache, self.chunks = model, new_cache, chunks
         self.compile_s = {}
@@ -356,7 +356,7 @@ class _Prefiller:
         import jax
         import jax.numpy as jnp
 
-        from kvjax.generate import prefill_prompt
+        from kvjax.decoding import prefill_prompt
 
         cache = self.new_cache() if cache is None else cache
         tokens = jnp.concatenate(chunks, axis=1)
@@ -402,7 +402,7 @@ def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
     """
     import jax
 
-    from kvjax.generate import compress_jit, decode_loop_jit
+    from kvjax.decoding import compress_jit, decode_loop_jit
 
     N = args.new_tokens
     t = time.perf_counter()
@@ -582,7 +582,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
     import jax
     from tqdm import tqdm
 
-    from kvjax.generate import TRACE_COUNTS
+    from kvjax.decoding import TRACE_COUNTS
     from models import load_model
 
     start = time.perf_counter()

@@ -58,7 +58,7 @@ def time_decode(model, cache, steps: int, repeats: int = 1, seed: int = 0) -> tu
     import jax
     import jax.numpy as jnp
 
-    from kvjax.generate import decode_loop
+    from kvjax.decoding import decode_loop
 
     B = cache.pad.shape[0]
     first = jax.random.randint(jax.random.PRNGKey(seed), (B,), 0, model.config.vocab_size, jnp.int32)
@@ -160,7 +160,7 @@ def compare_prefill(args) -> dict:
     from evals.bench_methods import parse_methods
     from evals.synthetic import filled_cache, synthetic_artifact
     from kvjax.cache import CacheSpec, new_cache
-    from kvjax.generate import compress, prefill_prompt
+    from kvjax.decoding import compress, prefill_prompt
     from kvjax.methods import get_method
 
     model = shape_model(args.model, args.dtype)

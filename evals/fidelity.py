@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvjax.generate import forward_step
+from kvjax.decoding import forward_step
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -81,7 +81,7 @@ def run_fidelity(model, methods, texts: np.ndarray, prefix_tokens: int, *, chunk
     Returns ``{label: {kl, top1, nll, device_bytes, ...}}`` plus ``"full"``. One shared prefill.
     """
     from kvjax.cache import CacheSpec
-    from kvjax.generate import compress, prefill_prompt
+    from kvjax.decoding import compress, prefill_prompt
     from kvjax.methods import FullCache
     from kvjax.shared_prefill import cache_for, init_shared_cache
 

@@ -10,7 +10,7 @@ ahead-of-time compilation, jax's CUDA plugin on a machine without a GPU), reads 
 every host call of the loop's body, how many device operations (fusions, kernels, copies, conditionals) come before
 its start, between its start and its done, and after its done, and how many conditionals the step holds (each a host
 synchronisation on a GPU). It does so twice: with kvjax's decode options
-(:func:`kvjax.generate.decode_compiler_options`, as :func:`kvjax.generate.decode_loop` compiles on a GPU) and with
+(:func:`kvjax.decoding.decode_compiler_options`, as :func:`kvjax.decoding.decode_loop` compiles on a GPU) and with
 XLA's defaults.
 
 It shows the schedule, not the time: how long the step's device work between start and done takes against the gather
@@ -253,7 +253,7 @@ def decode_module(model, method, length: int, new_tokens: int, artifact=None) ->
     from evals.plan import cpu_mesh
     from evals.synthetic import abstract_compressed_cache
     from kvjax.cache import CacheSpec
-    from kvjax.generate import decode_loop_jit
+    from kvjax.decoding import decode_loop_jit
 
     spec = CacheSpec.for_model(model.config, 1, length, new_tokens, model.dtype)
     cache = abstract_compressed_cache(method, spec, cpu_mesh(), artifact)
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from evals.bench_methods import make_methods, parse_methods
-    from kvjax.generate import GPU_DECODE_COMPILER_OPTIONS
+    from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS
     from models import load_model
 
     topology = gpu_topology(args.target)

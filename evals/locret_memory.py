@@ -39,13 +39,13 @@ def _analysis(compiled) -> dict:
 def measure(model, method, length: int, chunk: int, artifact=None) -> dict:
     """Memory facts of ``method``'s prefill of a ``length``-token prompt in chunks of ``chunk`` (compiled, not run)."""
     from kvjax.cache import new_cache
-    from kvjax.generate import compress_jit, prefill_jit
+    from kvjax.decoding import compress_jit, prefill_jit
 
     cache = new_cache(method, model.config, 1, length, 64, model.dtype, artifact=artifact)
     cache_bytes = cache.device_bytes()
     tokens = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
     step = prefill_jit.lower(model.graphdef, model.params, tokens, cache).compile()
-    with warnings.catch_warnings():  # buffers the compressed layout does not reuse: expected (as kvjax.generate.compress)
+    with warnings.catch_warnings():  # buffers the compressed layout does not reuse: expected (as kvjax.decoding.compress)
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         fin = compress_jit.lower(cache).compile()
     from kvjax.cache import bytes_by_memory_kind
@@ -68,7 +68,7 @@ def run_and_read_peak(model, method, length: int, chunk: int) -> dict:
     """
     from evals.bench_machine import proc_status_kib, reset_peak_rss
     from kvjax.cache import new_cache
-    from kvjax.generate import compress, prefill_prompt
+    from kvjax.decoding import compress, prefill_prompt
 
     def prefill(tokens: int):
         """A ``length``-token cache prefilled with the first ``tokens`` tokens of a prompt of zeros."""

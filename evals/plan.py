@@ -4,7 +4,7 @@
 [--lengths 32768,131072] [--out FILE.md]``
 
 For each target, method, budget and prompt length this compiles the jitted one-token decode step
-(:func:`kvjax.generate.decode_step`, with kvjax's compiler options for the platform) over the compressed cache built
+(:func:`kvjax.decoding.decode_step`, with kvjax's compiler options for the platform) over the compressed cache built
 by the method's own ``init_cache`` + ``compress`` (traced, never allocated: :func:`evals.synthetic.abstract_compressed_cache`)
 and the model's parameters (random bf16 of the real shapes, abstract), with XLA's compiler for the target:
 
@@ -334,7 +334,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
 
     from evals.synthetic import abstract_compressed_cache
     from kvjax.cache import CacheSpec, bytes_by_memory_kind
-    from kvjax.generate import decode_compiler_options, decode_step_jit
+    from kvjax.decoding import decode_compiler_options, decode_step_jit
     from kvjax.sharding import DATA, is_split
 
     spec = CacheSpec.for_model(config, batch, length, room, dtype, mesh=mesh if is_split(mesh) else None)
@@ -441,7 +441,7 @@ def render(report: dict) -> str:
         f"- command: `{report['command']}`",
         f"- jax {report['jax']}, libtpu {report.get('libtpu') or '-'}, CUDA plugin {report.get('plugin') or '-'}, "
         f"{report['date']}; {a['dtype']} weights (random, the model's shapes), decode room {a['room']} tokens",
-        "- one-token decode step (`kvjax.generate.decode_step`) over the method's compressed cache (`init_cache` + "
+        "- one-token decode step (`kvjax.decoding.decode_step`) over the method's compressed cache (`init_cache` + "
         "`compress`, traced: `evals.synthetic.abstract_compressed_cache`), compiled by XLA for the target without it",
         "- memory per chip from `memory_analysis()` (arguments + outputs - donated + temporaries); `max batch`: the "
         "largest batch whose step fits the chip's memory (the parameters and the artifact fixed, the rest of the "

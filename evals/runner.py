@@ -177,7 +177,7 @@ def _prepare_out_dir(cfg: EvalConfig) -> None:
 def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     """Run every missing (sample, method, budget) record; returns how many records were written."""
     from kvjax.cache import CacheSpec, bytes_by_memory_kind
-    from kvjax.generate import compress, decode_loop, prefill, prefill_prompt
+    from kvjax.decoding import compress, decode_loop, prefill, prefill_prompt
     from kvjax.methods.base import round_up
     from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
 

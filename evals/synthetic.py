@@ -125,7 +125,7 @@ def synthetic_artifact(method, spec: CacheSpec, seed: int = 0):
 def compressed_structure(method, spec: CacheSpec, artifact=None):
     """``(traced compress, output tree structure)`` of ``method`` on ``spec``: the compressed cache's avals (with their
     memory spaces) without allocating anything."""
-    from kvjax.generate import compress_jit
+    from kvjax.decoding import compress_jit
 
     def compressed():
         cache = method.init_cache(spec, artifact)
@@ -181,7 +181,7 @@ def filled_cache(method, spec: CacheSpec, artifact=None, seed: int = 0, *, same_
     layers filled with random values (``same_rows``: every row the same), the slot counter at the prompt's end, then
     the method's ``finish_prefill``. Builds the prefill-stage state of all rows at once (at 128K tokens one
     Llama-3.1-8B-shaped row stages 16 GiB): for many rows, :func:`replicated_cache`."""
-    from kvjax.generate import compress
+    from kvjax.decoding import compress
 
     cache = method.init_cache(spec, artifact)
     layers = fill_random(cache.layers, jax.random.PRNGKey(seed), same_rows=spec.batch if same_rows else 0)

@@ -4,17 +4,16 @@
 >>> model = kvjax.load("qwen2.5-coder-0.5b")
 >>> out = kvjax.generate(model, "Hello", max_new_tokens=16)
 
-No module of the core (cache, methods, attention, ``kvjax.generate``) imports ``models``: the
+No module of the core (cache, methods, attention, ``kvjax.decoding``) imports ``models``: the
 jitted functions take the forward from the loaded model (``nnx.merge(graphdef, params)``), and
 :mod:`kvjax.api` imports ``models`` only inside ``load``/``generate``, so ``models`` builds on the
-core with no import cycle. The jitted functions live in the module ``kvjax.generate``
-(``from kvjax.generate import decode_loop``); the attribute ``kvjax.generate`` is the high-level
-function (imported last, so it wins over the submodule of the same name).
+core with no import cycle. The jitted functions (prefill, compress, decode) live in
+:mod:`kvjax.decoding`; ``kvjax.generate`` is the high-level function of :mod:`kvjax.api`.
 """
 
 from kvjax.cache import AttendContext, Cache, CacheSpec
 from kvjax.methods import METHODS, FullCache, get_method
-from kvjax.api import GenerationResult, ask, generate, load  # noqa: E402  (after the submodule import: the function wins)
+from kvjax.api import GenerationResult, ask, generate, load
 
 __version__ = "0.1.0"
 

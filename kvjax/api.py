@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import CacheSpec
-from kvjax.generate import Sampling, compress, decode_loop, decode_step, prefill, prefill_prompt, sample
+from kvjax.decoding import Sampling, compress, decode_loop, decode_step, prefill, prefill_prompt, sample
 from kvjax.methods import FullCache, get_method
 from kvjax.sharding import place_cache, place_rows
 

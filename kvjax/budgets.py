@@ -40,6 +40,14 @@ def tokens_per_head(budget: int | float, prompt_len: int) -> int:
     return tokens
 
 
+def budget_facts(budget: int | float, longest_row: int) -> dict:
+    """The cache statistics' note when a budget in tokens is above the longest row: the whole prompt is kept."""
+    if isinstance(budget, int) and budget > longest_row:
+        return {"budget_note": f"budget of {budget} tokens per head is above the prompt's {longest_row} tokens: "
+                               "the whole prompt is kept"}
+    return {}
+
+
 def budget_fraction(budget: int | float, longest_row: int) -> float:
     """The budget as a fraction of the longest row (``rho``): an int ``b`` tokens per head is ``b / longest_row``."""
     check_budget(budget)

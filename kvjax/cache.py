@@ -11,11 +11,11 @@ Static facts are not pytree leaves: the method (its hyper-parameters), the :clas
 cache was allocated for, and the ``stage``:
 
 * ``"prefill"``: prompt chunks go to ``method.prefill_chunk`` (the method records, may evict);
-* ``"compressed"``: after ``kvjax.generate.compress`` ran ``method.finish_prefill`` on every layer;
+* ``"compressed"``: after ``kvjax.decoding.compress`` ran ``method.finish_prefill`` on every layer;
   every later token (a question of any length, a second turn, one decoded token per step) goes to
   ``method.decode_attend``, which appends it uncompressed and attends;
 * ``"rehearsal"``: a compressed cache during a rehearsal of a question, every pass but the last (only
-  inside ``kvjax.generate.prefill``, for a method whose ``question_passes()`` is above 1):
+  inside ``kvjax.decoding.prefill``, for a method whose ``question_passes()`` is above 1):
   ``decode_attend`` gets ``ctx.rehearsal`` set and returns its state without the call's tokens.
 
 The model calls :meth:`Cache.attend` and nothing else, so adding a method never touches the model.

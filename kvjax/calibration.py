@@ -174,7 +174,7 @@ def record_sets(model, rows, *, decode_steps: int, topk: int, kernel: int = 5, g
 
     Returns one ``(prefill_sets [L, Hkv, topk], step_sets [T, L, Hkv, topk])`` pair (positions) per row.
     """
-    from kvjax.generate import compress, decode_step, prefill_prompt
+    from kvjax.decoding import compress, decode_step, prefill_prompt
 
     if decode_steps < 1:
         raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")

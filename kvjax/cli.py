@@ -183,53 +183,59 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    """Benchmarks: ``methods`` (default; latency/memory per method vs context), ``foundation`` (vs transformers), ``matvec``."""
-    return _run_bench(args.bench_args)
-
-
-def _run_bench(argv) -> int:
+def run_bench(argv) -> int:
+    """``kvjax bench [methods|foundation|matvec|locret-memory|mesh] ...``: the named benchmark (default ``methods``)."""
     argv = list(argv)
     if argv[:1] == ["foundation"]:
         from evals.bench_foundation import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv[:1] == ["matvec"]:
+    elif argv[:1] == ["matvec"]:
         from evals.bench_matvec import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv[:1] == ["locret-memory"]:
+    elif argv[:1] == ["locret-memory"]:
         from evals.locret_memory import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv[:1] == ["mesh"]:
+    elif argv[:1] == ["mesh"]:
         from evals.bench_mesh import main as bench_main
+    else:
+        from evals.bench_methods import main as bench_main
 
-        return bench_main(argv[1:])
-    from evals.bench_methods import main as bench_main
-
-    return bench_main(argv[1:] if argv[:1] == ["methods"] else argv)
-
-
-def cmd_calibrate(args) -> int:
-    """Offline calibration: HeteroCache / SyncKV head roles, HCAttention codebooks (see ``evals/calibration_report.py``)."""
-    from evals.calibration_report import main as calibrate_main
-
-    return calibrate_main(args.calibrate_args)
+        return bench_main(argv[1:] if argv[:1] == ["methods"] else argv)
+    return bench_main(argv[1:])
 
 
-def cmd_eval(args) -> int:
-    """Task accuracy and fidelity of methods x budgets (see ``evals/runner.py``)."""
+def run_eval(argv) -> int:
+    """``kvjax eval``: task accuracy and fidelity of methods x budgets (``evals/runner.py``)."""
     from evals.runner import main as eval_main
 
-    return eval_main(args.eval_args)
+    return eval_main(argv)
 
 
-def cmd_train_locret(args) -> int:
-    """Train Locret's retaining heads (see ``train/cli.py``)."""
+def run_calibrate(argv) -> int:
+    """``kvjax calibrate``: HeteroCache / SyncKV head roles, HCAttention codebooks (``kvjax/make_artifacts.py``)."""
+    from kvjax.make_artifacts import main as calibrate_main
+
+    return calibrate_main(argv)
+
+
+def run_train_locret(argv) -> int:
+    """``kvjax train-locret``: train Locret's retaining heads (``train/cli.py``)."""
     from train.cli import main as train_main
 
-    return train_main(args.train_args)
+    return train_main(argv)
+
+
+# Subcommands with a parser of their own: ``kvjax NAME ...`` hands everything after NAME to it. One table, read by
+# the top-level parser (for ``kvjax --help``) and by :func:`main` (to dispatch).
+FORWARDED = {
+    "bench": (run_bench, "benchmarks: `kvjax bench [methods] ...` latency/memory per method vs context length "
+              "(default), `kvjax bench foundation ...` kvjax vs transformers, `kvjax bench matvec ...` f32 vs bf16 "
+              "weight products, `kvjax bench locret-memory ...` Locret's bounded prefill memory, `kvjax bench mesh ...` "
+              "methods on device meshes; --help after the name for options"),
+    "eval": (run_eval, "accuracy of methods x budgets on long-context task suites (kvjax's, RULER's), fidelity vs "
+             "the full cache; `kvjax eval --help` for options"),
+    "calibrate": (run_calibrate, "offline calibration: `kvjax calibrate heterocache|synckv|hcattention --model M`; "
+                  "writes the artifact and plots; `kvjax calibrate --help` for options"),
+    "train-locret": (run_train_locret, "train Locret's retaining heads (QA data, labels from the frozen model, Optax, "
+                     "Orbax checkpoints); `kvjax train-locret --help` for options"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,60 +273,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_mesh_args(d)
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks: `kvjax bench [methods] ...` latency/memory per method vs context length "
-                       "(default), `kvjax bench foundation ...` kvjax vs transformers, `kvjax bench matvec ...` f32 vs bf16 "
-                       "weight products, `kvjax bench locret-memory ...` Locret's bounded prefill memory, `kvjax bench mesh ...` "
-                       "methods on device meshes; --help after "
-                       "the name for options")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
-
-    e = sub.add_parser("eval", help="accuracy of methods x budgets on synthetic long-context tasks, fidelity vs the full "
-                       "cache; `kvjax eval --help` for options")
-    e.add_argument("eval_args", nargs=argparse.REMAINDER)
-    e.set_defaults(func=cmd_eval)
-
-    c = sub.add_parser("calibrate", help="offline calibration: `kvjax calibrate heterocache|synckv|hcattention --model M`; "
-                       "writes the artifact and plots; `kvjax calibrate --help` for options")
-    c.add_argument("calibrate_args", nargs=argparse.REMAINDER)
-    c.set_defaults(func=cmd_calibrate)
-
-    t = sub.add_parser("train-locret", help="train Locret's retaining heads (QA data, labels from the frozen model, Optax, "
-                       "Orbax checkpoints); `kvjax train-locret --help` for options")
-    t.add_argument("train_args", nargs=argparse.REMAINDER)
-    t.set_defaults(func=cmd_train_locret)
+    for name, (_, help_text) in FORWARDED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv=None) -> int:
     """Entry point of the ``kvjax`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["bench"], ["eval"], ["calibrate"], ["train-locret"]):  # options go to the command's own parser
-        try:
-            if argv[0] == "bench":
-                return _run_bench(argv[1:])
-            if argv[0] == "train-locret":
-                from train.cli import main as train_main
-
-                return train_main(argv[1:])
-            if argv[0] == "calibrate":
-                from evals.calibration_report import main as calibrate_main
-
-                return calibrate_main(argv[1:])
-            from evals.runner import main as eval_main
-
-            return eval_main(argv[1:])
-        except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
-            print(f"kvjax {argv[0]}: error: {e}", file=sys.stderr)
-            return 2
-        except SystemExit as e:  # the command's own argparse (bad option value, --help)
-            return e.code if isinstance(e.code, int) else 2
-    args = build_parser().parse_args(argv)
+    command = argv[0] if argv else None
     try:
+        if command in FORWARDED:
+            run, _ = FORWARDED[command]
+            return run(argv[1:])
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
-        print(f"kvjax {args.command}: error: {e}", file=sys.stderr)
+        print(f"kvjax {command}: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # argparse: a bad option value, --help
+        return e.code if isinstance(e.code, int) else 2
 
 
 if __name__ == "__main__":

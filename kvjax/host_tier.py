@@ -42,7 +42,7 @@ default schedule, which overlaps nothing (below).
   found by compiling for an H100 without one: ``python -m evals.gpu_schedule``), does XLA place the
   start early and the done late; without it the two are scheduled back to back and nothing overlaps,
   whatever the program's order. kvjax's decode programs turn it on for a GPU
-  (:data:`kvjax.generate.GPU_DECODE_COMPILER_OPTIONS`); a program of your own needs
+  (:data:`kvjax.decoding.GPU_DECODE_COMPILER_OPTIONS`); a program of your own needs
   ``jax.jit(..., compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True})`` at top level or
   ``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true``.
 * Caveat (same source): the done thunk blocks the thread that launches GPU work until the host

@@ -12,7 +12,7 @@
 
 Keys stay post-RoPE at their original positions; later tokens (a question, decoded tokens) are
 appended at ``lengths[b, h]`` into pre-allocated room (``room`` slots per head, the cache spec's
-``room``). Allocation is static; ``kvjax.generate`` refuses to write past the room.
+``room``). Allocation is static; ``kvjax.decoding`` refuses to write past the room.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ layer for g = 32 and 6 s for g = 16 at 100 steps of 4096; the held-out key error
 after 25 such steps, and 100 steps of 1024 reach the same error (layers 0, 12, 23 checked).
 
 This module is core (jax, numpy, kvjax); :func:`collect_keys` drives a model (``kvjax.load``)
-through :mod:`kvjax.generate`, imported lazily.
+through :mod:`kvjax.decoding`, imported lazily.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def collect_keys(model, rows, *, chunk_size: int = 1024, progress: bool = False,
     tokens (per row in order), for attention-error checks.
     """
     from kvjax.cache import Cache, CacheSpec
-    from kvjax.generate import prefill_prompt
+    from kvjax.decoding import prefill_prompt
     from kvjax.methods.full import FullCache
     from kvjax.staging import Recording, init_staging
 

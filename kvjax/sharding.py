@@ -9,7 +9,7 @@ A kvjax mesh has two named axes (either may have size 1):
   own KV heads and their query heads.
 
 Computation runs under plain sharding annotations (GSPMD): the model's parameters and the cache are
-placed with :class:`jax.sharding.NamedSharding`, and every jitted call of ``kvjax.generate``
+placed with :class:`jax.sharding.NamedSharding`, and every jitted call of ``kvjax.decoding``
 constrains the cache it returns to the same layout (:func:`constrain_cache`), so the layout holds
 across prefill, compression and every decode step. The XLA compiler inserts the collectives (the
 all-reduce after the row-parallel projections, the gather of logits for sampling).

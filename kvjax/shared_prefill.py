@@ -103,7 +103,7 @@ def cache_for(staged: Cache, method, artifact=None) -> Cache:
     """``method``'s prefill-stage cache derived from a prefilled shared staging (fresh copies of every array).
 
     The cache carries ``method.artifact_for(spec, artifact)`` (calibration data: the given artifact
-    or the shipped one). Compress it next (``kvjax.generate.compress``, which donates it). Raises
+    or the shipped one). Compress it next (``kvjax.decoding.compress``, which donates it). Raises
     ValueError when the staging did not record what ``method`` needs.
     """
     if not isinstance(staged.method, SharedStaging):

@@ -103,9 +103,21 @@ def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
 
 
 def load_hf_config(path: str) -> ModelConfig:
-    """Read `config.json` from an HF model directory."""
+    """Read `config.json` from an HF model directory; a ``ValueError`` naming the file when it is malformed (not
+    JSON, not an object, a required field missing or of the wrong type)."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path!r} has no config.json; expected an HF model directory")
     with open(file) as f:
-        return config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(cfg).__name__}")
+    try:
+        return config_from_hf(cfg, name=os.path.basename(os.path.normpath(path)))
+    except KeyError as e:
+        raise ValueError(f"{file} lacks the field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: {e}") from None

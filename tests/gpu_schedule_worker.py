@@ -11,7 +11,7 @@ import json
 
 from evals.gpu_schedule import (compile_for_gpu, compile_only_cuda, decode_module, gpu_topology, host_call_windows,
                                 loop_conditionals)
-from kvjax.generate import GPU_DECODE_COMPILER_OPTIONS
+from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS
 from kvjax.methods import HeteroCache, SyncKV
 from tests.mesh_worker import CONFIG_D16, recall_artifacts, tiny_model
 

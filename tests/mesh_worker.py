@@ -20,7 +20,7 @@ from flax import nnx
 
 from kvjax.api import generate_tokens
 from kvjax.artifacts import Artifact, model_identity
-from kvjax.generate import TRACE_COUNTS
+from kvjax.decoding import TRACE_COUNTS
 from kvjax.methods import (H2O, HBW, ChunkedEviction, FullCache, HCAttention, HeteroCache, Locret, PyramidKV, Quest,
                            SnapKV, StreamingLLM, SyncKV)
 from kvjax.retaining_heads import random_heads_artifact

@@ -11,7 +11,7 @@ import pytest
 
 from kvjax.api import generate_tokens
 from kvjax.cache import new_cache
-from kvjax.generate import prefill_prompt
+from kvjax.decoding import prefill_prompt
 from kvjax.methods import ChunkedEviction, FullCache, get_method
 from models import load_model
 from tests.test_locret_train import hf_projections

@@ -51,6 +51,21 @@ def test_bad_dtype():
         load_model("smollm2-135m", "float16")
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{\"model_type\": \"llama\",", r"config\.json is not valid JSON"),
+    ("[1, 2]", r"config\.json must hold a JSON object, got list"),
+    ("{\"model_type\": \"llama\", \"num_attention_heads\": 4}", r"config\.json lacks the field 'hidden_size'"),
+    ("{\"model_type\": \"llama\", \"num_attention_heads\": \"four\", \"hidden_size\": 64}",
+     r"config\.json: invalid literal for int"),
+])
+def test_malformed_config_json_names_the_file(tmp_path, text, message):
+    """A broken HF ``config.json`` is a ``ValueError`` that names the file, before any weight is read."""
+    save_tiny("llama", str(tmp_path))
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=str(tmp_path).replace(".", r"\.") + "/" + message):
+        load_model(str(tmp_path), tokenizer=False)
+
+
 def test_non_gguf_file(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_text("this is not a gguf file")
@@ -112,3 +127,16 @@ def test_missing_model_package(monkeypatch):
 def test_unknown_method():
     with pytest.raises(ValueError, match="unknown method 'nope'; available: chunked_eviction, full"):
         kvjax.get_method("nope")
+
+
+def test_every_subcommand_answers_help(capsys):
+    """``kvjax --help`` lists every subcommand, and each one's own ``--help`` names it in its usage line (the
+    forwarded ones parse their options themselves)."""
+    from kvjax.cli import FORWARDED
+
+    assert cli_main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for name in ["generate", "models", "demo", *FORWARDED]:
+        assert name in listed
+        assert cli_main([name, "--help"]) == 0, name
+        assert f"usage: kvjax {name}" in capsys.readouterr().out, name

@@ -12,7 +12,7 @@ import pytest
 
 from evals.fidelity import compare_logprobs, teacher_forced_logprobs
 from kvjax.cli import main as cli_main
-from kvjax.generate import compress, decode_step, prefill
+from kvjax.decoding import compress, decode_step, prefill
 from kvjax.methods import FullCache, SnapKV
 from kvjax.cache import new_cache
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax.api import generate_tokens
-from kvjax.generate import TRACE_COUNTS, Sampling, compress, decode_step, prefill, sample
+from kvjax.decoding import TRACE_COUNTS, Sampling, compress, decode_step, prefill, sample
 from kvjax.methods import FullCache
 from models import load_model
 from models.llama import forward
@@ -159,7 +159,7 @@ def test_ask_several_questions_over_one_compressed_context(tiny_chat_model):
 def test_decode_compiler_options_turn_on_the_gpu_scheduler_only_on_a_gpu():
     """XLA:GPU's latency-hiding scheduler for the top-level decode programs on a GPU (host recalls overlap the step,
     tests/test_gpu_schedule.py); no option elsewhere, where the GPU flag would mean nothing."""
-    from kvjax.generate import GPU_DECODE_COMPILER_OPTIONS, decode_compiler_options
+    from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS, decode_compiler_options
 
     assert GPU_DECODE_COMPILER_OPTIONS == {"xla_gpu_enable_latency_hiding_scheduler": True}
     assert decode_compiler_options("gpu") == decode_compiler_options("cuda") == GPU_DECODE_COMPILER_OPTIONS
@@ -169,7 +169,7 @@ def test_decode_compiler_options_turn_on_the_gpu_scheduler_only_on_a_gpu():
 
 def test_decode_compiler_options_can_be_turned_off(monkeypatch):
     """``KVJAX_DECODE_XLA_DEFAULTS=1``: XLA's defaults on a GPU too (``0`` or empty: kvjax's options)."""
-    from kvjax.generate import GPU_DECODE_COMPILER_OPTIONS, XLA_DEFAULTS_ENV, decode_compiler_options
+    from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS, XLA_DEFAULTS_ENV, decode_compiler_options
 
     monkeypatch.setenv(XLA_DEFAULTS_ENV, "1")
     assert decode_compiler_options("gpu") == {}
@@ -180,7 +180,7 @@ def test_decode_compiler_options_can_be_turned_off(monkeypatch):
 def test_decode_with_the_gpu_options_generates_the_same_tokens(tiny, monkeypatch):
     """The path a GPU takes (the loop and the streaming step compiled with the GPU options, which the CPU ignores)
     runs and gives the tokens of the plain path."""
-    generate_mod = importlib.import_module("kvjax.generate")  # the module (``kvjax.generate`` is also the API function)
+    generate_mod = importlib.import_module("kvjax.decoding")
 
     row = list(np.random.default_rng(4).integers(0, 97, size=25))
     loop, _, _, _ = generate_tokens(tiny, [row], max_new_tokens=6)

@@ -19,7 +19,7 @@ from jax._src.interpreters import mlir
 from jaxlib.mlir import ir
 
 from kvjax.cache import CacheSpec
-from kvjax.generate import compress, decode_loop_jit, prefill_prompt
+from kvjax.decoding import compress, decode_loop_jit, prefill_prompt
 from kvjax.methods import FullCache, HeteroCache, SnapKV, SyncKV
 from kvjax.methods.recall import RECALL_SCHEDULES
 from tests.mesh_worker import CONFIG, CONFIG_D16, recall_artifacts, tiny_model

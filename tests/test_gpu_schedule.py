@@ -3,7 +3,7 @@
 
 XLA:GPU's latency-hiding scheduler is off by default (jax 0.10.2 and 0.11.2): a host-offloaded computation's start and
 done are then scheduled back to back and the recall's host gather overlaps nothing. kvjax compiles the decode programs
-on a GPU with it (:data:`kvjax.generate.GPU_DECODE_COMPILER_OPTIONS`). The compiled check needs jax's CUDA plugin
+on a GPU with it (:data:`kvjax.decoding.GPU_DECODE_COMPILER_OPTIONS`). The compiled check needs jax's CUDA plugin
 (compiler only, no GPU): ``scripts/setup_env.sh`` installs its wheels into ``.aot-gpu/``, which only the worker process
 puts on its path, and ``scripts/test.sh`` sets ``KVJAX_AOT_GPU`` so that a missing plugin fails there instead of skipping.
 """

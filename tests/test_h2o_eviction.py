@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvjax.api import generate_tokens
-from kvjax.generate import TRACE_COUNTS, compress, decode_step, prefill
+from kvjax.decoding import TRACE_COUNTS, compress, decode_step, prefill
 from kvjax.methods import H2O, FullCache
 from kvjax.methods.h2o import H2OKV, h2o_decode_step
 from kvjax.paged import PagedKV, build_paged

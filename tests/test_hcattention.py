@@ -12,7 +12,7 @@ import pytest
 from kvjax.api import generate_tokens
 from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, CacheSpec, new_cache
-from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, prefill
+from kvjax.decoding import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, prefill
 from kvjax.host_tier import to_host
 from kvjax.methods import FullCache, HCAttention, get_method
 from kvjax.methods.hcattention import HCAttentionKV

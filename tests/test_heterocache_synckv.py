@@ -14,7 +14,7 @@ from kvjax.api import generate_tokens
 from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
-from kvjax.generate import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
+from kvjax.decoding import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
 from kvjax.methods.recall.layout import publish_anchor
 from kvjax.methods.recall.schedules import apply_anchors, spread_moves
 from kvjax.methods.recall.scores import leader_probs, leader_queries, prompt_only, top_slots
@@ -227,6 +227,23 @@ def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny,
                                    max_new_tokens=5)
     got, _, _, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=5, question_rows=question, artifact=art)
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("which", ["heterocache", "synckv"])
+def test_token_budget_above_the_prompt_keeps_it_whole(tiny, which):
+    """A budget of 60 tokens per head on rows of 40 and 20 tokens keeps every row whole: the full cache's tokens,
+    and the statistics say why."""
+    rng = np.random.default_rng(13)
+    rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
+    full, _, _, _ = generate_tokens(tiny, rows, method=FullCache(block=16), max_new_tokens=8)
+    if which == "heterocache":
+        method, art = HeteroCache(budget=60, block=16, window=2, tau_drift=1.0), hc_artifact(tiny)
+    else:
+        method, art = SyncKV(budget=60, block=16, stride=2, num_representatives=1), sk_artifact(tiny)
+    got, _, cache, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=8, artifact=art)
+    np.testing.assert_array_equal(got, full)
+    assert cache.stats()["budget_note"] == ("budget of 60 tokens per head is above the prompt's 40 tokens: "
+                                            "the whole prompt is kept")
 
 
 @pytest.mark.parametrize("which", ["heterocache", "synckv"])

@@ -357,7 +357,7 @@ def host_tier_decode(request):
     """``(name, model, first tokens, cache)``: a host-tier method's cache after the prefill of two 96-token
     rows, built on CPU (XLA path), for lowering its decode loop."""
     from kvjax.cache import CacheSpec
-    from kvjax.generate import compress, prefill_prompt
+    from kvjax.decoding import compress, prefill_prompt
     from kvjax.methods import HCAttention, HeteroCache
     from tests.mesh_worker import CONFIG_D16, codebooks, recall_artifacts, tiny_model
 
@@ -382,7 +382,7 @@ def test_decode_loop_with_host_tier_lowers(host_tier_decode, platform, monkeypat
     kernel with satellites recalled from ``pinned_host``. Only the loop is lowered, with
     ``jax.default_backend()`` reporting the target so "auto" picks Pallas and the kernel's form as
     it would there; the host placement survives the lowering."""
-    from kvjax.generate import decode_loop_jit
+    from kvjax.decoding import decode_loop_jit
 
     name, model, first, cache = host_tier_decode
     jax.clear_caches()  # the loop traced for another platform would be reused: the kernel form is chosen at trace time

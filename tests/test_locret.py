@@ -15,7 +15,7 @@ import torch
 from kvjax.api import generate_tokens
 from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import new_cache
-from kvjax.generate import TRACE_COUNTS, compress, decode_loop, prefill_prompt
+from kvjax.decoding import TRACE_COUNTS, compress, decode_loop, prefill_prompt
 from kvjax.methods import FullCache, Locret, get_method
 from kvjax.retaining_heads import random_heads_artifact
 from models import load_model

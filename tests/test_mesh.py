@@ -16,7 +16,7 @@ from flax import nnx
 
 from kvjax.api import generate_tokens
 from kvjax.cache import CacheSpec
-from kvjax.generate import prefill_prompt
+from kvjax.decoding import prefill_prompt
 from kvjax.methods import FullCache
 from kvjax.paged import page_layout
 from kvjax.sharding import make_mesh, parse_mesh

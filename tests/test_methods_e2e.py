@@ -10,7 +10,7 @@ import pytest
 import kvjax
 from kvjax.api import generate_tokens
 from kvjax.cache import CacheSpec, new_cache
-from kvjax.generate import compress, decode_step, prefill
+from kvjax.decoding import compress, decode_step, prefill
 from kvjax.methods import H2O, HBW, FullCache, PyramidKV, Quest, SnapKV, StreamingLLM
 from kvjax.methods.quest import QuestKV, select_pages
 from kvjax.paged import PagedKV, build_paged
@@ -109,7 +109,11 @@ def test_budget_larger_than_longest_row_keeps_the_whole_prompt(tiny):
     full, full_count, _, _ = generate_tokens(tiny, rows, method=FullCache(), max_new_tokens=6)
     out, count, cache, _ = generate_tokens(tiny, rows, method=SnapKV(budget=41, window=4), max_new_tokens=6)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(full))
-    assert cache.stats()["kept_tokens_per_head"] == [[40, 40], [40, 40]]  # per layer and KV head: the longest row
+    stats = cache.stats()
+    assert stats["kept_tokens_per_head"] == [[40, 40], [40, 40]]  # per layer and KV head: the longest row
+    assert stats["budget_note"] == "budget of 41 tokens per head is above the prompt's 40 tokens: the whole prompt is kept"
+    _, _, cache, _ = generate_tokens(tiny, rows, method=SnapKV(budget=40, window=4), max_new_tokens=2)
+    assert "budget_note" not in cache.stats()  # a budget of exactly the longest row needs no note
 
 
 EVERY = [

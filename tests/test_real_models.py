@@ -92,7 +92,7 @@ def qwen_passkey_prefill(qwen):
     (methods by name, staged cache, first token, sample, prompt length)."""
     from kvjax.api import left_pad
     from kvjax.cache import CacheSpec
-    from kvjax.generate import prefill_prompt
+    from kvjax.decoding import prefill_prompt
     from kvjax.methods import get_method
     from kvjax.shared_prefill import init_shared_cache
 
@@ -108,7 +108,7 @@ def qwen_passkey_prefill(qwen):
 def _qwen_passkey_2k(model, prefill, names, check_cache):
     """Per method of ``names``: compress the shared 2K passkey prefill, ``check_cache(method, cache, prompt_len,
     config)``, decode 8 tokens and assert the pass key is in the answer."""
-    from kvjax.generate import compress, decode_loop
+    from kvjax.decoding import compress, decode_loop
     from kvjax.shared_prefill import cache_for
 
     methods, staged, first, sample, prompt_len = prefill

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.generate import compress, decode_step, prefill
+from kvjax.decoding import compress, decode_step, prefill
 from kvjax.artifacts import Artifact, model_identity
 from kvjax.methods import H2O, HBW, FullCache, HeteroCache, PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV
 from kvjax.cache import CacheSpec

@@ -10,7 +10,7 @@ import pytest
 
 from evals.synthetic import abstract_compressed_cache, filled_cache, synthetic_artifact
 from kvjax.cache import CacheSpec, memory_kind, new_cache
-from kvjax.generate import compress, decode_step, prefill_prompt
+from kvjax.decoding import compress, decode_step, prefill_prompt
 from kvjax.methods import METHODS, get_method
 from models import load_model, model_architecture
 from tests.mesh_worker import CONFIG, tiny_model

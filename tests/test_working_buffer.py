@@ -16,7 +16,7 @@ import pytest
 
 from kvjax.api import generate_tokens
 from kvjax.cache import Cache, new_cache
-from kvjax.generate import prefill_prompt
+from kvjax.decoding import prefill_prompt
 from kvjax.methods import FullCache
 from kvjax.paged import append_and_attend, build_paged
 from kvjax.working_buffer import buffer_chunk, evict_to, init_working, kept_indices

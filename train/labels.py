@@ -31,7 +31,7 @@ from jax import lax
 from kvjax.artifacts import no_artifact
 from kvjax.attention import attention_by_slots
 from kvjax.cache import Cache, CacheSpec
-from kvjax.generate import prefill_jit
+from kvjax.decoding import prefill_jit
 from kvjax.retaining_heads import head_features
 from kvjax.sharding import not_shardable
 

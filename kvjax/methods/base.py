@@ -25,7 +25,7 @@ explicit per-layer lifecycle. Every function is required; nothing is discovered 
 ``question_passes()``
     Forward passes a multi-token call on the compressed cache (a question, a later turn) takes: 1,
     or more for a method whose earlier layers follow choices its later layers make on those tokens.
-    Every pass but the last is a rehearsal (``ctx.rehearsal``; :func:`kvjax.generate.prefill`): the
+    Every pass but the last is a rehearsal (``ctx.rehearsal``; :func:`kvjax.decoding.prefill`): the
     method may change what it holds (recall, re-anchoring) and returns its state without the call's tokens.
 ``finish_question(cache)``
     Called once after a multi-token call's last pass on the compressed cache (inside the same jitted call): work
@@ -39,7 +39,7 @@ explicit per-layer lifecycle. Every function is required; nothing is discovered 
 ``stats(cache)`` / ``bytes_read_per_step(cache)``
     The method's own facts for ``cache.stats()``; K/V (and side-data) bytes a decode step reads.
 
-The prompt is compressed by ``kvjax.generate.compress``, which calls ``finish_prefill`` per layer.
+The prompt is compressed by ``kvjax.decoding.compress``, which calls ``finish_prefill`` per layer.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import jax
 
 from kvjax.artifacts import no_artifact
 from kvjax.attention import resolve_implementation
-from kvjax.budgets import check_budget
+from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
 from kvjax.paged import PagedKV, append_and_attend, build_paged, paged_device_bytes, paged_partition, paged_read_bytes
 from kvjax.selection import GQA_AGGREGATIONS, keep_to_indices, row_capacities
@@ -250,8 +250,10 @@ class PromptCompression:
         return self.components()[3].partition(state)
 
     def stats(self, cache: Cache) -> dict:
-        """The layout's facts (empty before compression)."""
-        return self.components()[3].stats(cache.layers) if cache.stage == "compressed" else {}
+        """The layout's facts (empty before compression) and the budget's note."""
+        if cache.stage != "compressed":
+            return {}
+        return {**self.components()[3].stats(cache.layers), **budget_facts(self.budget, cache.spec.longest_row)}
 
     def bytes_read_per_step(self, cache: Cache) -> int:
         """The layout's reads (0 before compression)."""

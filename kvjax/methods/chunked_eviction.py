@@ -35,7 +35,7 @@ from kvjax.artifacts import no_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_sizes, check_schedule, init_bounded, paged_cache_read_bytes,
                                    paged_facts, prefill_in_pieces, to_pages)
-from kvjax.budgets import check_budget
+from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
 from kvjax.paged import PagedKV, append_and_attend
 from kvjax.selection import AccumulatedAttentionScores, RecencyScores, WindowAttentionScores
@@ -149,7 +149,7 @@ class ChunkedEviction:
         b, n_s = bounded_sizes(self.name, self.budget, self.local, self.n_stabilizers, cache.spec)
         facts = {"scorer": self.scorer, "b": b, "stabilizers": n_s, "local": self.local, "chunk": self.chunk,
                  "prefill_buffer_tokens_per_head": b + self.local + self.chunk}
-        return {**facts, **paged_facts(cache)}
+        return {**facts, **paged_facts(cache), **budget_facts(self.budget, cache.spec.longest_row)}
 
     def bytes_read_per_step(self, cache: Cache) -> int:
         """Every held token of every head (0 before compression)."""

@@ -61,7 +61,7 @@ from kvjax.artifacts import load_artifact, require_artifact, shipped_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
                                    init_bounded, paged_cache_read_bytes, paged_facts, prefill_in_pieces, to_pages)
-from kvjax.budgets import check_budget
+from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
 from kvjax.paged import PagedKV, append_and_attend
 from kvjax.retaining_heads import KIND, apply_head, check_heads, head_features, random_heads_artifact
@@ -224,7 +224,8 @@ class Locret:
         facts = {"b": b, "stabilizers": n_s, "local": self.local, "chunk": self.chunk, "heads": self.heads,
                  "head_hidden": int(cache.artifact.arrays["w1"].shape[2]),
                  "prefill_buffer_tokens_per_head": b + self.local + self.chunk,
-                 "evicts_during_decode": self.evict_during_decode, "positions": self.positions, "pool": self.pool}
+                 "evicts_during_decode": self.evict_during_decode, "positions": self.positions, "pool": self.pool,
+                 **budget_facts(self.budget, cache.spec.longest_row)}
         if self.evict_during_decode:
             held = [int(x) for x in (cache.layers[0].buffer.slots >= 0).sum(axis=-1).max(axis=0)]
             return {**facts, "held_tokens_per_head_layer0": held}

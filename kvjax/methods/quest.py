@@ -20,7 +20,7 @@ from flax import struct
 from jax import lax
 
 from kvjax.artifacts import no_artifact
-from kvjax.budgets import check_budget, tokens_per_head
+from kvjax.budgets import budget_facts, check_budget, tokens_per_head
 from kvjax.cache import Cache, CacheSpec
 from kvjax.methods.base import check_common
 from kvjax.paged import (
@@ -184,7 +184,8 @@ class Quest:
         if cache.stage != "compressed":
             return {}
         return {"saves": "bandwidth, not memory (every token stays on the device)",
-                "page_pool_bytes": sum(paged_device_bytes(st.paged) for st in cache.layers)}
+                "page_pool_bytes": sum(paged_device_bytes(st.paged) for st in cache.layers),
+                **budget_facts(self.budget, cache.spec.longest_row)}
 
     def bytes_read_per_step(self, cache: Cache) -> int:
         """Dense layers read every token; the others the selected pages plus the page bounds."""

@@ -15,7 +15,7 @@ import abc
 from typing import Any
 
 from kvjax.artifacts import Artifact
-from kvjax.budgets import check_budget
+from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import Cache, CacheSpec
 from kvjax.methods.base import check_common
 from kvjax.methods.recall.layout import (RecallKV, append_attend, attention_read_bytes, build_layer,
@@ -194,7 +194,8 @@ class LeaderFollowerMethod(abc.ABC):
             return {}
         layers, schedule = cache.layers, self.schedule
         fetched = sum(schedule.fetched_rows(st, layers, i) for i, st in enumerate(layers))
-        return {**self.method_stats(cache), **recall_stats(layers, fetched)}
+        return {**self.method_stats(cache), **recall_stats(layers, fetched),
+                **budget_facts(self.budget, cache.spec.longest_row)}
 
     def bytes_read_per_step(self, cache: Cache) -> int:
         """Attention over every held token, and the leaders' keys once more for their decision (every step)."""

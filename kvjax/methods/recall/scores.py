@@ -31,7 +31,7 @@ def staged_scores(state, ctx, *, kernel: int):
 
     Each layer is scored once (:func:`last_query_probs`, :func:`prompt_scores` with ``gqa="max"``) and
     remembered; ``state`` is this layer's staging, ``ctx.layers`` the others' (every layer is still staged
-    while :func:`kvjax.generate.compress` runs), so a leader in any layer can be scored.
+    while :func:`kvjax.decoding.compress` runs), so a leader in any layer can be scored.
     """
     P, H = ctx.spec.prompt_slots, ctx.spec.num_kv_heads
     done = {}

@@ -117,7 +117,7 @@ def check_room(cache: Cache, new_tokens: int) -> None:
     if cache.stage == "prefill":
         if length + new_tokens > spec.prompt_slots:
             raise ValueError(f"prefill of {new_tokens} tokens at slot {length} overflows the prompt's {spec.prompt_slots} "
-                             "slots the cache was made for; compress first (kvjax.generate.compress), then add tokens")
+                             "slots the cache was made for; compress first (kvjax.decoding.compress), then add tokens")
     elif length + new_tokens > spec.total_slots:
         raise ValueError(f"{new_tokens} more tokens at slot {length} exceed the cache's room: it was made for "
                          f"{spec.prompt_slots} prompt slots + {spec.room} later tokens; allocate more room "
