@@ -13,8 +13,8 @@ core with no import cycle. The jitted functions (prefill, compress, decode) live
 
 from kvjax.cache import AttendContext, Cache, CacheSpec
 from kvjax.methods import METHODS, FullCache, get_method
-from kvjax.api import GenerationResult, ask, generate, load
+from kvjax.api import GenerationResult, ask, compare, generate, load
 
 __version__ = "0.1.0"
 
-__all__ = ["AttendContext", "Cache", "CacheSpec", "FullCache", "METHODS", "get_method", "load", "generate", "ask", "GenerationResult"]
+__all__ = ["AttendContext", "Cache", "CacheSpec", "FullCache", "METHODS", "get_method", "load", "generate", "compare", "ask", "GenerationResult"]

@@ -1,4 +1,5 @@
-"""High-level API: ``kvjax.load(...)`` and ``kvjax.generate(...)`` on text prompts."""
+"""High-level API on text prompts: ``kvjax.load``, ``kvjax.generate``, ``kvjax.compare`` (methods side by side,
+one shared prefill) and ``kvjax.ask`` (questions over one compressed context)."""
 
 from __future__ import annotations
 
@@ -80,26 +81,15 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> t
     return tokens, pad
 
 
-def generate_tokens(
-    model, token_rows: Sequence[Sequence[int]], *, method=None, max_new_tokens: int = 64,
-    sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
-    eos_ids: Sequence[int] = (), pad_id: int = 0, on_token: Callable[[np.ndarray], None] | None = None,
-    progress: bool = False, question_rows: Sequence[Sequence[int]] | None = None, artifact=None,
-):
-    """Generate from token-id prompts; returns (tokens [B, n], num_generated [B], cache, timings).
-
-    ``question_rows`` (optional, one per prompt, all of one length): the prompts are the *context*,
-    compressed alone, and the questions are then prefilled onto the compressed cache uncompressed
-    (the query-agnostic setting). ``on_token`` switches to the per-step jitted function and is
-    called with each step's tokens [B] (streaming); otherwise the whole decode runs in one jitted
-    ``while_loop``.
-    """
+def batch_for(model, token_rows: Sequence[Sequence[int]], *, max_new_tokens: int, chunk_size: int | None,
+              pad_id: int, question_rows: Sequence[Sequence[int]] | None = None):
+    """``(tokens [B, L], pad [B], question [B, Q] or None, spec)`` of a batch of token rows, left-padded to a
+    multiple of ``chunk_size``, after checking that it fits the model's context."""
     config = model.config
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0 or None, got {chunk_size}")
-    method = _resolve_method(method)
     tokens, pad = left_pad(token_rows, pad_id, multiple=chunk_size or 1)
     question = None
     if question_rows is not None:
@@ -119,15 +109,26 @@ def generate_tokens(
         )
     B, L = tokens.shape
     spec = CacheSpec.for_model(config, B, L, q_len + max_new_tokens, model.dtype, longest_row=longest, mesh=model.mesh)
-    cache = method.init_cache(spec, artifact)
-    cache = place_cache(cache.replace(pad=jnp.asarray(pad)))
-    tokens = place_rows(jnp.asarray(tokens), model.mesh)
-    timings = {}
+    return tokens, pad, question, spec
 
+
+def timed_prefill(model, tokens: np.ndarray, cache, *, chunk_size: int | None, progress: bool):
+    """``(logits, cache, {"prefill_s": ...})``: the prompt prefilled into ``cache`` (placed on the model's mesh)."""
+    tokens = place_rows(jnp.asarray(tokens), model.mesh)
     t0 = time.perf_counter()
-    logits, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk_size, progress=progress)
+    logits, cache = prefill_prompt(model.graphdef, model.params, tokens, place_cache(cache), chunk_size=chunk_size,
+                                   progress=progress)
     jax.block_until_ready(logits)
-    timings["prefill_s"] = time.perf_counter() - t0
+    return logits, cache, {"prefill_s": time.perf_counter() - t0}
+
+
+def compress_and_decode(model, logits, cache, question, timings: dict, *, max_new_tokens: int, sampling: Sampling,
+                        seed: int, eos_ids: Sequence[int], on_token: Callable[[np.ndarray], None] | None = None):
+    """Compress a prefilled cache, prefill the question (if any) onto it, and decode: ``(tokens [B, n],
+    num_generated [B], cache, timings)`` (``timings`` extended with ``compress_s``, ``question_s``, ``decode_s``,
+    ``decode_ms_per_token`` and, when streaming, ``first_step_s`` and ``decode_steady_ms_per_token``)."""
+    timings = dict(timings)
+    B = cache.spec.batch
     t0 = time.perf_counter()
     cache = compress(cache)
     jax.block_until_ready(cache)
@@ -177,6 +178,70 @@ def generate_tokens(
     return out, count, cache, timings
 
 
+def generate_tokens(
+    model, token_rows: Sequence[Sequence[int]], *, method=None, max_new_tokens: int = 64,
+    sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
+    eos_ids: Sequence[int] = (), pad_id: int = 0, on_token: Callable[[np.ndarray], None] | None = None,
+    progress: bool = False, question_rows: Sequence[Sequence[int]] | None = None, artifact=None,
+):
+    """Generate from token-id prompts; returns (tokens [B, n], num_generated [B], cache, timings).
+
+    ``question_rows`` (optional, one per prompt, all of one length): the prompts are the *context*,
+    compressed alone, and the questions are then prefilled onto the compressed cache uncompressed
+    (the query-agnostic setting). ``on_token`` switches to the per-step jitted function and is
+    called with each step's tokens [B] (streaming); otherwise the whole decode runs in one jitted
+    ``while_loop``.
+    """
+    method = _resolve_method(method)
+    tokens, pad, question, spec = batch_for(model, token_rows, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
+                                            pad_id=pad_id, question_rows=question_rows)
+    cache = method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad))
+    logits, cache, timings = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress)
+    return compress_and_decode(model, logits, cache, question, timings, max_new_tokens=max_new_tokens,
+                               sampling=sampling, seed=seed, eos_ids=eos_ids, on_token=on_token)
+
+
+def compare_tokens(
+    model, token_rows: Sequence[Sequence[int]], methods: Sequence, *, artifacts: Sequence | None = None,
+    max_new_tokens: int = 64, sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
+    eos_ids: Sequence[int] = (), pad_id: int = 0, progress: bool = False,
+    question_rows: Sequence[Sequence[int]] | None = None,
+) -> list[tuple]:
+    """:func:`generate_tokens` for each of ``methods`` on the same rows, one result per method, with **one**
+    prefill for every method that can share it (:mod:`kvjax.shared_prefill`: the full cache and the
+    evict-after-prefill methods); the others run their own. The shared methods' ``timings`` carry the shared
+    prefill's ``prefill_s`` and ``prefill_shared_by`` (how many methods it served)."""
+    from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
+
+    methods = [_resolve_method(m) for m in methods]
+    if not methods:
+        raise ValueError("compare needs at least one method")
+    artifacts = [None] * len(methods) if artifacts is None else list(artifacts)
+    if len(artifacts) != len(methods):
+        raise ValueError(f"need one artifact (or None) per method: {len(artifacts)} for {len(methods)} methods")
+    tokens, pad, question, spec = batch_for(model, token_rows, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
+                                            pad_id=pad_id, question_rows=question_rows)
+    decode = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids)
+    shared = [i for i, m in enumerate(methods) if can_share_prefill(m)]
+    if len(shared) < 2:
+        shared = []
+    results: list = [None] * len(methods)
+    if shared:
+        staged = init_shared_cache([methods[i] for i in shared], spec, [artifacts[i] for i in shared])
+        logits, staged, timings = timed_prefill(model, tokens, staged.replace(pad=jnp.asarray(pad)),
+                                                chunk_size=chunk_size, progress=progress)
+        timings["prefill_shared_by"] = len(shared)
+        for i in shared:
+            cache = cache_for(staged, methods[i], artifacts[i])
+            results[i] = compress_and_decode(model, logits, cache, question, timings, **decode)
+    for i, m in enumerate(methods):
+        if results[i] is None:
+            cache = m.init_cache(spec, artifacts[i]).replace(pad=jnp.asarray(pad))
+            logits, cache, timings = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress)
+            results[i] = compress_and_decode(model, logits, cache, question, timings, **decode)
+    return results
+
+
 def split_at_question(tokenizer, context: str, question: str, chat: bool) -> tuple[list[int], list[int]]:
     """(context ids, question ids) of ``context + "\n" + question`` formatted for the model (chat template
     with ``chat``), split in front of the question: the question ids carry the template's end of turn."""
@@ -213,22 +278,8 @@ def generate(
         must have one length in tokens.
       artifact: calibration data / trained weights of methods that need them.
     """
-    from models.tokenizer import format_prompt
-
     tok = model.tokenizer
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    question_rows = None
-    if question is None:
-        rows = [tok(format_prompt(tok, p, chat), add_special_tokens=True)["input_ids"] for p in prompts]
-    else:
-        questions = [question] if isinstance(question, str) else list(question)
-        if len(questions) != len(prompts):
-            raise ValueError(f"need one question per prompt: {len(questions)} questions for {len(prompts)} prompts")
-        pairs = [split_at_question(tok, p, q, chat) for p, q in zip(prompts, questions)]
-        rows, question_rows = [c for c, _ in pairs], [q for _, q in pairs]
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
-
+    rows, question_rows, eos, pad_id = text_batch(tok, prompt, question, chat)
     on_token = None
     if stream is not None:
         emitted: list[int] = []
@@ -248,6 +299,51 @@ def generate(
         seed=seed, chunk_size=chunk_size, eos_ids=eos, pad_id=pad_id, on_token=on_token, progress=progress,
         question_rows=question_rows, artifact=artifact,
     )
+    return text_result(tok, out, count, cache, timings, rows, question_rows, eos)
+
+
+def compare(
+    model, prompt: str | Sequence[str], methods: Sequence, *, max_new_tokens: int = 64, chat: bool = False,
+    chunk_size: int | None = None, question: str | Sequence[str] | None = None, artifacts: Sequence | None = None,
+    progress: bool = False,
+) -> list[GenerationResult]:
+    """:func:`generate` (greedy) with each of ``methods`` on the same prompt(s): one result per method, in order.
+
+    The methods that can share a prefill (the full cache and the evict-after-prefill methods) share **one**; the
+    others run their own. Each result equals that method's :func:`generate` (the same tokens); a shared
+    prefill's time is in every result it served, with ``timings["prefill_shared_by"]``.
+    """
+    tok = model.tokenizer
+    rows, question_rows, eos, pad_id = text_batch(tok, prompt, question, chat)
+    outputs = compare_tokens(model, rows, methods, artifacts=artifacts, max_new_tokens=max_new_tokens,
+                             chunk_size=chunk_size, eos_ids=eos, pad_id=pad_id, progress=progress,
+                             question_rows=question_rows)
+    return [text_result(tok, out, count, cache, timings, rows, question_rows, eos)
+            for out, count, cache, timings in outputs]
+
+
+def text_batch(tok, prompt: str | Sequence[str], question: str | Sequence[str] | None, chat: bool):
+    """``(rows, question_rows or None, eos ids, pad id)``: the prompts (and questions) as token ids, formatted as
+    :func:`generate` documents."""
+    from models.tokenizer import format_prompt
+
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    question_rows = None
+    if question is None:
+        rows = [tok(format_prompt(tok, p, chat), add_special_tokens=True)["input_ids"] for p in prompts]
+    else:
+        questions = [question] if isinstance(question, str) else list(question)
+        if len(questions) != len(prompts):
+            raise ValueError(f"need one question per prompt: {len(questions)} questions for {len(prompts)} prompts")
+        pairs = [split_at_question(tok, p, q, chat) for p, q in zip(prompts, questions)]
+        rows, question_rows = [c for c, _ in pairs], [q for _, q in pairs]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+    return rows, question_rows, eos, pad_id
+
+
+def text_result(tok, out, count, cache, timings, rows, question_rows, eos) -> GenerationResult:
+    """The :class:`GenerationResult` of generated token ids (EOS dropped)."""
     token_lists = [[int(t) for t in out[b, : count[b]] if t not in eos] for b in range(out.shape[0])]
     texts = [tok.decode(t, skip_special_tokens=True) for t in token_lists]
     return GenerationResult(

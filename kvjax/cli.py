@@ -146,7 +146,8 @@ def demo_table(rows) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['protocol']:<17} {r['method']:<24} {r['answer'][:14]:<14} {'yes' if r['ok'] else 'NO':<3} "
-                     f"{format_bytes(r['device_bytes']):>10} {format_bytes(r['host_bytes']):>10} {r['prefill_s']:>9.2f} "
+                     f"{format_bytes(r['device_bytes']):>10} {format_bytes(r['host_bytes']):>10} "
+                     f"{('*' if r.get('prefill_shared') else '') + format(r['prefill_s'], '.2f'):>9} "
                      f"{r['decode_ms_per_token']:>13.1f}")
     return "\n".join(lines)
 
@@ -166,20 +167,22 @@ def cmd_demo(args) -> int:
     context = sample.prompt[: sample.prompt.rindex(QUESTION)]
     rows = []
     for protocol, prompt, question in (("in the prompt", sample.prompt, None), ("after compression", context, QUESTION)):
-        for label, method in methods:
-            if question is not None and label == "full":  # the same tokens: the full cache's answer does not change
-                continue
-            print(f"  {label}, question {protocol} ...", flush=True)
-            r = kvjax.generate(model, prompt, question=question, method=method, max_new_tokens=16, chat=True,
-                               chunk_size=args.chunk_size)
+        # the full cache's answer does not change when the question comes after the (uncompressed) context
+        runs = [(label, m) for label, m in methods if question is None or label != "full"]
+        print(f"  question {protocol}: {', '.join(label for label, _ in runs)} ...", flush=True)
+        results = kvjax.compare(model, prompt, [m for _, m in runs], question=question, max_new_tokens=16, chat=True,
+                                chunk_size=args.chunk_size)
+        for (label, _), r in zip(runs, results):
             rows.append({"protocol": protocol, "method": label, "answer": r.text.strip().replace("\n", " "),
                          "ok": sample.answer in r.text, "device_bytes": r.cache_stats["device_bytes"],
                          "host_bytes": r.cache_stats["host_bytes"], "prefill_s": r.timings["prefill_s"],
+                         "prefill_shared": r.timings.get("prefill_shared_by", 1) > 1,
                          "decode_ms_per_token": r.timings["decode_ms_per_token"]})
     print()
     print(demo_table(rows))
-    print("\ndevice/host KV: the bytes the cache holds after compression; times include compilation (one per method). "
-          "With the question after compression a method keeps what it can without knowing the question.")
+    print("\ndevice/host KV: the bytes the cache holds after compression; times include compilation (one per method); "
+          "* one prefill shared by the methods so marked (kvjax.compare). With the question after compression a method "
+          "keeps what it can without knowing the question.")
     return 0
 
 

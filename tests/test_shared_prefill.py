@@ -96,3 +96,27 @@ def test_shared_prefill_errors(tiny):
     _, snap_only = prefill(tiny.graphdef, tiny.params, jnp.zeros((1, L), jnp.int32), snap_only)
     with pytest.raises(ValueError, match="cannot be compressed"):
         compress(snap_only)
+
+
+def test_compare_gives_each_methods_own_tokens_with_one_shared_prefill(tiny):
+    """``compare_tokens`` over a ragged batch, with a question after compression and a method that runs its own
+    prefill: every method's tokens equal its own ``generate_tokens``; the shareable ones say one prefill served
+    them all."""
+    from kvjax.api import compare_tokens, generate_tokens
+    from kvjax.methods import ChunkedEviction
+
+    rng = np.random.default_rng(21)
+    rows = [list(rng.integers(0, 97, size=L)), list(rng.integers(0, 97, size=L - 9))]
+    question = [list(rng.integers(0, 97, size=4)) for _ in rows]
+    methods = [FullCache(block=16), SnapKV(budget=12, window=4, block=16), ChunkedEviction(budget=16, chunk=8, local=4, stabilizers=4),
+               HeteroCache(budget=0.6, block=16, window=2, tau_drift=1.0)]
+    artifacts = [artifact_for(m, tiny) for m in methods]
+    got = compare_tokens(tiny, rows, methods, artifacts=artifacts, max_new_tokens=STEPS, chunk_size=16,
+                         question_rows=question)
+    for m, a, (out, count, cache, timings) in zip(methods, artifacts, got):
+        ref, ref_count, _, _ = generate_tokens(tiny, rows, method=m, artifact=a, max_new_tokens=STEPS, chunk_size=16,
+                                               question_rows=question)
+        np.testing.assert_array_equal(out, ref, err_msg=m.name)
+        np.testing.assert_array_equal(count, ref_count)
+        assert cache.method == m
+        assert timings.get("prefill_shared_by") == (None if m.name == "chunked_eviction" else 3), m.name
