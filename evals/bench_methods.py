@@ -220,9 +220,32 @@ def make_methods(names, budget) -> dict:
     return {n: get_method(n) if n == REFERENCE else get_method(n, budget=budget) for n in names}
 
 
-def check_methods_fit(methods: dict, config, lengths, new_tokens: int) -> None:
+def bench_artifacts(methods: dict, config, random_weights: bool) -> tuple[dict, dict]:
+    """``(artifact to pass per method, its source per method)``. A method that finds its own artifact (shipped for the
+    model, or named by its options) gets None to pass and the source ``"own"``; one without an artifact None and
+    None. With random weights and nothing to find (a shape-only model): a synthetic artifact of the real shapes and
+    classes (:func:`evals.synthetic.synthetic_artifact`: calibrated on nothing, so it holds and moves the bytes a
+    calibration would), source ``"synthetic"``. Real weights with nothing to find keep the method's own error."""
+    from evals.synthetic import synthetic_artifact
+    from kvjax.cache import CacheSpec
+
+    spec = CacheSpec.for_model(config, 1, 1, 1, "float32")
+    artifacts, sources = {}, {}
+    for name, m in methods.items():
+        try:
+            artifacts[name], sources[name] = None, None if m.artifact_for(spec, None) is None else "own"
+        except ValueError:
+            if not random_weights:
+                raise
+            artifacts[name], sources[name] = synthetic_artifact(m, spec), "synthetic"
+    return artifacts, sources
+
+
+def check_methods_fit(methods: dict, config, lengths, new_tokens: int, artifacts: dict | None = None) -> None:
     """Every (method, length) must be feasible: budget vs prompt, model context."""
     import jax
+
+    artifacts = artifacts or {}
 
     problems = []
     for L in lengths:
@@ -234,7 +257,8 @@ def check_methods_fit(methods: dict, config, lengths, new_tokens: int) -> None:
             if name == REFERENCE:
                 continue
             try:
-                jax.eval_shape(lambda m=m: new_cache(m, config, 1, L, new_tokens, "float32"))  # validates, allocates nothing
+                jax.eval_shape(lambda m=m, a=artifacts.get(name): new_cache(m, config, 1, L, new_tokens, "float32",
+                                                                           artifact=a))  # validates, allocates nothing
             except ValueError as e:
                 problems.append(f"{name} at L={L}: {e}")
     if problems:
@@ -454,8 +478,9 @@ def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
     }
 
 
-def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
-    """One row per method (full cache first) at prompt length ``L``; a failing method gets an ``error`` row."""
+def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict | None = None) -> list[dict]:
+    """One row per method (full cache first) at prompt length ``L``, each with its artifact (``artifacts``, default
+    the shipped ones); a failing method gets an ``error`` row."""
     import jax
     import jax.numpy as jnp
 
@@ -463,6 +488,7 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
     from kvjax.shared_prefill import cache_for, init_shared_cache
 
     config, N = model.config, args.new_tokens
+    artifacts = artifacts or {}
     chunk = effective_chunk(L, args.chunk_size)
     tokens = prompt_tokens(config.vocab_size, L, args.seed)
     chunks = [jnp.asarray(tokens[:, i:i + chunk]) for i in range(0, L, chunk)]
@@ -509,6 +535,7 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
             method = methods[name]
             _log(f"[bench] L={L} {name}: compiling and prefilling {L} tokens in chunks of {chunk} (own prefill)")
             pf = _Prefiller(model, lambda: jax.block_until_ready(new_cache(method, config, 1, L, N, model.dtype,
+                                                                           artifact=artifacts.get(name),
                                                                            mesh=model.mesh)), chunks)
             first, cache, seconds, memory = pf.measure()
             staging = {"kind": "own prefill", "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
@@ -539,7 +566,9 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
         try:
             _log(f"[bench] L={L} staging (window {window}, accumulate {accumulate}) for {', '.join(names)}")
             spec = CacheSpec.for_model(config, 1, L, N, model.dtype, mesh=model.mesh)
-            pf = _Prefiller(model, lambda: jax.block_until_ready(place_cache(init_shared_cache(group, spec))), chunks)
+            arts = [artifacts.get(n) for n in names]
+            pf = _Prefiller(model, lambda: jax.block_until_ready(place_cache(init_shared_cache(group, spec, arts))),
+                            chunks)
             first, staged, seconds, memory = pf.measure()
             staging = {"kind": kind, "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
             del pf
@@ -551,7 +580,8 @@ def measure_length(model, L: int, methods: dict, args, bar=None) -> list[dict]:
         for n in names:
             try:
                 m = methods[n]
-                result = measure_method(model, n, lambda final, m=m: cache_for(staged, m), first, key, args, L)
+                result = measure_method(model, n, lambda final, m=m, a=artifacts.get(n): cache_for(staged, m, a),
+                                        first, key, args, L)
                 done(n, finish(n, staging, result))
             except Exception as e:  # noqa: BLE001
                 done(n, error=_error(e))
@@ -603,7 +633,8 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         model = load_model(args.model, args.dtype, tokenizer=False, mesh=mesh, random_weights=args.random_weights)
         jax.block_until_ready(model.params)
         load_s = time.perf_counter() - t
-        check_methods_fit(methods, model.config, args.lengths, args.new_tokens)
+        artifacts, artifact_sources = bench_artifacts(methods, model.config, args.random_weights)
+        check_methods_fit(methods, model.config, args.lengths, args.new_tokens, artifacts)
         weights = weights_read_bytes(model)
         traces0 = dict(TRACE_COUNTS)
 
@@ -611,7 +642,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         with tqdm(total=len(args.lengths) * len(methods), desc="bench (length, method)", unit="run", file=sys.stderr) as bar:
             for L in args.lengths:
                 bar.set_postfix_str(f"L={L}")
-                rows += measure_length(model, L, methods, args, bar)
+                rows += measure_length(model, L, methods, args, bar, artifacts)
                 gc.collect()
         add_derived(rows, weights, bandwidth.get("machine"))
     finally:
@@ -632,6 +663,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         "weights": weights,
         "load_s": load_s,
         "method_configs": {n: repr(m) for n, m in methods.items()},
+        "artifacts": artifact_sources,
         "staging_kinds": staging_kinds(methods),
         "trace_counts": {k: TRACE_COUNTS[k] - traces0.get(k, 0) for k in TRACE_COUNTS},
         "rows": rows,

@@ -75,6 +75,11 @@ def render_markdown(report: dict) -> str:
     if a.get("random_weights"):
         lines.append("- **random weights** (`--random-weights`): the model's shapes, not its trained weights. Times and "
                      "bytes are the model's; data-dependent figures (recall trigger rates, selections) are not")
+    synthetic = [n for n, source in report.get("artifacts", {}).items() if source == "synthetic"]
+    if synthetic:
+        lines.append(f"- **synthetic artifacts** for {', '.join(f'`{n}`' for n in synthetic)}: none ships for this "
+                     "model, so each has the real shapes and the papers' head classes, calibrated on nothing "
+                     "(`evals.synthetic.synthetic_artifact`)")
     if "error" in bw:
         lines.append(f"- bandwidth measurement failed: {bw['error']} (no limits)")
     else:

@@ -131,3 +131,24 @@ def test_replicated_rows_equal_a_batch_of_identical_rows(name):
     assert _leaves(tiled) == _leaves(whole)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(tiled), jax.tree_util.tree_leaves(whole)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+def test_bench_takes_the_shipped_artifact_else_a_synthetic_one_with_random_weights():
+    """``kvjax bench``'s artifacts: the shipped calibration for a ready model; for a shape-only model with random
+    weights a synthetic one (the paper's head classes); with real weights and nothing shipped, the method's own
+    error."""
+    from evals.bench_methods import bench_artifacts
+
+    methods = {"snapkv": get_method("snapkv"), "heterocache": get_method("heterocache"),
+               "hcattention": get_method("hcattention")}
+    ready, _ = model_architecture("qwen2.5-coder-0.5b")
+    arts, sources = bench_artifacts(methods, ready, random_weights=True)
+    assert sources == {"snapkv": None, "heterocache": "own", "hcattention": "own"}  # the shipped calibrations
+    assert arts == {"snapkv": None, "heterocache": None, "hcattention": None}
+    shape, _ = model_architecture("llama-3.1-8b")
+    arts, sources = bench_artifacts(methods, shape, random_weights=True)
+    assert sources == {"snapkv": None, "heterocache": "synthetic", "hcattention": "synthetic"}
+    spec = CacheSpec.for_model(shape, 1, 1, 1, "float32")
+    assert arts["heterocache"].meta == synthetic_artifact(methods["heterocache"], spec).meta
+    with pytest.raises(ValueError, match="no shipped heterocache artifact"):
+        bench_artifacts(methods, shape, random_weights=False)
