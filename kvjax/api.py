@@ -234,6 +234,7 @@ def compare_tokens(
         for i in shared:
             cache = cache_for(staged, methods[i], artifacts[i])
             results[i] = compress_and_decode(model, logits, cache, question, timings, **decode)
+        del staged  # device memory: the staging is held only while the methods it served run
     for i, m in enumerate(methods):
         if results[i] is None:
             cache = m.init_cache(spec, artifacts[i]).replace(pad=jnp.asarray(pad))
