@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from flax import struct
@@ -153,6 +154,12 @@ def load_artifact(path) -> Artifact:
     return Artifact(arrays=arrays, kind=doc["kind"], model_id=doc["model_id"], meta=meta)
 
 
+def artifact_stem(model_id: str, variant: str = "") -> str:
+    """``<model>[-<variant>]``: an artifact file's name without its suffix."""
+    model = model_id.split(":")[0] or "model"
+    return f"{model}-{variant}" if variant else model
+
+
 def shipped_artifact_path(kind: str, model_id: str, variant: str = "", *, suffix: str | None = None):
     """Where the artifact shipped with kvjax for ``kind`` and a model lives (may not exist).
 
@@ -161,9 +168,24 @@ def shipped_artifact_path(kind: str, model_id: str, variant: str = "", *, suffix
     """
     from pathlib import Path
 
-    model = model_id.split(":")[0] or "model"
-    stem = f"{model}-{variant}" if variant else model
-    folder = Path(__file__).parent / "data" / kind
+    return _in_folder(Path(__file__).parent / "data" / kind, artifact_stem(model_id, variant), suffix)
+
+
+def user_cache_dir():
+    """kvjax's user cache directory: ``$KVJAX_CACHE``, else ``~/.cache/kvjax`` (not created here)."""
+    from pathlib import Path
+
+    return Path(os.environ.get("KVJAX_CACHE") or Path.home() / ".cache" / "kvjax")
+
+
+def user_artifact_path(kind: str, model_id: str, variant: str = "", *, suffix: str | None = None):
+    """Where ``kvjax calibrate`` / ``kvjax train-locret --install`` put an artifact made on this machine (may not
+    exist): ``<user cache>/artifacts/<kind>/<model>[-<variant>]<suffix>`` (``suffix=None`` as
+    :func:`shipped_artifact_path`). Artifacts too large to ship (e.g. 8192-centroid codebooks) live here."""
+    return _in_folder(user_cache_dir() / "artifacts" / kind, artifact_stem(model_id, variant), suffix)
+
+
+def _in_folder(folder, stem: str, suffix: str | None):
     if suffix is not None:
         return folder / f"{stem}{suffix}"
     for ext in (".json", ".npz"):
@@ -172,12 +194,23 @@ def shipped_artifact_path(kind: str, model_id: str, variant: str = "", *, suffix
     return folder / f"{stem}.json"
 
 
-def shipped_artifact(kind: str, model_id: str, variant: str = "") -> Artifact:
-    """The artifact shipped for ``kind`` and the model ``model_id``; a clear error when there is none."""
-    path = shipped_artifact_path(kind, model_id, variant)
+# The command that makes each kind of artifact.
+MAKERS = {"heterocache": "kvjax calibrate heterocache", "synckv": "kvjax calibrate synckv",
+          "hcattention": "kvjax calibrate hcattention", "locret": "kvjax train-locret --install"}
+
+
+def installed_artifact(kind: str, model_id: str, variant: str = "") -> Artifact:
+    """The artifact installed for ``kind`` and the model ``model_id``: the one shipped with kvjax, else one made on
+    this machine (:func:`user_artifact_path`); a clear error naming both places when there is none. The shipped one
+    wins, so published figures stay reproducible; pass an artifact explicitly to use another."""
+    shipped = shipped_artifact_path(kind, model_id, variant)
+    user = user_artifact_path(kind, model_id, variant)
+    path = shipped if shipped.exists() else user
     if not path.exists():
-        raise ValueError(f"no shipped {kind} artifact for model {model_id!r} ({path.stem}.json|.npz); "
-                         f"run `kvjax calibrate {kind} --model <model>` and pass the artifact")
+        maker = MAKERS.get(kind, f"kvjax calibrate {kind}")
+        raise ValueError(f"no {kind} artifact for model {model_id!r} ({shipped.stem}.json|.npz): none ships with kvjax "
+                         f"({shipped.parent}) and none was made in {user.parent}; run `{maker} --model <model>` "
+                         "(it writes there) or pass the artifact")
     art = load_artifact(path)
     art.check(kind, model_id)
     return art
@@ -190,4 +223,4 @@ def no_artifact(artifact, name: str) -> None:
 
 
 __all__ = ["Artifact", "frozen_meta", "model_identity", "require_artifact", "no_artifact", "save_artifact", "load_artifact",
-           "shipped_artifact_path", "shipped_artifact"]
+           "artifact_stem", "shipped_artifact_path", "user_cache_dir", "user_artifact_path", "installed_artifact"]

@@ -3,8 +3,9 @@
 ``hcattention`` (PQ key codebooks) has its own options and flow, see :func:`main_hcattention`.
 
 One recording (prefill + greedy decode of the calibration samples) serves every group size in
-``--group-layers``. Per group size: the artifact JSON (default: the shipped location
-``kvjax/data/<kind>/<model>-g<G>.json``; ``--out-dir`` elsewhere), and in
+``--group-layers``. Per group size: the artifact JSON (default: this machine's artifacts,
+``$KVJAX_CACHE/artifacts/<kind>/<model>-g<G>.json``, where the methods find it; ``--ship``: the shipped location
+``kvjax/data/<kind>/``; ``--out-dir`` elsewhere), and in
 ``<report-dir>/<kind>-<model>-g<G>/`` (default report dir ``docs/results/calibration``): ``summary.md``
 (settings, command, roles, the smallest feasible budget, warnings), ``stats.json`` and PNG plots —
 head roles per layer (HeteroCache) or R-heads per layer (SyncKV), stability per head, the overlap
@@ -23,6 +24,37 @@ from pathlib import Path
 import numpy as np
 
 KINDS = ("heterocache", "synckv", "hcattention")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """Where the artifact goes: this machine's artifacts (default), the shipped location, or a directory."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out-dir", default=None, help="artifact directory (default: this machine's artifacts, "
+                       "$KVJAX_CACHE/artifacts/<kind>/, where the methods look after the shipped ones)")
+    where.add_argument("--ship", action="store_true", help="write to the shipped location, kvjax/data/<kind>/ "
+                       "(for artifacts that ship with kvjax)")
+
+
+def artifact_out(args, kind: str, model_id: str, variant: str, suffix: str) -> Path:
+    """The artifact's file: ``--out-dir``, ``--ship`` (kvjax/data) or this machine's artifacts."""
+    from kvjax.artifacts import artifact_stem, shipped_artifact_path, user_artifact_path
+
+    if args.out_dir:
+        return Path(args.out_dir) / f"{artifact_stem(model_id, variant)}{suffix}"
+    if args.ship:
+        return shipped_artifact_path(kind, model_id, variant, suffix=suffix)
+    return user_artifact_path(kind, model_id, variant, suffix=suffix)
+
+
+def shadow_note(out: Path, kind: str, model_id: str, variant: str) -> str:
+    """A line when a shipped artifact of the same name exists beside one written elsewhere (the shipped one wins)."""
+    from kvjax.artifacts import shipped_artifact_path
+
+    shipped = shipped_artifact_path(kind, model_id, variant)
+    if shipped.exists() and shipped.resolve() != out.resolve():
+        return (f"note: {shipped} ships with kvjax and is the one the method loads by default; pass this artifact "
+                f"explicitly (artifact=load_artifact(...)) to use it")
+    return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau-sim", type=float, default=0.5, help="HeteroCache similarity threshold")
     p.add_argument("--tau-stable", type=float, default=0.5, help="HeteroCache stability threshold")
     p.add_argument("--seed", type=int, default=0, help="SyncKV k-means seed")
-    p.add_argument("--out-dir", default=None, help="artifact directory (default: the shipped location)")
+    add_output_args(p)
     p.add_argument("--report-dir", default="docs/results/calibration",
                    help="plots and summaries go to <report-dir>/<kind>-<model>-g<G>/")
     return p
@@ -53,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run a calibration (see module docstring)."""
     import kvjax
-    from kvjax.artifacts import model_identity, save_artifact, shipped_artifact_path
+    from kvjax.artifacts import model_identity, save_artifact
     from kvjax.calibration import auto_group_layers, calibration_rows, head_statistics, record_sets
 
     if argv is None:
@@ -96,15 +128,15 @@ def main(argv=None) -> int:
 
             art = synckv_artifact(stats, mid, seed=args.seed, default_representatives=paper_representatives(cfg))
         wall = record_s + time.perf_counter() - t1
-        out = (Path(args.out_dir) / f"{name}-g{group}.json" if args.out_dir
-               else shipped_artifact_path(args.kind, mid, f"g{group}"))
+        out = artifact_out(args, args.kind, mid, f"g{group}", ".json")
         out.parent.mkdir(parents=True, exist_ok=True)
         save_artifact(art, out)
         report = Path(args.report_dir) / f"{args.kind}-{name}-g{group}"
         report.mkdir(parents=True, exist_ok=True)
         lines = write_report(report, args.kind, stats, art, cfg, command=command, wall_s=wall)
         print("\n".join(lines))
-        print(f"artifact: {out}\nreport: {report}\n")
+        print(f"artifact: {out}\nreport: {report}")
+        print(shadow_note(out, args.kind, mid, f"g{group}"))
     return 0
 
 
@@ -249,7 +281,7 @@ def build_hcattention_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--storage-dtype", default="float16", choices=["float16", "float32"],
                    help="dtype of the codebooks in the .npz file (loaded as float32)")
-    p.add_argument("--out-dir", default=None, help="artifact directory (default: the shipped location)")
+    add_output_args(p)
     p.add_argument("--report-dir", default="docs/results/calibration",
                    help="plots and summaries go to <report-dir>/hcattention-<model>-g<g>-c<c>/")
     return p
@@ -277,7 +309,7 @@ def main_hcattention(argv) -> int:
     from kvjax.artifacts import load_artifact, model_identity, save_artifact
     from kvjax.calibration import calibration_rows
     from kvjax.pq_codebooks import (codebook_variant, code_dtype, collect_keys, fit_codebooks, hcattention_artifact,
-                                    quantization_error, shipped_codebooks_path)
+                                    quantization_error)
 
     args = build_hcattention_parser().parse_args(argv)
     if args.samples < 1 or args.heldout < 0 or args.tokens < HC_QUERY_WINDOW:
@@ -332,7 +364,7 @@ def main_hcattention(argv) -> int:
                 relative_error_on="held-out samples" if args.heldout else "training samples",
                 heldout=args.heldout, storage_dtype=args.storage_dtype)
             variant = codebook_variant(g, c)
-            out = (Path(args.out_dir) / f"{name}-{variant}.npz" if args.out_dir else shipped_codebooks_path(mid, g, c))
+            out = artifact_out(args, "hcattention", mid, variant, ".npz")
             out.parent.mkdir(parents=True, exist_ok=True)
             save_artifact(art, out)
             back = load_artifact(out)
@@ -347,7 +379,8 @@ def main_hcattention(argv) -> int:
                 train_err=train_err, held_err=held_err, held_all=held_all, f32_err=f32_err,
                 fig_keys=fig_keys, fig_queries=fig_q, codebooks=stored)
             print("\n".join(lines))
-            print(f"artifact: {out} ({out.stat().st_size} bytes)\nreport: {report}\n")
+            print(f"artifact: {out} ({out.stat().st_size} bytes)\nreport: {report}")
+            print(shadow_note(out, "hcattention", mid, variant))
     return 0
 
 
@@ -428,7 +461,7 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
               f"sample over the {HC_FIG_KEYS} keys up to it, exact vs quantized keys, four layers)."]
     (report / "summary.md").write_text("\n".join(lines) + "\n")
     stats = {"model": cfg.name, "groups": g, "centroids": c, "sub_dim": d, "samples": args.samples,
-             "heldout": args.heldout, "tokens": args.tokens, "iterations": args.iterations, "batch": args.batch,
+             "heldout_samples": args.heldout, "tokens": args.tokens, "iterations": args.iterations, "batch": args.batch,
              "seed": args.seed, "storage_dtype": args.storage_dtype,
              "times_s": {k: round(v, 1) for k, v in times.items()},
              "artifact_bytes": artifact_path.stat().st_size, "codebook_device_bytes_f32": book_b,

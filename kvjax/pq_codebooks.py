@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvjax.artifacts import Artifact, frozen_meta, shipped_artifact_path
+from kvjax.artifacts import Artifact, frozen_meta
 from kvjax.selection import top_p_select
 
 KIND = "hcattention"
@@ -405,10 +405,5 @@ def hcattention_artifact(codebooks, model_id: str, *, samples: int, tokens: int,
     return Artifact(arrays={"codebooks": cbs}, kind=KIND, model_id=model_id, meta=meta)
 
 
-def shipped_codebooks_path(model_id: str, groups: int, centroids: int):
-    """Where the shipped ``.npz`` codebooks of ``model_id`` for (``groups``, ``centroids``) live."""
-    return shipped_artifact_path(KIND, model_id, codebook_variant(groups, centroids), suffix=".npz")
-
-
 __all__ = ["KIND", "code_dtype", "codebook_variant", "kmeans_minibatch", "encode_keys", "decode_keys",
-           "fit_codebooks", "collect_keys", "quantization_error", "hcattention_artifact", "shipped_codebooks_path"]
+           "fit_codebooks", "collect_keys", "quantization_error", "hcattention_artifact"]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvjax.artifacts import Artifact, frozen_meta, shipped_artifact_path
+from kvjax.artifacts import Artifact, frozen_meta
 
 KIND = "locret"
 
@@ -84,10 +84,5 @@ def random_heads_artifact(model_id: str, num_layers: int, num_heads: int, num_kv
     return heads_artifact(heads, model_id, trained=False, seed=seed)
 
 
-def shipped_heads_path(model_id: str):
-    """Where the heads shipped for ``model_id`` live: ``kvjax/data/locret/<model>.npz``."""
-    return shipped_artifact_path(KIND, model_id, suffix=".npz")
-
-
 __all__ = ["KIND", "feature_size", "head_features", "apply_head", "init_heads", "check_heads", "heads_artifact",
-           "random_heads_artifact", "shipped_heads_path"]
+           "random_heads_artifact"]

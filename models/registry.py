@@ -93,8 +93,10 @@ def shape_model_config(name: str):
 
 
 def cache_dir() -> str:
-    """kvjax's user cache directory (``$KVJAX_CACHE`` or ``~/.cache/kvjax``)."""
-    path = os.environ.get("KVJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvjax")
+    """kvjax's user cache directory (:func:`kvjax.artifacts.user_cache_dir`), created."""
+    from kvjax.artifacts import user_cache_dir
+
+    path = str(user_cache_dir())
     os.makedirs(path, exist_ok=True)
     return path
 

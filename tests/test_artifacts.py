@@ -65,3 +65,22 @@ def test_artifact_is_a_pytree_argument_not_a_static_field():
     assert len(traces) == 1
     assert np.isclose(cache.replace(artifact=Artifact(arrays={"w": jnp.ones(5)})).stats()["device_bytes"]
                       - cache.stats()["device_bytes"], 20)  # the artifact's bytes are counted
+
+
+@pytest.mark.parametrize("argv, where", [([], "user"), (["--ship"], "shipped"), (["--out-dir", "OUT"], "out")])
+def test_calibrate_writes_where_the_methods_look(tmp_path, monkeypatch, argv, where):
+    """``kvjax calibrate``'s artifact goes to this machine's artifacts by default (where ``installed_artifact`` looks
+    after the shipped ones), to the shipped location with ``--ship``, or to ``--out-dir``; not both."""
+    from kvjax.artifacts import shipped_artifact_path
+    from kvjax.make_artifacts import artifact_out, build_parser
+
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    argv = [a.replace("OUT", str(tmp_path / "out")) for a in argv]
+    args = build_parser().parse_args(["heterocache", *argv])
+    got = artifact_out(args, "heterocache", "some-model:abc", "g8", ".json")
+    expected = {"user": tmp_path / "artifacts" / "heterocache" / "some-model-g8.json",
+                "shipped": shipped_artifact_path("heterocache", "some-model:abc", "g8", suffix=".json"),
+                "out": tmp_path / "out" / "some-model-g8.json"}[where]
+    assert got == expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["heterocache", "--ship", "--out-dir", "x"])

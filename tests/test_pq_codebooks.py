@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.artifacts import Artifact, load_artifact, save_artifact, shipped_artifact, shipped_artifact_path
+from kvjax.artifacts import (Artifact, installed_artifact, load_artifact, save_artifact, shipped_artifact_path,
+                             user_artifact_path)
 from kvjax.pq_codebooks import (code_dtype, codebook_variant, collect_keys, decode_keys, encode_keys, fit_codebooks,
                                 hcattention_artifact, kmeans_minibatch, quantization_error)
 from pallas_kernels.pq_attention import pq_scores
@@ -181,17 +182,33 @@ def test_npz_artifact_round_trip(tmp_path):
         save_artifact(art, tmp_path / "a.pkl")
 
 
+def test_installed_artifact_made_on_this_machine(tmp_path, monkeypatch):
+    """An artifact made on this machine (the user cache) is found where none ships; a shipped one wins over it."""
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    shipped = load_artifact(shipped_artifact_path("hcattention", "qwen2.5-coder-0.5b:x", codebook_variant(32, 64)))
+    mine = Artifact(arrays={"codebooks": shipped.arrays["codebooks"][:, :, :, :7]}, kind="hcattention",
+                    model_id=shipped.model_id, meta=(("mine", True),))
+    made = user_artifact_path("hcattention", shipped.model_id, "g32-c7", suffix=".npz")
+    assert made == tmp_path / "artifacts" / "hcattention" / "qwen2.5-coder-0.5b-g32-c7.npz"
+    made.parent.mkdir(parents=True)
+    save_artifact(mine, made)
+    assert installed_artifact("hcattention", shipped.model_id, "g32-c7").meta == mine.meta
+    save_artifact(mine, user_artifact_path("hcattention", shipped.model_id, "g32-c64", suffix=".npz"))
+    assert installed_artifact("hcattention", shipped.model_id, "g32-c64").meta == shipped.meta
+
+
 def test_shipped_artifact_path_finds_npz():
     path = shipped_artifact_path("hcattention", "qwen2.5-coder-0.5b:x", codebook_variant(32, 256))
     assert path.suffix == ".npz" and path.exists()
     art = load_artifact(path)
     L, H, g, c, d = art.arrays["codebooks"].shape
     assert (L, H, g, c, d) == (24, 2, 32, 256, 2)
-    assert shipped_artifact("hcattention", art.model_id, "g32-c256").meta == art.meta
+    assert installed_artifact("hcattention", art.model_id, "g32-c256").meta == art.meta
     with pytest.raises(ValueError, match="made for model"):
-        shipped_artifact("hcattention", "qwen2.5-coder-0.5b:000000000000", "g32-c256")
-    with pytest.raises(ValueError, match="no shipped hcattention artifact"):
-        shipped_artifact("hcattention", art.model_id, "g3-c7")
+        installed_artifact("hcattention", "qwen2.5-coder-0.5b:000000000000", "g32-c256")
+    with pytest.raises(ValueError, match=r"no hcattention artifact .*g3-c7\.json\|\.npz\): none ships with kvjax .* "
+                                         r"`kvjax calibrate hcattention --model <model>`"):
+        installed_artifact("hcattention", art.model_id, "g3-c7")
     # json artifacts keep their path
     assert shipped_artifact_path("heterocache", "qwen2.5-coder-0.5b:x", "g1").suffix == ".json"
 

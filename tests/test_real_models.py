@@ -167,13 +167,13 @@ def test_qwen_passkey_2k_with_host_tier_methods_at_quarter_budget(qwen, qwen_pas
 def test_shipped_hcattention_codebooks_match_the_default_model():
     """Codebooks for g = D/2 and D/4 (c = 256) ship for the default model, stamped with its identity."""
     path = ready_model_or_skip("qwen2.5-coder-0.5b")
-    from kvjax.artifacts import model_identity, shipped_artifact
+    from kvjax.artifacts import installed_artifact, model_identity
     from models.weights import gguf_config, open_gguf
 
     cfg = gguf_config(open_gguf(path), "qwen2.5-coder-0.5b")
     mid = model_identity(cfg)
     for g in (cfg.head_dim // 2, cfg.head_dim // 4):
-        art = shipped_artifact("hcattention", mid, f"g{g}-c256")
+        art = installed_artifact("hcattention", mid, f"g{g}-c256")
         assert art.arrays["codebooks"].shape == (cfg.num_layers, cfg.num_kv_heads, g, 256, cfg.head_dim // g)
         assert art.arrays["codebooks"].dtype == np.float32
 
@@ -237,12 +237,12 @@ def test_qwen_passkey_2k_with_locret_at_quarter_budget(qwen):
 def test_shipped_locret_heads_match_the_ready_models(name):
     """Trained retaining heads ship for both ready models, stamped with their identity and sized for them."""
     path = ready_model_or_skip(name)
-    from kvjax.artifacts import model_identity, shipped_artifact
+    from kvjax.artifacts import installed_artifact, model_identity
     from kvjax.retaining_heads import check_heads
     from models.weights import gguf_config, open_gguf
 
     cfg = gguf_config(open_gguf(path), name)
-    art = shipped_artifact("locret", model_identity(cfg))
+    art = installed_artifact("locret", model_identity(cfg))
     assert check_heads(art.arrays, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == 128
     assert art.meta_dict()["trained"] is True
 

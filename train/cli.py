@@ -1,15 +1,15 @@
 """``kvjax train-locret``: build the QA training set, label it with the frozen model, train the retaining heads.
 
     kvjax train-locret --model qwen2.5-coder-0.5b --samples 72 --heldout 8 --tokens 1024 \\
-        --hidden 128 --steps 1000 --out docs/results/locret-train-qwen2.5-coder-0.5b --install
+        --hidden 128 --steps 1000 --out docs/results/locret-train-qwen2.5-coder-0.5b --ship
 
 Three resumable stages, each with a progress bar: QA samples (:mod:`train.data`), features and
 labels from one forward of the frozen model per sample (:mod:`train.dataset`, stored under
 ``--data-dir``, by default in the kvjax cache directory), then Optax training with Orbax checkpoints
 (:mod:`train.locret`). ``--out`` receives ``checkpoints/``, ``metrics.json``, ``loss.png``,
-``heads.npz`` and ``report.md``; ``--install`` copies ``heads.npz`` to where ``--method locret``
-loads the model's heads by default (``kvjax/data/locret/<model>.npz``).
-"""
+``heads.npz`` and ``report.md``; ``--install`` copies ``heads.npz`` to this machine's artifacts
+(``$KVJAX_CACHE/artifacts/locret/<model>.npz``), where ``--method locret`` finds a model's heads when none ship
+with kvjax; ``--ship`` to the shipped location (``kvjax/data/locret/<model>.npz``)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--no-resume", action="store_true", help="start over instead of resuming from --out's checkpoints")
     p.add_argument("--out", required=True, help="run directory (checkpoints, metrics, loss plot, heads.npz, report.md)")
-    p.add_argument("--install", action="store_true", help="copy the trained heads to kvjax/data/locret/<model>.npz")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--install", action="store_true", help="copy the trained heads to this machine's artifacts, "
+                       "$KVJAX_CACHE/artifacts/locret/<model>.npz, where --method locret finds them (after shipped ones)")
+    where.add_argument("--ship", action="store_true", help="copy the trained heads to kvjax/data/locret/<model>.npz, "
+                       "the heads that ship with kvjax")
     return p
 
 
@@ -54,7 +58,8 @@ def main(argv=None) -> int:
     """Entry point of ``kvjax train-locret``."""
     args = build_parser().parse_args(argv)
     from kvjax.artifacts import model_identity
-    from kvjax.retaining_heads import shipped_heads_path
+    from kvjax.artifacts import shipped_artifact_path, user_artifact_path
+    from kvjax.retaining_heads import KIND
     from models import load_model
     from models.registry import cache_dir
     from train.data import describe, qa_samples
@@ -87,11 +92,11 @@ def main(argv=None) -> int:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     write_report(out, metrics, argv, model_id)
     print(f"trained heads: {out / 'heads.npz'}; report: {out / 'report.md'}")
-    if args.install:
-        dest = shipped_heads_path(model_id)
+    if args.install or args.ship:
+        dest = (shipped_artifact_path if args.ship else user_artifact_path)(KIND, model_id, suffix=".npz")
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out / "heads.npz", dest)
-        print(f"installed as the default heads of {name}: {dest}")
+        print(f"heads of {name} installed: {dest}")
     return 0
 
 

@@ -77,7 +77,7 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from kvjax.artifacts import Artifact, no_artifact, require_artifact, shipped_artifact
+from kvjax.artifacts import Artifact, installed_artifact, no_artifact, require_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
@@ -253,7 +253,7 @@ class HCAttention:
             no_artifact(artifact, f"{self.name} with exact keys (groups=0)")
             return None
         if artifact is None:
-            artifact = shipped_artifact(KIND, spec.model_id, codebook_variant(g, self.centroids))
+            artifact = installed_artifact(KIND, spec.model_id, codebook_variant(g, self.centroids))
         art = require_artifact(artifact, KIND, spec.model_id)
         want = (spec.num_layers, spec.num_kv_heads, g, self.centroids, spec.head_dim // g)
         got = tuple(art.arrays["codebooks"].shape)

@@ -57,7 +57,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from kvjax.artifacts import load_artifact, require_artifact, shipped_artifact
+from kvjax.artifacts import installed_artifact, load_artifact, require_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
                                    init_bounded, paged_cache_read_bytes, paged_facts, prefill_in_pieces, to_pages)
@@ -151,7 +151,7 @@ class Locret:
         if self.heads == "random":
             if artifact is not None:
                 raise ValueError("locret with heads='random' makes its own heads; do not pass an artifact")
-            hidden = shipped_artifact(KIND, spec.model_id).arrays["w1"].shape[2]
+            hidden = installed_artifact(KIND, spec.model_id).arrays["w1"].shape[2]
             return random_heads_artifact(spec.model_id, spec.num_layers, spec.num_heads, spec.num_kv_heads,
                                          spec.head_dim, int(hidden), self.seed)
         if self.heads not in HEADS:  # a heads file
@@ -162,7 +162,7 @@ class Locret:
             artifact = load_artifact(self.heads)
         if artifact is None:
             try:
-                artifact = shipped_artifact(KIND, spec.model_id)
+                artifact = installed_artifact(KIND, spec.model_id)
             except ValueError:
                 raise ValueError(f"no shipped Locret retaining heads for model {spec.model_id!r}; train them with "
                                  "`kvjax train-locret --model <model>` and pass the artifact") from None

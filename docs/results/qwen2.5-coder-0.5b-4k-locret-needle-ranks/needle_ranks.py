@@ -24,7 +24,7 @@ import numpy as np
 
 import models
 from evals.tasks import make_samples
-from kvjax.artifacts import load_artifact, model_identity, shipped_artifact
+from kvjax.artifacts import installed_artifact, load_artifact, model_identity
 from kvjax.methods.locret import pool_within_pieces
 from kvjax.retaining_heads import KIND
 from train.labels import collect
@@ -45,7 +45,7 @@ budgets = [float(b) for b in args.budgets.split(",")]
 
 model = models.load_model(args.model)
 tok = model.tokenizer
-art = load_artifact(args.heads) if args.heads else shipped_artifact(KIND, model_identity(model.config))
+art = load_artifact(args.heads) if args.heads else installed_artifact(KIND, model_identity(model.config))
 heads = {"w1": jnp.asarray(art.arrays["w1"]), "w2": jnp.asarray(art.arrays["w2"])}
 NEEDLE = {"passkey": r"The pass key is (\d+)\.", "niah_single": r"special magic numbers for [\w-]+ is: (\d+)\.",
           "niah_multikey": r"special magic numbers for [\w-]+ is: (\d+)\."}[args.task]

@@ -40,11 +40,11 @@ def check_calibrated(kernel: int, group_layers, recall_schedule: str, rehearsals
 def calibrated_artifact(kind: str, spec, artifact, group_layers):
     """The given artifact checked against ``kind`` and the spec's model, or the one shipped for the model
     (``-g<group_layers>``; None: :func:`kvjax.calibration.auto_group_layers`)."""
-    from kvjax.artifacts import require_artifact, shipped_artifact
+    from kvjax.artifacts import installed_artifact, require_artifact
     from kvjax.calibration import auto_group_layers
 
     if artifact is None:
-        artifact = shipped_artifact(kind, spec.model_id, f"g{group_layers or auto_group_layers(spec.num_kv_heads)}")
+        artifact = installed_artifact(kind, spec.model_id, f"g{group_layers or auto_group_layers(spec.num_kv_heads)}")
     return require_artifact(artifact, kind, spec.model_id)
 
 
