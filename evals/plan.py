@@ -44,6 +44,7 @@ import time
 DEFAULT_METHODS = ("full,snapkv,streaming_llm,h2o,pyramidkv,hbw,quest,chunked_eviction,locret,hcattention,heterocache,"
                    "synckv,synckv:num_representatives=1")
 DEFAULT_OUT = "docs/results/plan_{model}_jax{jax}.md"
+VERIFY_ATTEMPTS = 4  # compilations at most per cell to find the largest batch that fits
 GIB = 2**30
 
 
@@ -415,12 +416,36 @@ def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, roo
     row["tokens_per_s_b1"] = b1 / row["step_s_b1"]
     B = row["max_batch"]
     if verify and B > b1:
-        big = compile_step(target, mesh, config, dtype, method, B, length, room, artifact, graphdef=graphdef,
-                           params=params)
-        row.update(device_bytes_max=big["device_bytes"], fits_checked=big["device_bytes"] <= target.memory_bytes,
-                   host_bytes_max=big["host_bytes"], traffic_max=big["device_traffic"],
-                   step_s_max=big["device_traffic"] / target.bandwidth, compile_s=row["compile_s"] + big["compile_s"])
-        row["tokens_per_s_max"] = B / row["step_s_max"]
+        # the estimate is linear in the rows; temporaries need not be: compile at the estimate and, when XLA refuses
+        # it or it does not fit, at smaller batches (a quarter less each time, at most VERIFY_ATTEMPTS compilations)
+        row["max_batch_estimate"], row["verify_failures"] = B, []
+        big = None
+        for _ in range(VERIFY_ATTEMPTS):
+            try:
+                big = compile_step(target, mesh, config, dtype, method, B, length, room, artifact, graphdef=graphdef,
+                                   params=params)
+            except Exception as e:  # noqa: BLE001 - XLA refusing a batch (RESOURCE_EXHAUSTED) is an answer
+                row["verify_failures"].append({"batch": B, "error": f"{type(e).__name__}: {e}"[:200]})
+                big = None
+            else:
+                row["compile_s"] += big["compile_s"]
+                if big["device_bytes"] <= target.memory_bytes:
+                    break
+                row["verify_failures"].append({"batch": B, "device_bytes": big["device_bytes"]})
+                big = None
+            smaller = (B * 3 // 4) - (B * 3 // 4) % b1
+            if smaller <= b1:
+                break
+            B = smaller
+        if big is None:  # nothing above one step's rows was shown to fit
+            row.update(max_batch=b1, fits_checked=one["device_bytes"] <= target.memory_bytes,
+                       step_s_max=row["step_s_b1"], tokens_per_s_max=row["tokens_per_s_b1"],
+                       host_bytes_max=one["host_bytes"])
+        else:
+            row.update(max_batch=B, device_bytes_max=big["device_bytes"], fits_checked=True,
+                       host_bytes_max=big["host_bytes"], traffic_max=big["device_traffic"],
+                       step_s_max=big["device_traffic"] / target.bandwidth)
+            row["tokens_per_s_max"] = B / row["step_s_max"]
     elif B == b1:
         row.update(fits_checked=one["device_bytes"] <= target.memory_bytes, step_s_max=row["step_s_b1"],
                    tokens_per_s_max=row["tokens_per_s_b1"], host_bytes_max=one["host_bytes"])
@@ -444,8 +469,10 @@ def render(report: dict) -> str:
         "- one-token decode step (`kvjax.decoding.decode_step`) over the method's compressed cache (`init_cache` + "
         "`compress`, traced: `evals.synthetic.abstract_compressed_cache`), compiled by XLA for the target without it",
         "- memory per chip from `memory_analysis()` (arguments + outputs - donated + temporaries); `max batch`: the "
-        "largest batch whose step fits the chip's memory (the parameters and the artifact fixed, the rest of the "
-        "compiled memory per row), compiled at that batch: `fits` says whether it did); projected step = bytes moved / "
+        "largest batch whose step fits the chip's memory, estimated linearly (the parameters and the artifact fixed, "
+        "the rest of the compiled memory per row) and compiled at that batch; when XLA refuses it or it does not fit, "
+        f"compiled again a quarter smaller, up to {VERIFY_ATTEMPTS} times: the largest batch that compiled and fit, "
+        "with the estimate in parentheses (`fits`: whether one did); projected step = bytes moved / "
         "nominal HBM bandwidth per chip; "
         "floor = (a chip's share of the weights read + the cache's device bytes / chips) / bandwidth",
         "- bytes moved: GPU: counted from the compiled HLO per kernel, device memory only (`evals.plan.hlo_bytes`: "
@@ -477,11 +504,14 @@ def render(report: dict) -> str:
             tps = r.get("tokens_per_s_max")
             tps_ratio = f"{tps / f['tokens_per_s_max']:.2f}×" if f and tps and f.get("tokens_per_s_max") else ""
             fits = {True: "yes", False: "no"}.get(r.get("fits_checked"), "")
+            batch = str(r["max_batch"])
+            if r.get("max_batch_estimate", r["max_batch"]) != r["max_batch"]:  # the linear estimate did not compile or fit
+                batch += f" (est. {r['max_batch_estimate']})"
             h2d = r.get("host_to_device_b1")  # absent in plans made before it was counted
             link = f"{h2d / t.host_bandwidth * 1e3:.2f}" if h2d is not None and t.host_bandwidth else ""
             lines.append(
                 f"| {r['method']} | {r['budget']} | {r['length']} | {_gib(r['device_bytes_b1'])} | "
-                f"{_gib(r['per_row_bytes'] * r['batch1'])} | {_gib(r['host_bytes_b1'])} | {r['max_batch']} | "
+                f"{_gib(r['per_row_bytes'] * r['batch1'])} | {_gib(r['host_bytes_b1'])} | {batch} | "
                 f"{fits} | {_gib(r['traffic_b1'])} | {_gib(r['floor_b1'])} | {r['step_s_b1'] * 1e3:.2f} | "
                 f"{r['step_s_b1'] / r['floor_s_b1']:.2f} | {speed} | {'' if h2d is None else f'{h2d / 2**20:.1f}'} | "
                 f"{link} | {'' if tps is None else f'{tps:.0f}'} | {tps_ratio} | {r['compile_s']:.0f} |")

@@ -152,3 +152,40 @@ def test_every_decode_step_compiles_for_the_target(compiled, target):
     assert rows["full"]["device_bytes"] >= kv_per_chip, (rows["full"], kv_per_chip)
     assert 0 < rows["snapkv"]["device_bytes"] < rows["full"]["device_bytes"] + 2 * kv_per_chip
     assert rows["heterocache"]["host_bytes"] > 0 and rows["full"]["host_bytes"] == 0
+
+
+def test_plan_finds_the_largest_batch_that_compiles_when_the_estimate_does_not(monkeypatch):
+    """The linear estimate of the largest batch is checked by compiling it; when XLA refuses it (temporaries need
+    not grow linearly), the plan compiles a quarter smaller until one fits, and reports that batch with the
+    estimate beside it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from evals import plan
+
+    GIB_ = plan.GIB
+    target = plan.Target("toy", "tpu", "none", 1, 100 * GIB_, 1e12)
+    mesh = plan.cpu_mesh()
+    params = [jax.ShapeDtypeStruct((GIB_ // 4,), jnp.float32, sharding=NamedSharding(mesh, P()))]  # 1 GiB fixed
+    compiled = []
+
+    def fake_compile(target, mesh, config, dtype, method, batch, length, room, artifact=None, **_):
+        compiled.append(batch)
+        if batch > 40:  # XLA refuses: temporaries grow faster than the rows
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+        device = GIB_ + batch * 2 * GIB_ + (batch > 30) * 60 * GIB_  # fits up to 30 rows
+        return {"device_bytes": device, "host_bytes": 0, "artifact_bytes": 0, "device_traffic": 1e9 * batch,
+                "xla_bytes_accessed": None, "host_traffic": 0, "host_to_device": None, "floor_bytes": 1e9,
+                "compile_s": 1.0}
+
+    monkeypatch.setattr(plan, "compile_step", fake_compile)
+    row = plan.plan_cell(target, mesh, None, "bfloat16", None, 1024, 64, None, None, params)
+    # estimate (100 - 1) / 2 = 49 rows; 49 is refused, 36 does not fit, 27 fits
+    assert compiled == [1, 49, 36, 27]
+    assert (row["max_batch"], row["max_batch_estimate"], row["fits_checked"]) == (27, 49, True)
+    assert [f["batch"] for f in row["verify_failures"]] == [49, 36]
+    assert "RESOURCE_EXHAUSTED" in row["verify_failures"][0]["error"]
+    assert row["tokens_per_s_max"] == pytest.approx(27 / (27e9 / 1e12))
+
