@@ -224,12 +224,12 @@ def gpu_lowering():
 def export_for_gpu(fn, *args, donate_argnums=()):
     """``jax.export`` of ``jax.jit(fn)`` for ``cuda`` as on a GPU (:func:`gpu_lowering`): ``args`` are abstract
     (``jax.ShapeDtypeStruct``), placed replicated on the GPU lowering's mesh with their memory kinds (``pinned_host``
-    host tiers stay there); the Pallas Triton kernels' custom call is allowed."""
+    host tiers stay there); the Pallas kernels' custom calls (Triton, Mosaic GPU) are allowed."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pallas_kernels.backend import TRITON_CUSTOM_CALL
+    from pallas_kernels.backend import MOSAIC_GPU_CUSTOM_CALL, TRITON_CUSTOM_CALL
 
     def kind(x):
         sharding = getattr(x, "sharding", None)
@@ -239,7 +239,8 @@ def export_for_gpu(fn, *args, donate_argnums=()):
         placed = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=NamedSharding(mesh, P(), memory_kind=kind(x))), args)
         return jax.export.export(jax.jit(fn, donate_argnums=donate_argnums), platforms=["cuda"],
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(c)
+                                                  for c in (TRITON_CUSTOM_CALL, MOSAIC_GPU_CUSTOM_CALL)])(
             *placed)
 
 

@@ -1,19 +1,22 @@
 """What the kernels share: the implementation and backend tables, their common argument checks, and
-which form of a kernel to build (the TPU form, Mosaic, or the GPU form, Triton)."""
+which form of a kernel to build (the TPU form, Mosaic; the GPU form, Triton; or, asked for by name, the paged
+kernel's Mosaic GPU form)."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 
-# The custom call a Pallas kernel's GPU form (Triton) lowers to; ``jax.export`` must be told to allow it.
+# The custom calls a Pallas kernel's GPU forms (Triton, Mosaic GPU) lower to; ``jax.export`` must be told to allow them.
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_GPU_CUSTOM_CALL = "mosaic_gpu_v2"
 
 # Logit of a masked position: finite, so a row with nothing valid gives no NaN.
 MASK_VALUE = 0.7 * float(np.finfo(np.float32).min)
 
 IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
-BACKENDS = (None, "tpu", "gpu")
+# None: the running platform's; "gpu": Triton; "mosaic_gpu": Mosaic GPU (H100 / H200; the paged kernel only).
+BACKENDS = (None, "tpu", "gpu", "mosaic_gpu")
 
 
 def check_call(implementation: str, backend: str | None, q) -> None:

@@ -23,7 +23,7 @@ positions get ``0.7 * finfo(f32).min`` (never ``-inf``, so ``exp(m_prev - m_next
 and masked V rows are zeroed before the ``p @ V`` product so garbage in a partial page (even
 NaN from an uninitialised pool) cannot leak into the output.  A head with length 0 returns zeros.
 
-Two kernel forms:
+Three kernel forms:
 
 * ``backend="tpu"`` (Mosaic TPU): grid ``(B * H_kv, page_blocks)`` over flattened (row, KV
   head) pairs; lengths, starts and the block table are scalar-prefetched into SMEM
@@ -56,6 +56,10 @@ Two kernel forms:
   Triton is requested explicitly (``pltriton.CompilerParams``): a plain ``pallas_call`` goes to
   Mosaic GPU by default on recent jax, whose programming model (warpgroups, TMA) this kernel
   does not use.
+* ``backend="mosaic_gpu"`` (Mosaic GPU, H100 / H200): the same split-K algorithm with TMA page copies into
+  double-buffered shared memory (:mod:`pallas_kernels.paged_attention_mgpu`). jax deprecates its Triton backend;
+  on a GPU the Triton form stays the default (``backend=None``) until the two are timed against each other
+  (``evals.bench_kernels``).
 
 Numerics: every kernel matmul has ``precision=HIGHEST``, so f32 operands multiply in full f32
 (Triton ``inputPrecision = ieee`` rather than its TF32 default; Mosaic
@@ -574,6 +578,11 @@ def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, starts, *
         return paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths,
                                                 scale=scale, starts=starts)
     interpret = implementation == "pallas_interpret"
+    if backend == "mosaic_gpu":
+        from pallas_kernels.paged_attention_mgpu import paged_mgpu
+
+        return paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
+                          pages_per_block=pages_per_block, num_splits=num_splits, interpret=interpret)
     if backend == "tpu":
         return _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
                           pages_per_block=pages_per_block, interpret=interpret,
@@ -599,8 +608,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
       scale: logit scale, default ``D ** -0.5``.
       implementation: ``"pallas"`` (compiled), ``"pallas_interpret"`` (CPU emulation) or
         ``"xla"`` (:func:`paged_decode_attention_reference`).
-      backend: kernel form, ``"tpu"`` or ``"gpu"``; ``None`` follows ``jax.default_backend()``
-        (the GPU form when interpreting on CPU; module docstring).
+      backend: kernel form, ``"tpu"``, ``"gpu"`` (Triton) or ``"mosaic_gpu"``
+        (:mod:`pallas_kernels.paged_attention_mgpu`, H100 / H200); ``None`` follows ``jax.default_backend()``
+        (Triton on a GPU; the GPU form when interpreting on CPU; module docstring).
       pages_per_block: pages per kernel block; ``None`` picks about 512 (TPU) / 128 (GPU)
         tokens per block (a power of two for the GPU form, whose K block is also kept within
         32 KiB; pages larger than that are processed in sub-pages).
@@ -620,7 +630,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
         backend = resolve_backend(implementation, backend)
     else:
         backend = None
-    if pages_per_block is None:
+    if pages_per_block is None and backend != "mosaic_gpu":  # the Mosaic GPU form picks its own
         target = _TARGET_BLOCK_TOKENS.get(backend, 512)
         if backend == "gpu":
             target = min(target, _gpu_max_block_tokens(head_dim, k_pages.dtype))
@@ -637,6 +647,6 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
                          f"{starts.shape}")
     return _paged_decode_attention(
         q, k_pages, v_pages, block_table, lengths, starts, scale=scale, implementation=implementation,
-        backend=backend, pages_per_block=int(pages_per_block),
+        backend=backend, pages_per_block=None if pages_per_block is None else int(pages_per_block),
         num_splits=None if num_splits is None else int(num_splits),
         prefetch_budget=_TPU_SMEM_PREFETCH_BYTES)

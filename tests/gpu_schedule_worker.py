@@ -1,6 +1,7 @@
 """Runs in its own process with jax's CUDA plugin on the path (``tests/test_gpu_schedule.py`` starts it): compiles the
 tiny model's decode loop for an H100, without one, and prints the host calls' windows and the step's conditionals as
-one JSON object on the last line of stdout.
+one JSON object on the last line of stdout; also compiles the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode
+shape (the custom calls of the compiled program).
 
 ``python -m tests.gpu_schedule_worker`` (``PYTHONPATH`` must hold the plugin's directory, ``.aot-gpu``).
 """
@@ -8,6 +9,7 @@ one JSON object on the last line of stdout.
 from __future__ import annotations
 
 import json
+import re
 
 from evals.gpu_schedule import (compile_for_gpu, compile_only_cuda, decode_module, gpu_topology, host_call_windows,
                                 loop_conditionals)
@@ -35,7 +37,30 @@ def main() -> None:
             hlo = compile_for_gpu(module, topology, options)
             windows[f"{name}/{label}"] = host_call_windows(hlo)
             conditionals[f"{name}/{label}"] = loop_conditionals(hlo)
-    print(json.dumps({"windows": windows, "conditionals": conditionals}))
+    print(json.dumps({"windows": windows, "conditionals": conditionals, "mosaic_paged": mosaic_paged_calls(topology)}))
+
+
+def mosaic_paged_calls(topology) -> list[str]:
+    """The custom calls of the paged kernel's Mosaic GPU form compiled for an H100: batch 8, 32 query / 8 KV heads of
+    128 dims, bfloat16, 32K tokens per head in 16-token pages."""
+    import jax
+    import jax.numpy as jnp
+
+    from evals.gpu_schedule import export_for_gpu, gpu_executable
+    from pallas_kernels.paged_attention import paged_decode_attention
+
+    B, H_kv, G, D, page, tokens = 8, 8, 4, 128, 16, 32768
+    pages = tokens // page
+    args = (jax.ShapeDtypeStruct((B, H_kv * G, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B * H_kv * pages, page, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B * H_kv * pages, page, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, H_kv, pages), jnp.int32), jax.ShapeDtypeStruct((B, H_kv), jnp.int32))
+
+    def attend(q, k, v, table, lengths):
+        return paged_decode_attention(q, k, v, table, lengths, implementation="pallas", backend="mosaic_gpu")
+
+    hlo = gpu_executable(export_for_gpu(attend, *args).mlir_module(), topology, {}).hlo_modules()[0].to_string()
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
 
 
 if __name__ == "__main__":

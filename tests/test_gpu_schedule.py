@@ -100,7 +100,8 @@ def _plugin_dir():
 
 
 def test_pipelined_recall_overlaps_the_step_in_the_h100_schedule():
-    """The tiny model's decode loop compiled for an H100 (XLA:GPU's own compiler, no GPU). With kvjax's options the
+    """The tiny model's decode loop compiled for an H100 (XLA:GPU's own compiler, no GPU); also the paged kernel's
+    Mosaic GPU form. With kvjax's options the
     pipelined schedule's one host call per step (both layers' gathers, merged by XLA) starts before most of the step
     and is waited for at its end: at least half of the step's device operations lie between. ``ahead`` starts it only
     after the leaders' attention, so fewer do. With XLA's defaults none do, for every schedule: the check can fail."""
@@ -127,3 +128,5 @@ def test_pipelined_recall_overlaps_the_step_in_the_h100_schedule():
     # no conditional in the compiled step (each would be a host synchronisation per step on a GPU), as in the
     # lowered program (tests/test_gpu_host_syncs.py)
     assert result["conditionals"] and set(result["conditionals"].values()) == {0}, result["conditionals"]
+    # the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode shape compiles for the H100 as its own custom call
+    assert "mosaic_gpu_v2" in result["mosaic_paged"], result["mosaic_paged"]

@@ -27,6 +27,9 @@ elif jax.default_backend() == "tpu":
 else:
     FORMS = ["gpu"]
 
+# The Mosaic GPU form: interpreted on the CPU (Mosaic GPU's interpreter), compiled on a GPU.
+MOSAIC = [] if jax.default_backend() == "tpu" else ["mosaic_gpu"]
+
 TOL = {  # (atol, rtol) per K/V dtype
     jnp.float32: (2e-5, 2e-5) if ON_CPU else (2e-3, 2e-3),
     jnp.bfloat16: (2e-2, 2e-2),
@@ -157,7 +160,7 @@ def test_starts_skip_each_heads_first_tokens(form):
         paged_decode_attention(q, k, v, bt, ln, starts=jnp.asarray(starts[:1]), implementation="xla")
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", FORMS + MOSAIC)
 @pytest.mark.parametrize("name,kw,ppb", CASES, ids=[c[0] for c in CASES])
 def test_kernel_matches_reference(form, name, kw, ppb):
     q, k, v, bt, ln = make_cache(sum(map(ord, name)), **kw)
@@ -173,6 +176,44 @@ def test_kernel_matches_reference(form, name, kw, ppb):
     group = q.shape[1] // bt.shape[1]
     zero_heads = np.repeat(np.asarray(ln) == 0, group, axis=1)
     assert (got[zero_heads] == 0).all()
+
+
+@pytest.mark.parametrize("form", MOSAIC)
+@pytest.mark.parametrize("page_size, ppb, splits", [(16, None, 3), (128, None, None), (32, 4, 2)])
+def test_mosaic_gpu_form_starts_splits_and_subpages(form, page_size, ppb, splits):
+    """The Mosaic GPU form against the float64 numpy attention: ``starts`` (skipped tokens hold NaN), an empty head,
+    a partial last page, stale table entries, split-K, 128-token pages read as 64-token sub-pages, 128-token blocks of
+    32-token pages."""
+    max_pages = 640 // page_size
+    kw = dict(batch=2, kv_heads=2, group=3, head_dim=64, page_size=page_size, max_pages=max_pages,
+              lengths=[[0, 301], [640, 77]], kv_dtype=jnp.float32)
+    q, k, v, bt, ln = make_cache(page_size, **kw)
+    starts = np.array([[0, 45], [130, 0]], np.int32)
+    kn, vn = np.array(k), np.array(v)
+    for b, h in np.ndindex(2, 2):
+        for t in range(starts[b, h]):
+            page = int(bt[b, h, t // page_size])
+            kn[page, t % page_size] = vn[page, t % page_size] = np.nan
+    k, v = jnp.asarray(kn), jnp.asarray(vn)
+    got = paged_decode_attention(q, k, v, bt, ln, starts=jnp.asarray(starts), implementation=IMPL, backend=form,
+                                 pages_per_block=ppb, num_splits=splits)
+    got = np.asarray(got, np.float64)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[0, 0:3], 0.0)
+    np.testing.assert_allclose(got, numpy_attention(q, k, v, bt, ln, starts=starts), atol=2e-5, rtol=2e-5)
+
+
+def test_mosaic_gpu_form_refuses_what_does_not_fit():
+    """Blocks must be whole 64-row register tiles, and double-buffered K/V blocks must fit 227 KiB of shared memory
+    (f32, D = 128, 128-token blocks need about 262 KiB): each a ValueError before anything is built."""
+    q, k, v, bt, ln = make_cache(1, batch=1, kv_heads=1, group=1, head_dim=128, page_size=16, max_pages=8,
+                                 lengths=[[100]], kv_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="shared memory"):
+        paged_decode_attention(q, k, v, bt, ln, implementation="pallas_interpret", backend="mosaic_gpu",
+                               pages_per_block=8)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        paged_decode_attention(q, k, v, bt, ln, implementation="pallas_interpret", backend="mosaic_gpu",
+                               pages_per_block=2)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -306,6 +347,8 @@ def test_bench_kernels_smoke(tmp_path):
     data = json.loads((tmp_path / "kernels.json").read_text())
     impls = {r["impl"] for r in data["paged"]}
     assert {"xla_reference", "dense_xla"} <= impls and any(i.startswith("pallas") for i in impls)
+    if ON_CPU:  # every form, interpreted: TPU, Triton, Mosaic GPU
+        assert {"pallas_tpu_interpret", "pallas_gpu_interpret", "pallas_mosaic_gpu_interpret"} <= impls
     for r in result["paged"]:
         assert r["max_abs_diff"] < 5e-2  # bf16: every implementation agrees with the first
     assert "| tokens | impl |" in out.read_text()
