@@ -35,7 +35,7 @@ from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a
   the fix to build.
 
 Every variant is timed twice (``--schedulers``): compiled with kvjax's decode options (``kvjax``:
-:data:`kvjax.generate.GPU_DECODE_COMPILER_OPTIONS` on a GPU, XLA:GPU's latency-hiding scheduler) and with XLA's
+:data:`kvjax.decoding.GPU_DECODE_COMPILER_OPTIONS` on a GPU, XLA:GPU's latency-hiding scheduler) and with XLA's
 defaults (``xla-default``), under which XLA:GPU schedules a host computation's start and done back to back (found by
 compiling for an H100 without one: ``python -m evals.gpu_schedule``). The GPU timings before then used XLA's defaults.
 
@@ -61,7 +61,7 @@ import numpy as np
 from jax import lax
 
 from host_gather import best_and_median  # this directory's timing helper (the script's directory is on sys.path)
-from kvjax.generate import decode_compiler_options
+from kvjax.decoding import decode_compiler_options
 from kvjax.host_tier import offload, recall, recall_pages, write_recalled
 
 PAGE = 16

@@ -8,7 +8,7 @@ from evals.tasks import make_samples, score
 from evals.runner import batches, MAX_NEW_TOKENS, stop_token_ids
 from kvjax.api import left_pad
 from kvjax.cache import CacheSpec
-from kvjax.generate import compress, prefill, prefill_prompt, decode_loop
+from kvjax.decoding import compress, prefill, prefill_prompt, decode_loop
 from kvjax.methods import SyncKV
 from kvjax.shared_prefill import cache_for, init_shared_cache
 

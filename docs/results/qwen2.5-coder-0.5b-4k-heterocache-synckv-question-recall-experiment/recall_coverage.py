@@ -6,7 +6,7 @@ from models import load_model
 from evals.tasks import make_samples
 from evals.runner import batches
 from kvjax.cache import CacheSpec
-from kvjax.generate import compress, prefill, prefill_prompt
+from kvjax.decoding import compress, prefill, prefill_prompt
 from kvjax.methods import SyncKV, HeteroCache
 from kvjax.shared_prefill import cache_for, init_shared_cache
 from kvjax.api import left_pad

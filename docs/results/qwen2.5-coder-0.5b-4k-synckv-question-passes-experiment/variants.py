@@ -5,7 +5,7 @@ EXPERIMENT: ``stride`` (m = 5 shipped, 1, 10**6: never after the question), ``wi
 question's last 8 or 32 queries), ``passes`` (two rehearsals before the pass that counts, ``rehearsals=2``,
 re-anchoring from the last 1 or 8 queries). Outputs: ``<experiment>_output.txt`` (one JSON line per answer; ``raw``
 keeps the stop token). They were made with three copies of this script, one per experiment, merged afterwards; the
-``passes`` copy called ``rehearse_jit`` twice and ``prefill_jit`` by hand, which :func:`kvjax.generate.prefill` now
+``passes`` copy called ``rehearse_jit`` twice and ``prefill_jit`` by hand, which :func:`kvjax.decoding.prefill` now
 does for ``rehearsals=2``.
 """
 import json, sys
@@ -15,7 +15,7 @@ from evals.tasks import make_samples, score
 from evals.runner import batches, MAX_NEW_TOKENS, stop_token_ids
 from kvjax.api import left_pad
 from kvjax.cache import CacheSpec
-from kvjax.generate import compress, prefill, prefill_prompt, decode_loop
+from kvjax.decoding import compress, prefill, prefill_prompt, decode_loop
 from kvjax.methods import SyncKV
 from kvjax.shared_prefill import cache_for, init_shared_cache
 
