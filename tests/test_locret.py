@@ -281,7 +281,7 @@ def test_bad_input_is_a_clear_error(tiny):
                    model_id=art.model_id, meta=art.meta)
     with pytest.raises(ValueError, match="retaining heads are for"):
         new_cache(Locret(budget=16, local=4), c, 1, 40, 2, model.dtype, artifact=bad)
-    with pytest.raises(ValueError, match="no shipped Locret retaining heads"):
+    with pytest.raises(ValueError, match="no shipped or installed Locret retaining heads"):
         new_cache(Locret(budget=16, local=4), c, 1, 40, 2, model.dtype)
 
 

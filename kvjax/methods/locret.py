@@ -164,8 +164,9 @@ class Locret:
             try:
                 artifact = installed_artifact(KIND, spec.model_id)
             except ValueError:
-                raise ValueError(f"no shipped Locret retaining heads for model {spec.model_id!r}; train them with "
-                                 "`kvjax train-locret --model <model>` and pass the artifact") from None
+                raise ValueError(f"no shipped or installed Locret retaining heads for model {spec.model_id!r}; train "
+                                 "them with `kvjax train-locret --model <model> --out DIR --install` or pass the "
+                                 "artifact") from None
         art = require_artifact(artifact, KIND, spec.model_id)
         check_heads(art.arrays, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         return art
