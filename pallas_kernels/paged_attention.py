@@ -477,6 +477,41 @@ def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, start_ref,  # inputs
     l_ref[...] = l
 
 
+def subpage_view(k_pages, v_pages, block_table, tokens: int):
+    """``(k_pages, v_pages, block_table)`` with each page read as ``page_size // tokens`` consecutive sub-pages of
+    ``tokens`` tokens (a free reshape of the pools) and the block table expanded to match (the GPU forms' way with
+    pages larger than a block)."""
+    num_pages, page_size, head_dim = k_pages.shape
+    batch, num_kv_heads, max_pages = block_table.shape
+    r = page_size // tokens
+    table = (block_table[..., None] * r + jnp.arange(r, dtype=block_table.dtype)).reshape(
+        batch, num_kv_heads, max_pages * r)
+    return (k_pages.reshape(num_pages * r, tokens, head_dim), v_pages.reshape(num_pages * r, tokens, head_dim),
+            table)
+
+
+def split_pages(max_pages: int, pages_per_block: int, num_splits: int | None,
+                rows_and_heads: int) -> tuple[int, int]:
+    """Split-K of the GPU forms: ``(num_splits, pages_per_split)``, whole blocks per split; ``num_splits=None`` aims
+    at about ``_GPU_TARGET_PROGRAMS`` programs over the ``rows_and_heads`` (row, KV head) pairs."""
+    total_blocks = pl.cdiv(max_pages, pages_per_block)
+    if num_splits is None:
+        num_splits = pl.cdiv(_GPU_TARGET_PROGRAMS, rows_and_heads)
+    num_splits = max(1, min(num_splits, total_blocks))
+    pages_per_split = pl.cdiv(total_blocks, num_splits) * pages_per_block
+    return pl.cdiv(max_pages, pages_per_split), pages_per_split
+
+
+def combine_splits(o, m, l):
+    """The flash-decoding reduction of the GPU forms: split partials ``o [B, H_kv, S, R, D]`` (unnormalised), running
+    maxima and sums ``m, l [B, H_kv, S, R]`` -> ``[B, H_kv, R, D]``; zeros where nothing was attended."""
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)  # [B, Hkv, S, R]
+    l_all = jnp.sum(l * w, axis=2)
+    o_all = jnp.sum(o * w[..., None], axis=2)
+    return o_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
+
+
 def _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, pages_per_block, num_splits,
                interpret):
     batch, num_q_heads, head_dim = q.shape
@@ -502,20 +537,10 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
             f"shared memory); use pages_per_block <= {max(1, max_tokens // page_size)}")
     bt = jnp.clip(block_table, 0, num_pages - 1)
     if page_size > max_tokens:
-        # One page is too big a block: view each page as `r` consecutive sub-pages (a free
-        # reshape of the pool) and expand the block table accordingly.
-        r = page_size // max_tokens
-        k_pages = k_pages.reshape(num_pages * r, max_tokens, head_dim)
-        v_pages = v_pages.reshape(num_pages * r, max_tokens, head_dim)
-        bt = (bt[..., None] * r + jnp.arange(r, dtype=bt.dtype)).reshape(
-            batch, num_kv_heads, max_pages * r)
-        num_pages, page_size, max_pages = num_pages * r, max_tokens, max_pages * r
-    total_blocks = pl.cdiv(max_pages, pages_per_block)
-    if num_splits is None:
-        num_splits = pl.cdiv(_GPU_TARGET_PROGRAMS, batch * num_kv_heads)
-    num_splits = max(1, min(num_splits, total_blocks))
-    pages_per_split = pl.cdiv(total_blocks, num_splits) * pages_per_block
-    num_splits = pl.cdiv(max_pages, pages_per_split)
+        # one page is too big a block: read it as consecutive sub-pages
+        k_pages, v_pages, bt = subpage_view(k_pages, v_pages, bt, max_tokens)
+        (num_pages, page_size, _), max_pages = k_pages.shape, bt.shape[2]
+    num_splits, pages_per_split = split_pages(max_pages, pages_per_block, num_splits, batch * num_kv_heads)
     pages_padded = num_splits * pages_per_split
 
     rows = max(16, _next_pow2(group))
@@ -556,12 +581,7 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
         name="paged_decode_attention_gpu",
     )(qg, k_pages, v_pages, bt, lengths.reshape(batch, num_kv_heads, 1), starts.reshape(batch, num_kv_heads, 1))
 
-    # Combine the split partials (flash-decoding reduction).
-    m_all = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_all)  # [B, Hkv, S, rows]
-    l_all = jnp.sum(l * w, axis=2)
-    o_all = jnp.sum(o * w[..., None], axis=2)
-    o_all = o_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
+    o_all = combine_splits(o, m, l)
     return o_all[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 

@@ -38,8 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.backend import MASK_VALUE
+from pallas_kernels.paged_attention import combine_splits, split_pages, subpage_view
 
-_TARGET_PROGRAMS = 256  # split-K: about two waves of CTAs on a 132-SM H100
 _BLOCK_ROWS = 64  # rows of the WGMMA register layout
 _SMEM_BYTES = 227 * 1024  # H100/H200 opt-in shared memory per block (Mosaic GPU's AOT default)
 _SMEM_OVERHEAD = 4096  # Pallas reduction scratch, barriers, alignment (measured ~2 KiB)
@@ -157,12 +157,9 @@ def paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
                          f"multiple of 128 (SMEM swizzle)")
     bt = jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1)
     if page_size > _BLOCK_ROWS and page_size % _BLOCK_ROWS == 0 and pages_per_block is None:
-        # A big page is viewed as consecutive 64-token sub-pages (a free reshape of the pool).
-        r = page_size // _BLOCK_ROWS
-        k_pages = k_pages.reshape(num_pages * r, _BLOCK_ROWS, head_dim)
-        v_pages = v_pages.reshape(num_pages * r, _BLOCK_ROWS, head_dim)
-        bt = (bt[..., None] * r + jnp.arange(r, dtype=bt.dtype)).reshape(batch, num_kv_heads, max_pages * r)
-        num_pages, page_size, max_pages = num_pages * r, _BLOCK_ROWS, max_pages * r
+        # a big page is read as consecutive 64-token sub-pages
+        k_pages, v_pages, bt = subpage_view(k_pages, v_pages, bt, _BLOCK_ROWS)
+        (num_pages, page_size, _), max_pages = k_pages.shape, bt.shape[2]
     if pages_per_block is None:
         pages_per_block = math.lcm(page_size, _BLOCK_ROWS) // page_size
     block_tokens = pages_per_block * page_size
@@ -174,12 +171,7 @@ def paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
         raise ValueError(f"K/V blocks of {block_tokens} tokens x D={head_dim} "
                          f"({jnp.dtype(k_pages.dtype).name}, double-buffered) need ~{smem} bytes of "
                          f"shared memory > {_SMEM_BYTES}; use a smaller pages_per_block")
-    total_blocks = pl.cdiv(max_pages, pages_per_block)
-    if num_splits is None:
-        num_splits = pl.cdiv(_TARGET_PROGRAMS, batch * num_kv_heads)
-    num_splits = max(1, min(num_splits, total_blocks))
-    pages_per_split = pl.cdiv(total_blocks, num_splits) * pages_per_block
-    num_splits = pl.cdiv(max_pages, pages_per_split)
+    num_splits, pages_per_split = split_pages(max_pages, pages_per_block, num_splits, batch * num_kv_heads)
     pages_padded = num_splits * pages_per_split
 
     bt = jnp.pad(bt, ((0, 0), (0, 0), (0, pages_padded - max_pages)))
@@ -211,13 +203,7 @@ def paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
     )
     out = kernel(qg, k_pages, v_pages, bt, lengths.astype(jnp.int32), starts.astype(jnp.int32))
     o, m, l = out[..., 0, :], out[..., 1, 0], out[..., 2, 0]  # [B,Hkv,S,G,D], [B,Hkv,S,G] x2
-
-    m_all = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_all)
-    l_all = jnp.sum(l * w, axis=2)
-    o_all = jnp.sum(o * w[..., None], axis=2)
-    o_all = o_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
-    return o_all.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    return combine_splits(o, m, l).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
 __all__ = ["interpret_params", "paged_mgpu"]
