@@ -382,15 +382,12 @@ def ask(
     tokens, pad = left_pad([context_ids], 0, multiple=chunk_size or 1)
     spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], longest_q + max_new_tokens, model.dtype,
                                longest_row=len(context_ids), mesh=model.mesh)
-    cache = place_cache(method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad)))
-    t0 = time.perf_counter()
-    _, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=chunk_size, progress=progress)
-    jax.block_until_ready(cache)
-    prefill_s = time.perf_counter() - t0
+    cache = method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad))
+    _, cache, shared = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress)
     t0 = time.perf_counter()
     cache = compress(cache)
     jax.block_until_ready(cache)
-    shared = {"prefill_s": prefill_s, "compress_s": time.perf_counter() - t0}
+    shared["compress_s"] = time.perf_counter() - t0
     results = []
     for q in question_ids:
         timings = dict(shared)
