@@ -316,6 +316,39 @@ def weighted_rows_on_host(x_host, idx, weights):
     return _device_host(weighted)(x_host, jnp.asarray(idx, jnp.int32), weights)
 
 
+def weighted_union_on_host(x_host, weights, sizes: tuple[int, ...], which):
+    """``out[i, q] = sum_s weights[i, q, s] * x_host[i, s]`` computed **where the rows live** (host), over only
+    ``R = sizes[which]`` rows per head: each head's rows of nonzero weight, then rows of zero weight up to ``R``.
+
+    Exact when no head has more than ``R`` rows of nonzero weight. ``weights[n, Q, S]`` and the int scalar ``which``
+    go to the host and ``out[n, Q, D]`` (float32) comes back: the rows never move. The size is a conditional of the
+    host computation, so the device never waits to learn it (a conditional of the device program would be a host
+    synchronisation on a GPU). libtpu's host compiler rejects a conditional in a host computation: on a TPU choose
+    the size in the device program (a TPU runs conditionals without the host) and call :func:`weighted_rows_on_host`.
+    """
+    S = x_host.shape[1]
+    if not sizes or any(not 1 <= R <= S for R in sizes):
+        raise ValueError(f"sizes must be row counts in [1, {S}], got {sizes}")
+
+    def weighted(x, w, which):
+        w = jax.device_put(w, HOST).astype(jnp.float32)
+
+        def over(R: int):
+            def summed():
+                if R == S:
+                    return jnp.einsum("nqs,nsd->nqd", w, x.astype(jnp.float32))
+                ids = lax.top_k((w != 0).any(1).astype(jnp.float32), R)[1]  # [n, R]: the nonzero rows first
+                rows = take_blocks(x, ids).astype(jnp.float32)
+                return jnp.einsum("nqr,nrd->nqd", jax.vmap(lambda a, i: a[:, i])(w, ids), rows)
+            return summed
+
+        if len(sizes) == 1:
+            return over(sizes[0])()
+        return lax.switch(jax.device_put(which, HOST), [over(R) for R in sizes])
+
+    return _device_host(weighted)(x_host, weights, jnp.asarray(which, jnp.int32))
+
+
 def recall(host: HostKV, idx, count, *, mechanism: str = "host_gather"):
     """Bring token rows of every stored head to device memory (inside or outside jit).
 

@@ -166,29 +166,45 @@ def test_row_cap(value_path):
     assert np.abs(np.asarray(out) - reference(1.0)).max() > 1e-3
 
 
-@pytest.mark.parametrize("value_path", ["host", "device"])
+@pytest.mark.parametrize("value_path,choice", [("host", "host"), ("host", "device"), ("device", "device")])
 @pytest.mark.parametrize("tau", [0.05, 0.4, 0.8])
-def test_value_rows_follow_the_selected_union(value_path, tau):
-    """``row_buckets=3`` on a 24-token prompt: transfer sizes 6, 12 and 24 rows per (row, KV head). The call moves
-    (device path) or weighs on the host (host path) the smallest size that holds the largest union of selections,
-    computed by numpy, and stays exact against the float64 reference whichever size it takes, also when the union
-    exceeds the smallest size (the larger sizes are the fallback). ``rows`` counts the unions, ``fetched`` the
-    rows that crossed or were summed, ``moved`` their bytes."""
+def test_value_rows_follow_the_selected_union(value_path, choice, tau):
+    """``row_buckets=5`` on a 24-token prompt: transfer sizes 6, 9, 12, 17 and 24 rows per (row, KV head). The call
+    moves (device path) or weighs on the host (host path) the smallest size that holds the largest union of
+    selections, computed by numpy, and stays exact against the float64 reference whichever size it takes, also when
+    the union exceeds the smallest size (the larger sizes are the fallback). ``rows`` counts the unions, ``fetched``
+    the rows that crossed or were summed, ``moved`` the bytes that crossed."""
     state, qkv, ctx, _, reference = _layer_case(False)
     want, unions = reference(tau, union=True)
     B, H = unions.shape
-    method = HCAttention(groups=0, tau=tau, value_path=value_path, row_buckets=3)
-    assert method.row_sizes(24) == (6, 12, 24)
+    method = HCAttention(groups=0, tau=tau, value_path=value_path, row_buckets=5, row_size_choice=choice)
+    assert method.row_sizes(24) == (6, 9, 12, 17, 24)
     out, new = jax.jit(method.decode_attend)(state, *qkv, ctx)
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=2e-5)
-    size = min(r for r in (6, 12, 24) if r >= unions.max())
-    assert size == {0.05: 6, 0.4: 12, 0.8: 24}[tau]  # each size is taken by one of the cases
+    size = min(r for r in (6, 9, 12, 17, 24) if r >= unions.max())
+    assert size == {0.05: 6, 0.4: 12, 0.8: 24}[tau]  # the smallest size, a middle one and the fallback all occur
     assert float(new.fetched) == B * H * size and float(new.rows) == unions.sum()
-    G, T, D = 3, 3, 8
-    if value_path == "device":
+    G, T, S, D = 3, 3, 24, 8
+    if value_path == "device":  # ids out, rows back
         assert float(new.moved) == 4 * B * H * size + B * H * size * D * 4
-    else:
+    elif choice == "host":  # dense weights and the size index out, the sums back
+        assert float(new.moved) == 4 * B * H * G * T * S + 4 + 4 * B * H * G * T * D
+    else:  # ids and weights of the chosen rows out, the sums back
         assert float(new.moved) == 4 * B * H * size + 4 * B * H * G * T * size + 4 * B * H * G * T * D
+
+
+def test_row_size_choice_checked_and_auto_by_backend(monkeypatch):
+    """``auto`` picks the host path's row count in the host computation except on a TPU; the device path has no
+    host choice."""
+    assert HCAttention(groups=0).sizes_on_host() is True  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert HCAttention(groups=0).sizes_on_host() is False
+    assert HCAttention(groups=0, row_size_choice="host").sizes_on_host() is True
+    assert HCAttention(groups=0, value_path="device").sizes_on_host() is False
+    with pytest.raises(ValueError, match="needs value_path='host'"):
+        HCAttention(groups=0, value_path="device", row_size_choice="host")
+    with pytest.raises(ValueError, match="row_size_choice must be one of"):
+        HCAttention(groups=0, row_size_choice="gpu")
 
 
 def test_pallas_interpret_scoring_equals_xla():

@@ -272,24 +272,48 @@ def test_bad_inputs(kv, host):
 
 
 def test_gather_rows_and_weighted_rows_on_host_against_numpy():
-    """HCAttention's two value paths over a host array: selected rows to the device (rows past count zero), and
-    the weighted sum computed on the host (only ids and weights go out, [n, Q, D] comes back)."""
+    """HCAttention's value paths with the size chosen on the device: selected rows to the device (rows past count
+    zero), and the weighted sum computed on the host (only ids and weights go out, [n, Q, D] comes back)."""
     from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
 
     rng = np.random.default_rng(3)
-    n, S, D, R, Q = 3, 17, 4, 5, 2
+    n, S, D, R = 3, 17, 4, 5
     x = rng.normal(size=(n, S, D)).astype(np.float32)
     idx = rng.integers(0, S, size=(n, R)).astype(np.int32)
     count = np.array([5, 2, 0], np.int32)
-    w = rng.random(size=(n, Q, R)).astype(np.float32)
     host = to_host(jnp.asarray(x))
     assert host.sharding.memory_kind == "pinned_host"
     rows = jax.jit(gather_rows)(host, jnp.asarray(idx), jnp.asarray(count))
     want = np.stack([np.where(np.arange(R)[:, None] < count[i], x[i][idx[i]], 0) for i in range(n)])
     np.testing.assert_array_equal(np.asarray(rows), want)
+    w = rng.random(size=(n, 2, R)).astype(np.float32)
     out = jax.jit(weighted_rows_on_host)(host, jnp.asarray(idx), jnp.asarray(w))
     np.testing.assert_allclose(np.asarray(out), np.einsum("nqr,nrd->nqd", w, np.stack([x[i][idx[i]] for i in range(n)])),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_union_on_host_sums_only_the_chosen_size():
+    """HCAttention's host value path: the weighted sum computed on the host over ``sizes[which]`` rows per head.
+    Every head has 5 rows of nonzero weight and its other rows hold NaN: size 5 reads only the weighted rows (finite,
+    equal to numpy), sizes 9 and 17 also read NaN rows (0 * NaN), so the size the host took is visible."""
+    from kvjax.host_tier import to_host, weighted_union_on_host
+
+    rng = np.random.default_rng(3)
+    n, S, D, Q, nnz = 3, 17, 4, 2, 5
+    x = rng.normal(size=(n, S, D)).astype(np.float32)
+    w = np.zeros((n, Q, S), np.float32)
+    for i in range(n):
+        w[i][:, rng.choice(S, nnz, replace=False)] = rng.random(size=(Q, nnz)) + 0.1
+    x[(w == 0).all(1)] = np.nan
+    host = to_host(jnp.asarray(x))
+    run = jax.jit(weighted_union_on_host, static_argnums=2)
+    want = np.einsum("nqs,nsd->nqd", w, np.nan_to_num(x))
+    np.testing.assert_allclose(np.asarray(run(host, jnp.asarray(w), (5, 9, 17), 0)), want, rtol=1e-5, atol=1e-6)
+    for which in (1, 2):
+        assert np.isnan(np.asarray(run(host, jnp.asarray(w), (5, 9, 17), which))).all()
+    np.testing.assert_allclose(np.asarray(run(host, jnp.asarray(w), (5,), 0)), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="sizes"):
+        weighted_union_on_host(host, jnp.asarray(w), (5, 18), 0)
 
 
 def test_format_bytes_hand_computed():

@@ -19,9 +19,9 @@ Lifecycle:
      with the always-kept newer tokens counted first, reaches ``tau`` (Eq. 4; found by a sort-free
      bisection on the threshold, :func:`kvjax.selection.top_p_select`; tokens tied at the threshold are all kept);
   3. the weighted sum of the selected values (Eq. 5), by one of two paths: ``value_path="host"``
-     sends the row ids and weights to the host, computes the weighted sum where the values live
-     (a ``compute_on`` host region, :func:`kvjax.host_tier.weighted_rows_on_host`) and brings back
-     ``[Hq, D]`` per row; ``value_path="device"`` brings the selected value rows to the device in one
+     sends the weights (dense over the prompt) to the host, computes the weighted sum where the values live over
+     the selected rows only (a ``compute_on`` host region, :func:`kvjax.host_tier.weighted_rows_on_host`) and
+     brings back ``[Hq, D]`` per row; ``value_path="device"`` brings the selected value rows to the device in one
      batched transfer per layer (:func:`kvjax.host_tier.gather_rows`) and sums there.
 
 Where kvjax differs from the paper (each a choice the paper leaves open or one forced by our setting):
@@ -48,11 +48,16 @@ Where kvjax differs from the paper (each a choice the paper leaves open or one f
   the union of their selections, capped at ``max_selected`` of the prompt (default 1.0: no cap,
   Eq. 4 exactly). A cap makes the transfer of the device path bounded; where the union exceeds it,
   the rows with the highest group-max probability are used and the event is counted
-  (``truncated_selections`` in the stats). The transfer has one size per call: the cap, or with ``row_buckets = n``
-  the smallest of ``cap, cap / 2, ..., cap / 2^(n-1)`` that holds the call's largest union (exact either way; the
-  stats count the rows selected, ``value_rows_per_head_per_call``, and the rows that crossed or were weighted on the
-  host, ``value_rows_fetched_per_head_per_call``). The size is chosen on the device by ``lax.switch``: on a GPU a
-  host synchronisation per layer and call. The default (``row_buckets=1``) moves or weighs every prompt row.
+  (``truncated_selections`` in the stats). The rows a call sums (host path) or moves (device path) follow the
+  selection, not the prompt: one size per call, the smallest of ``cap, cap / sqrt(2), cap / 2, ...`` (``row_buckets``
+  sizes, default 13: down to ``cap / 64``) that holds the call's largest union, so below sqrt(2) times that union
+  unless it is smaller than ``cap / 64``; exact either way. The stats count the rows selected
+  (``value_rows_per_head_per_call``) and the rows summed or moved (``value_rows_fetched_per_head_per_call``). On the
+  host path the size is chosen by the host computation from the dense weights it receives, so the device program
+  has no conditional (on a TPU, whose host compiler rejects that conditional, the device program chooses: TPUs run
+  conditionals without the host); on the device path the device must know the size of the transfer, so a
+  ``lax.switch`` chooses it: on a GPU a host synchronisation per layer and call (``row_buckets=1`` avoids it and
+  moves every prompt row).
 * **Value fetch timing**: the rows a step needs depend on that step's query, so the transfer cannot
   be issued a step ahead (unlike HeteroCache's/SyncKV's recalls); it is issued as soon as the
   selection is known, after the scores.
@@ -80,7 +85,7 @@ from jax.sharding import PartitionSpec
 from kvjax.artifacts import Artifact, installed_artifact, no_artifact, require_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
-from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host
+from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host, weighted_union_on_host
 from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
 from kvjax.paged import shard_map
 from kvjax.selection import top_p_select
@@ -90,6 +95,7 @@ from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged
 from pallas_kernels.pq_attention import pq_scores
 
 VALUE_PATHS = ("host", "device")
+ROW_SIZE_CHOICES = ("auto", "host", "device")
 # Named configurations (``hcattention:preset=tuned``), chosen on the dev split: the last 64 prompt tokens kept
 # exact, so a question at the prompt's end is not quantized (docs/methods/hcattention.md).
 PRESETS: dict[str, dict] = {
@@ -169,9 +175,13 @@ class HCAttention:
       tau: cumulative attention mass kept (Eq. 4; paper 0.9).
       value_path: "host" (weighted sum where the values live) | "device" (selected rows transferred).
       max_selected: cap on the value rows per KV head and call, as a fraction of the prompt (1.0: none).
-      row_buckets: transfer sizes a call chooses from: the cap, and halved ``row_buckets - 1`` times; each call takes
-        the smallest that holds every (row, KV head)'s union of selections (exact; 1: always the cap, every prompt row
-        without a cap). Chosen on the device by a switch (a conditional per layer and call).
+      row_buckets: transfer sizes a call chooses from: the cap, divided by sqrt(2) ``row_buckets - 1`` times; each
+        call sums (host path) or moves (device path) the smallest that holds every (row, KV head)'s union of
+        selections (exact; 1: always the cap, every prompt row without a cap).
+      row_size_choice: where the host path's row count is picked: "host" (by the host computation, from the dense
+        weights: the device program has no conditional), "device" (by a switch of the device program, which then
+        sends ids and weights of the chosen rows only) or "auto" (host, except on a TPU; the device path always
+        picks on the device).
       renormalize: divide by the selected mass (False: the literal Eq. 5).
       local: last prompt tokens kept exact on the device and always selected (0: every prompt key
         quantized, the paper; module docstring).
@@ -185,7 +195,8 @@ class HCAttention:
     tau: float = 0.9
     value_path: str = "host"
     max_selected: float = 1.0
-    row_buckets: int = 1
+    row_buckets: int = 13
+    row_size_choice: str = "auto"
     renormalize: bool = True
     local: int = 0
     block: int = 256
@@ -211,6 +222,11 @@ class HCAttention:
             raise ValueError(f"max_selected must be in (0, 1], got {self.max_selected}")
         if isinstance(self.row_buckets, bool) or not isinstance(self.row_buckets, int) or self.row_buckets < 1:
             raise ValueError(f"row_buckets must be an int >= 1, got {self.row_buckets!r}")
+        if self.row_size_choice not in ROW_SIZE_CHOICES:
+            raise ValueError(f"row_size_choice must be one of {ROW_SIZE_CHOICES}, got {self.row_size_choice!r}")
+        if self.row_size_choice == "host" and self.value_path == "device":
+            raise ValueError("row_size_choice='host' needs value_path='host': the device path's transfer is sized "
+                             "in the device program")
         if self.block <= 0:
             raise ValueError(f"block must be positive, got {self.block}")
         if isinstance(self.local, bool) or not isinstance(self.local, int) or self.local < 0:
@@ -237,10 +253,18 @@ class HCAttention:
         return g
 
     def row_sizes(self, prompt_slots: int) -> tuple[int, ...]:
-        """The value-row transfer sizes of a call, smallest first: the cap halved ``row_buckets - 1`` times (at
-        least one row each), then the cap."""
+        """The value-row transfer sizes of a call, smallest first: the cap divided by sqrt(2) ``row_buckets - 1``
+        times (rounded up, at least one row), then the cap. The size a call takes is below sqrt(2) times its
+        largest union of selections unless that union is below the smallest size."""
         cap = self.row_cap(prompt_slots)
-        return tuple(sorted({max(1, -(-cap // 2**i)) for i in range(self.row_buckets)}))
+        return tuple(sorted({max(1, math.ceil(cap / 2 ** (i / 2) - 1e-9)) for i in range(self.row_buckets)}))
+
+    def sizes_on_host(self) -> bool:
+        """Whether the host computation picks a call's row count (host path; ``auto``: on every backend but a TPU,
+        whose host compiler rejects conditionals and whose device program runs them without the host)."""
+        if self.value_path != "host" or self.row_size_choice == "device":
+            return False
+        return self.row_size_choice == "host" or jax.default_backend() != "tpu"
 
     def row_cap(self, prompt_slots: int) -> int:
         """Static number of value rows per KV head and call for a prompt of ``prompt_slots``."""
@@ -347,40 +371,52 @@ class HCAttention:
         weights = jnp.where(chosen, p_p, 0.0)
         key = jnp.where(union, (p_p / total[..., None]).max(axis=(2, 3)), -1.0)  # union members first, best first
 
-        def weighted_sum(R: int):
-            """(summed values [B, H, G, T, D], their weights' sum [B, H, G, T], bytes moved) over ``R`` rows per
-            (row, KV head): every prompt row in order when ``R == S``, else the ``R`` union rows of largest
-            group-max probability."""
-            if R == S:  # unselected rows weigh 0
-                rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
-                count, w = jnp.full((B, H), S, jnp.int32), weights
-            else:
-                rows = lax.top_k(key, R)[1].astype(jnp.int32)  # [B, H, R]
-                count = jnp.minimum(in_union, R).astype(jnp.int32)
-                live = jnp.arange(R)[None, None, :] < count[..., None]
-                w = jnp.take_along_axis(weights, jnp.broadcast_to(rows[:, :, None, None], (B, H, G, T, R)), axis=-1)
-                w = jnp.where(live[:, :, None, None], w, 0.0)
-            ids_bytes = 4 * B * H * R
-            if self.value_path == "host":  # ids + weights out, one f32 sum per query head and token back
-                moved = ids_bytes + 4 * B * H * G * T * R + 4 * B * H * G * T * D
-                summed = weighted_rows_on_host(state.values, flatten_heads(rows, ctx.mesh),
-                                               flatten_heads(w.reshape(B, H, G * T, R), ctx.mesh))
-                summed = unflatten_heads(summed, B, H, ctx.mesh).reshape(B, H, G, T, D)
-            else:  # ids out, the [R] value rows back (a static block)
-                moved = ids_bytes + B * H * R * D * state.values.dtype.itemsize
-                vals = unflatten_heads(gather_rows(state.values, flatten_heads(rows, ctx.mesh),
-                                                   flatten_heads(count, ctx.mesh)), B, H, ctx.mesh)
-                summed = jnp.einsum("bhgtr,bhrd->bhgtd", w, vals.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-            return summed, w.sum(-1), jnp.asarray(moved, jnp.float32), jnp.asarray(B * H * R, jnp.float32)
-
         sizes = self.row_sizes(S)
-        if len(sizes) == 1:
-            out_p, w_sum, moved, fetched = weighted_sum(sizes[0])
-        else:  # the smallest size that holds every (row, KV head)'s union (the cap when none does: truncated)
-            need = jnp.minimum(in_union.max(), cap)
-            which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need.astype(jnp.int32))
-            out_p, w_sum, moved, fetched = lax.switch(jnp.minimum(which, len(sizes) - 1),
-                                                      [lambda R=R: weighted_sum(R) for R in sizes])
+        need = jnp.minimum(in_union.max(), cap)  # the cap when a union exceeds it: truncated
+        which = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need.astype(jnp.int32)), len(sizes) - 1)
+        rows_per_head = jnp.asarray(sizes, jnp.float32)[which]
+        if cap < S:  # the union's ``cap`` rows of largest group-max probability
+            top = lax.top_k(key, cap)[1]
+            kept = jnp.zeros((B, H, S), bool).at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], top].set(True)
+            weights = jnp.where(kept[:, :, None, None], weights, 0.0)
+        if self.sizes_on_host():  # dense weights and the size index out, one f32 sum per query head and token back
+            summed = weighted_union_on_host(state.values, flatten_heads(weights.reshape(B, H, G * T, S), ctx.mesh),
+                                            sizes, which)
+            out_p = unflatten_heads(summed, B, H, ctx.mesh).reshape(B, H, G, T, D)
+            w_sum = weights.sum(-1)
+            moved = 4 * B * H * G * T * S + 4 + 4 * B * H * G * T * D
+        else:  # the device program picks the size: ids (and weights) of ``R`` rows out
+
+            def sized(R: int):
+                """Summed values ``[B, H, G, T, D]`` and their weights' sum over the ``R`` union rows per (row, KV
+                head) of largest group-max probability (every prompt row in order when ``R == S``)."""
+                if R == S:  # unselected rows weigh 0
+                    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
+                    count, w = jnp.full((B, H), S, jnp.int32), weights
+                else:
+                    rows = lax.top_k(key, R)[1].astype(jnp.int32)  # [B, H, R]
+                    count = jnp.minimum(in_union, R).astype(jnp.int32)
+                    w = jnp.take_along_axis(weights, jnp.broadcast_to(rows[:, :, None, None], (B, H, G, T, R)), axis=-1)
+                if self.value_path == "host":
+                    summed = weighted_rows_on_host(state.values, flatten_heads(rows, ctx.mesh),
+                                                   flatten_heads(w.reshape(B, H, G * T, R), ctx.mesh))
+                    summed = unflatten_heads(summed, B, H, ctx.mesh).reshape(B, H, G, T, D)
+                else:
+                    vals = unflatten_heads(gather_rows(state.values, flatten_heads(rows, ctx.mesh),
+                                                       flatten_heads(count, ctx.mesh)), B, H, ctx.mesh)
+                    summed = jnp.einsum("bhgtr,bhrd->bhgtd", w, vals.astype(jnp.float32),
+                                        precision=lax.Precision.HIGHEST)
+                return summed, w.sum(-1)
+
+            if len(sizes) == 1:
+                out_p, w_sum = sized(sizes[0])
+            else:
+                out_p, w_sum = lax.switch(which, [lambda R=R: sized(R) for R in sizes])
+            if self.value_path == "host":
+                moved = (4 + 4 * G * T) * B * H * rows_per_head + 4 * B * H * G * T * D
+            else:
+                moved = (4 + D * state.values.dtype.itemsize) * B * H * rows_per_head
+        fetched = B * H * rows_per_head
         out_r = jnp.einsum("bhgtr,bhrd->bhgtd", p_r, rv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
         denom = w_sum + forced if self.renormalize else total
         out = (out_p + out_r) / denom[..., None]
@@ -391,7 +427,7 @@ class HCAttention:
         state = state.replace(
             recent_k=rk, recent_v=rv, selected=state.selected + frac.sum(), queries=state.queries + frac.size,
             rows=state.rows + jnp.minimum(in_union, cap).sum().astype(jnp.float32), fetched=state.fetched + fetched,
-            calls=state.calls + 1, moved=state.moved + moved,
+            calls=state.calls + 1, moved=state.moved + jnp.asarray(moved, jnp.float32),
             truncated=state.truncated + (in_union > cap).sum().astype(jnp.int32))
         return out, state
 
