@@ -20,7 +20,7 @@ Lifecycle:
      bisection on the threshold, :func:`kvjax.selection.top_p_select`; tokens tied at the threshold are all kept);
   3. the weighted sum of the selected values (Eq. 5), by one of two paths: ``value_path="host"``
      sends the weights (dense over the prompt) to the host, computes the weighted sum where the values live over
-     the selected rows only (a ``compute_on`` host region, :func:`kvjax.host_tier.weighted_rows_on_host`) and
+     the selected rows only (a ``compute_on`` host region, :func:`kvjax.host_tier.weighted_union_on_host`) and
      brings back ``[Hq, D]`` per row; ``value_path="device"`` brings the selected value rows to the device in one
      batched transfer per layer (:func:`kvjax.host_tier.gather_rows`) and sums there.
 
