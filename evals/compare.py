@@ -1,8 +1,10 @@
 """Compare two evaluation runs record by record: ``python -m evals.compare OLD_DIR NEW_DIR [--same-method NEW OLD] [--out FILE]``.
 
 Matches ``samples.jsonl`` records by (task, length, sample index, method, budget) and writes a
-Markdown report: per (method, budget) the mean accuracy of both runs over the records they share,
-and every shared record whose answer changed (old and new output, score and device bytes).
+Markdown report: per (method, budget) the mean accuracy of both runs over the records they share and how many
+answers are identical, every shared record whose answer changed (old and new output, score and device bytes), and,
+for methods that record value rows per decode call (HCAttention), the rows selected and the rows summed or moved in
+either run (means over the shared records).
 ``--same-method NEW OLD`` (repeatable) matches the new run's method ``NEW`` with the old run's ``OLD``
 (the same method under other options, e.g. ``locret:positions=contiguous`` against ``locret``).
 """
@@ -14,6 +16,9 @@ import collections
 import os
 import sys
 from typing import Sequence
+
+
+ROW_FIELDS = ("value_rows_per_head_per_call", "value_rows_fetched_per_head_per_call")
 
 
 def _key(r: dict, rename: dict | None = None) -> tuple:
@@ -32,19 +37,42 @@ def compare_runs(old_dir: str, new_dir: str, same_method: Sequence[tuple[str, st
     old = {_key(r): r for r in read_jsonl(os.path.join(old_dir, "samples.jsonl"))}
     new = {_key(r, rename): r for r in read_jsonl(os.path.join(new_dir, "samples.jsonl"))}
     shared = [k for k in new if k in old]
-    acc = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    acc = collections.defaultdict(lambda: [0.0, 0.0, 0, 0])
+    rows = collections.defaultdict(lambda: collections.defaultdict(list))
     for k in shared:
         cell = acc[(k[3], k[4])]
         cell[0] += old[k]["score"]
         cell[1] += new[k]["score"]
         cell[2] += 1
+        cell[3] += old[k]["output"] == new[k]["output"]
+        for run, r in (("old", old[k]), ("new", new[k])):
+            for field in ROW_FIELDS:
+                if field in r:
+                    rows[(k[3], k[4])][(run, field)].append(float(r[field]))
     lines = [f"# `{os.path.basename(os.path.normpath(new_dir))}` vs `{os.path.basename(os.path.normpath(old_dir))}`", "",
              f"{len(shared)} shared records ({len(new)} in the new run, {len(old)} in the old one).", "",
              *[f"Matched as one method: `{n}` (new run) with `{o}` (old run), shown as `{o}`." for n, o in same_method],
              *([""] if same_method else []),
-             "| method | budget | records | old accuracy % | new accuracy % |", "|---|---|---:|---:|---:|"]
-    for (m, b), (o, n, c) in sorted(acc.items(), key=lambda x: (x[0][0] != "full", x[0])):
-        lines.append(f"| {m} | {b} | {c} | {100 * o / c:.1f} | {100 * n / c:.1f} |")
+             "| method | budget | records | old accuracy % | new accuracy % | identical answers |",
+             "|---|---|---:|---:|---:|---:|"]
+    for (m, b), (o, n, c, same) in sorted(acc.items(), key=lambda x: (x[0][0] != "full", x[0])):
+        lines.append(f"| {m} | {b} | {c} | {100 * o / c:.1f} | {100 * n / c:.1f} | {same} |")
+    if rows:
+        lines += ["", "## Value rows per (row, KV head) and decode call", "",
+                  "Selected: the union of the call's selections; fetched: the rows summed on the host or moved to the "
+                  "device. Means over the shared records (each a batch's mean over its calls).", "",
+                  "| method | budget | old selected | old fetched | old ÷ selected | new selected | new fetched | "
+                  "new ÷ selected |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+
+        def cells(cell, run):
+            """Mean rows selected, fetched and their ratio in ``run`` (empty where its records lack the field)."""
+            sel, got = cell.get((run, ROW_FIELDS[0]), []), cell.get((run, ROW_FIELDS[1]), [])
+            mean = [f"{sum(v) / len(v):.1f}" if v else "" for v in (sel, got)]
+            ratio = f"{sum(got) / sum(sel):.2f}" if sel and got and sum(sel) else ""
+            return " | ".join([*mean, ratio])
+
+        for (m, b), cell in sorted(rows.items()):
+            lines.append(f"| {m} | {b} | {cells(cell, 'old')} | {cells(cell, 'new')} |")
     changed = [k for k in shared if old[k]["output"] != new[k]["output"]]
     lines += ["", f"## Changed answers ({len(changed)})", ""]
     if changed:

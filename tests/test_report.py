@@ -50,8 +50,9 @@ def test_compare_runs_hand_made(tmp_path):
                              dict(base, index=2, method="snapkv", budget="0.1", score=1.0, output="5")])
     md = compare_runs(str(tmp_path / "old"), str(tmp_path / "new"))
     assert "2 shared records (3 in the new run, 2 in the old one)" in md
-    assert "| snapkv | 0.1 | 2 | 50.0 | 0.0 |" in md
+    assert "| snapkv | 0.1 | 2 | 50.0 | 0.0 | 1 |" in md
     assert "## Changed answers (1)" in md and "'123'" in md and "'12'" in md
+    assert "Value rows" not in md  # no method here records them
     # the same method under other options in the new run: unmatched unless named, then matched by the old name
     write(tmp_path / "renamed", [dict(base, index=0, method="snapkv:window=8", budget="0.1", score=1.0, output="123"),
                                  dict(base, index=1, method="snapkv:window=8", budget="0.1", score=1.0, output="7")])
@@ -59,8 +60,16 @@ def test_compare_runs_hand_made(tmp_path):
     md = compare_runs(str(tmp_path / "old"), str(tmp_path / "renamed"), [("snapkv:window=8", "snapkv")])
     assert "2 shared records (2 in the new run, 2 in the old one)" in md
     assert "Matched as one method: `snapkv:window=8` (new run) with `snapkv` (old run)" in md
-    assert "| snapkv | 0.1 | 2 | 50.0 | 100.0 |" in md
+    assert "| snapkv | 0.1 | 2 | 50.0 | 100.0 | 1 |" in md
     assert "## Changed answers (1)" in md and "'9'" in md and "'7'" in md
+    # value rows: means over the shared records, fetched / selected as a ratio of the means; the old run lacks fetched
+    rows = dict(base, method="hcattention", budget="0.1", score=1.0, output="1")
+    write(tmp_path / "hc_old", [dict(rows, index=i, value_rows_per_head_per_call=v) for i, v in ((0, 100.0), (1, 300.0))])
+    write(tmp_path / "hc_new", [dict(rows, index=i, value_rows_per_head_per_call=v, value_rows_fetched_per_head_per_call=f)
+                                for i, v, f in ((0, 100.0, 181.0), (1, 300.0, 362.0))])
+    md = compare_runs(str(tmp_path / "hc_old"), str(tmp_path / "hc_new"))
+    assert "| hcattention | 0.1 | 2 | 100.0 | 100.0 | 2 |" in md
+    assert "| hcattention | 0.1 | 200.0 |  |  | 200.0 | 271.5 | 1.36 |" in md
 
 
 def test_side_by_side_orders_by_device_bytes_counts_common_samples_and_refuses_other_prompts(tmp_path):
