@@ -18,12 +18,19 @@ PROMPT, ROOM = 512, 8
 KERNEL_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
+# Configurations compiled beside every registered method: HCAttention with the paper's 16-bit codes (c > 256).
+EXTRA = {"hcattention:centroids=1024": dict(budget=0.25)}
+
+
 def methods():
-    """Every registered method at budget 0.5 (the full cache as is); HCAttention with PQ-coded keys (budget 0.25)."""
+    """Every registered method at budget 0.5 (the full cache as is); HCAttention with PQ-coded keys (budget 0.25),
+    with 8-bit codes (its default c = 256) and with 16-bit codes (:data:`EXTRA`)."""
     from kvjax.methods import METHODS, get_method
 
-    return {name: get_method(name) if name == "full" else get_method(name, budget=0.25 if name == "hcattention" else 0.5)
-            for name in METHODS}
+    out = {name: get_method(name) if name == "full" else get_method(name, budget=0.25 if name == "hcattention" else 0.5)
+           for name in METHODS}
+    out.update({name: get_method(name, **kwargs) for name, kwargs in EXTRA.items()})
+    return out
 
 
 def main() -> None:
