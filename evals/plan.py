@@ -227,42 +227,72 @@ def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_sh
     return dev + out[0], host + out[1]
 
 
+def _instruction_own_bytes(comps: dict, shapes: dict, i: _Inst) -> tuple[int, int]:
+    callee = re.search(r"calls=%([\w.\-]+)", i.tail)
+    if i.op == "fusion" and callee:
+        return _fusion_bytes(comps, shapes, callee.group(1), i.operands, i.shape)
+    d, h = _arrays(i.shape)
+    for o in i.operands:
+        od, oh = _arrays(shapes.get(o, ""))
+        d, h = d + od, h + oh
+    return d, h
+
+
+def _walk(comps: dict, shapes: dict, comp: str, times: int, on_host: bool, stack: tuple = ()):
+    """Instructions of ``comp`` that launch work, each ``(name, op name, device bytes, host bytes)`` multiplied by the
+    times the computation runs; loop bodies by their known trip count, the largest branch of a conditional, host
+    computations' traffic as host traffic."""
+    if comp in stack:  # a recursive reference would be malformed HLO; never loop on it
+        return
+    stack = stack + (comp,)
+    for i in comps.get(comp, []):
+        if i.op == "while":
+            trip = re.search(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)', i.tail)
+            n = times * (int(trip.group(1)) if trip else 1)
+            for part in re.findall(r"\b(?:body|condition)=%([\w.\-]+)", i.tail):
+                yield from _walk(comps, shapes, part, n, on_host, stack)
+            continue
+        if i.op == "conditional":
+            names = re.search(r"branch_computations=\{([^}]*)\}", i.tail)
+            branches = ([n.strip().lstrip("%") for n in names.group(1).split(",")] if names else
+                        re.findall(r"(?:true|false)_computation=%([\w.\-]+)", i.tail))
+            walked = [list(_walk(comps, shapes, b, times, on_host, stack)) for b in branches]
+            if walked:
+                yield from max(walked, key=lambda rows: sum(d + h for _, _, d, h in rows))
+            continue
+        if i.op == "call":
+            for part in re.findall(r"to_apply=%([\w.\-]+)", i.tail):
+                yield from _walk(comps, shapes, part, times, on_host, stack)
+            continue
+        if i.op in _NO_KERNEL:
+            continue
+        d, h = _instruction_own_bytes(comps, shapes, i)
+        op_name = re.search(r'op_name="([^"]*)"', i.tail)
+        yield i.name, op_name.group(1) if op_name else i.op, (0 if on_host else d) * times, (d + h if on_host else h) * times
+        if 'async_execution_thread="host"' in i.tail:
+            called = re.search(r"called_computations=\{([^}]*)\}", i.tail)
+            for part in (called.group(1).split(",") if called else []):
+                yield from _walk(comps, shapes, part.strip().lstrip("%"), times, True, stack)
+
+
 def instruction_bytes(hlo: str):
     """``(instruction name, its jax op name or HLO opcode, device bytes, host bytes)`` of every instruction of a
-    compiled (optimized) HLO module that launches work, in the computations that run (see :func:`hlo_bytes`)."""
+    compiled (optimized) HLO module that launches work, as often as it runs (see :func:`hlo_bytes`)."""
     comps = _parse(hlo)
     shapes = {i.name: i.shape for insts in comps.values() for i in insts}
-    run = set(re.findall(r"\b(?:body|condition)=%([\w.\-]+)", hlo))
-    for m in re.finditer(r"branch_computations=\{([^}]*)\}", hlo):
-        run.update(n.strip().lstrip("%") for n in m.group(1).split(","))
-    run.update(re.findall(r"(?:true|false)_computation=%([\w.\-]+)", hlo))
     entry = re.search(r"^ENTRY %(\S+) \(", hlo, re.M)
     if entry:
-        run.add(entry.group(1))
-    for insts in list(comps.values()):
-        run.update(re.findall(r"to_apply=%([\w.\-]+)", " ".join(i.tail for i in insts if i.op == "call")))
-    for comp in run:
-        for i in comps.get(comp, []):
-            if i.op in _NO_KERNEL:
-                continue
-            callee = re.search(r"calls=%([\w.\-]+)", i.tail)
-            if i.op == "fusion" and callee:
-                d, h = _fusion_bytes(comps, shapes, callee.group(1), i.operands, i.shape)
-            else:
-                d, h = _arrays(i.shape)
-                for o in i.operands:
-                    od, oh = _arrays(shapes.get(o, ""))
-                    d, h = d + od, h + oh
-            op_name = re.search(r'op_name="([^"]*)"', i.tail)
-            yield i.name, op_name.group(1) if op_name else i.op, d, h
+        yield from _walk(comps, shapes, entry.group(1), 1, False)
 
 
 def hlo_bytes(hlo: str) -> dict:
     """Bytes a compiled (optimized) HLO module moves, counted per kernel as XLA's cost analysis does.
 
     Every instruction that launches work (a fusion, a custom call such as a Pallas kernel, a copy...) reads its operands
-    and writes its output, in the computations that run (the entry, loop bodies and conditions, conditional branches:
-    each branch counted as if taken, an upper bound); a fusion that only slices or gathers from an operand reads those
+    and writes its output, in the computations that run, as often as they run: the entry; a loop's body and condition
+    times its known trip count (once when XLA does not know it); of a conditional's branches the one that moves the
+    most (an upper bound); what a host computation (a ``compute_on`` region, run by the host thread) reads and writes
+    counts as host traffic, the arrays it is handed and returns as their memory says. A fusion that only slices or gathers from an operand reads those
     slices; a fusion whose root updates its first operand in place (``dynamic-update-slice``, ``scatter``) writes the
     update only. Arrays in
     host memory (``S(5)``) count as host traffic. Returns ``{"device": bytes, "host": bytes}``.

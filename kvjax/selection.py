@@ -332,7 +332,11 @@ class SinksAndRecent:
         return keep_top(jnp.broadcast_to(priority, scores.shape), jnp.zeros(scores.shape, bool), real[:, None, :], row_caps)
 
 
-def top_p_select(mass, total, forced, tau: float):
+# Bits of the threshold found per pass over the masses by :func:`top_p_select`, per backend (the rest: 4).
+TOP_P_DIGIT_BITS = {"cpu": 2}
+
+
+def top_p_select(mass, total, forced, tau: float, *, digit_bits: int | None = None, one_read: bool | None = None):
     """Eq. 4 per query: the tokens of largest mass whose cumulative mass, after ``forced``, reaches ``tau * total``.
 
     Args:
@@ -340,33 +344,53 @@ def top_p_select(mass, total, forced, tau: float):
       total: ``[...]`` the softmax normaliser (candidates plus ``forced``).
       forced: ``[...]`` mass of tokens that are always kept (counted before any candidate).
       tau: threshold in (0, 1]; ``tau >= 1`` keeps every candidate with non-zero mass.
+      digit_bits: bits of the threshold found per pass over the masses (default :data:`TOP_P_DIGIT_BITS` for the
+        backend jax traces for).
+      one_read: sum each pass's thresholds in one multi-output reduction (default: except on a CPU).
 
     Returns:
       bool ``[..., S]``: ``mass >= t`` for the largest value ``t`` whose set reaches the target, i.e. the
       ``k*`` largest masses of Eq. 4. Tokens tied with the ``k*``-th are all kept (the set does not depend
       on the order of positions). Nothing is selected when ``forced`` alone reaches the target.
 
-    Sort-free: ``t`` is found exactly by bisection over the bit patterns of the (non-negative) float32
-    masses, 32 masked sums over ``S``. A full sort per query head (``lax.top_k`` with ``k = S``) was
-    30x slower on this CPU (86 ms against 2.8 ms per layer for 56 query rows of 4K tokens, measured
-    beside another job).
+    Sort-free and exact: ``t`` is found digit by digit over the bit patterns of the (non-negative) float32 masses
+    (a radix search, 31 bits), each pass summing the masses at or above ``2**digit_bits - 1`` candidate thresholds.
+    The passes read the masses ``ceil(31 / digit_bits)`` times: on an accelerator, where a decode step's selection
+    is bound by those reads, 8 passes of 15 thresholds, one multi-output reduction each (each mass read once per
+    pass); a bisection (one bit per pass) read them 32 times, 4x the bytes of an 8B model's other selection work
+    at 32K tokens. On a CPU, compute-bound, 16 passes of 3 thresholds are fastest (1.7 ms per layer against 2.5 ms
+    for the bisection and 12.7 ms for 15 thresholds; 56 query rows of 4K tokens). A full sort per query head
+    (``lax.top_k`` with ``k = S``) was 30x slower than the bisection on this CPU.
     """
     mass = mass.astype(jnp.float32)
     if tau >= 1.0:
         return mass > 0
+    backend = jax.default_backend()
+    digit_bits = TOP_P_DIGIT_BITS.get(backend, 4) if digit_bits is None else digit_bits
+    one_read = backend != "cpu" if one_read is None else one_read
+    if not 1 <= digit_bits <= 8:
+        raise ValueError(f"digit_bits must be in [1, 8], got {digit_bits}")
     target = tau * total - forced
     bits = lax.bitcast_convert_type(mass, jnp.int32)  # monotone in the value for non-negative floats
-
-    def reaches(threshold):
-        return jnp.where(bits >= threshold[..., None], mass, 0.0).sum(-1) >= target
-
-    def step(_, bounds):
-        lo, hi = bounds  # invariant: reaches(lo), not reaches(hi)
-        mid = lo + (hi - lo) // 2
-        ok = reaches(mid)
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    lo = jnp.zeros(target.shape, jnp.int32)
-    hi = bits.max(-1) + 1
-    lo, _ = lax.fori_loop(0, 32, step, (lo, hi))
+    lo = jnp.zeros(target.shape, jnp.int32)  # invariant: the masses at or above lo reach the target
+    left = 31
+    while left > 0:
+        width = min(digit_bits, left)
+        left -= width
+        thresholds = [lo + (j << left) for j in range(1, 1 << width)]
+        reached = _masses_at_or_above(bits, mass, thresholds, one_read=one_read) >= target[..., None]
+        lo = lo + (reached.sum(-1).astype(jnp.int32) << left)  # sums fall as the threshold grows
     return (bits >= lo[..., None]) & (mass > 0) & (target > 0)[..., None]
+
+
+def _masses_at_or_above(bits, mass, thresholds, *, one_read: bool):
+    """``[..., k]``: per threshold, the sum of the masses whose bits are at or above it. ``one_read``: one variadic
+    reduction (every threshold's sum from one read of each mass); else one reduction over a broadcast
+    ``[..., k, S]`` (XLA:CPU runs it faster)."""
+    if one_read:
+        parts = tuple(jnp.where(bits >= t[..., None], mass, 0.0) for t in thresholds)
+        sums = lax.reduce(parts, tuple(jnp.float32(0) for _ in parts),
+                          lambda a, b: tuple(x + y for x, y in zip(a, b)), (mass.ndim - 1,))
+        return jnp.stack(sums, -1)
+    t = jnp.stack(thresholds, -1)
+    return jnp.where(bits[..., None, :] >= t[..., :, None], mass[..., None, :], 0.0).sum(-1)

@@ -20,7 +20,8 @@ from tests.mesh_worker import CONFIG_D16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A module by hand: an in-place cache update (writes one row), a fusion that slices one row of a large operand and
-# reads a small one whole, a Pallas-like custom call, a copy to host memory, and a conditional branch.
+# reads a small one whole, a Pallas-like custom call, a copy to host memory, a conditional, a loop of known trip count
+# and a host computation.
 HLO = """HloModule m
 
 %fused_dus (p0: bf16[1024,128], p1: bf16[1,128], p2: s32[]) -> bf16[1024,128] {
@@ -64,6 +65,28 @@ HLO = """HloModule m
   ROOT %e = f32[64]{0} exponential(%b)
 }
 
+%wbody (w: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %w = (s32[], f32[64]{0}) parameter(0)
+  %w0 = s32[] get-tuple-element(%w), index=0
+  %w1 = f32[64]{0} get-tuple-element(%w), index=1
+  %one = s32[] constant(1)
+  %w2 = s32[] add(%w0, %one)
+  %w3 = f32[64]{0} negate(%w1)
+  ROOT %wt = (s32[], f32[64]{0}) tuple(%w2, %w3)
+}
+
+%wcond (c: (s32[], f32[64])) -> pred[] {
+  %c = (s32[], f32[64]{0}) parameter(0)
+  %c0 = s32[] get-tuple-element(%c), index=0
+  %lim = s32[] constant(4)
+  ROOT %lt = pred[] compare(%c0, %lim), direction=LT
+}
+
+%hostcomp (hp: f32[64]) -> f32[64] {
+  %hp = f32[64]{0} parameter(0)
+  ROOT %hn = f32[64]{0} negate(%hp)
+}
+
 ENTRY %main (cache: bf16[1024,128], new: bf16[1,128], i: s32[], big: f32[4096,64], small: f32[64], pool: bf16[512,64], ids: s32[1,1], row: bf16[1,64]) -> f32[64] {
   %cache = bf16[1024,128]{1,0} parameter(0)
   %new = bf16[1,128]{1,0} parameter(1)
@@ -78,6 +101,10 @@ ENTRY %main (cache: bf16[1024,128], new: bf16[1,128], i: s32[], big: f32[4096,64
   %sl = f32[64]{0} fusion(%big, %small, %i), kind=kLoop, calls=%fused_slice
   %k = f32[64]{0} custom-call(%sl, %small), custom_call_target="__gpu$xla.gpu.triton"
   %h = f32[64]{0:S(5)} copy(%k)
+  %init = (s32[], f32[64]{0}) tuple(%i, %k)
+  %loop = (s32[], f32[64]{0}) while(%init), condition=%wcond, body=%wbody, backend_config={"known_trip_count":{"n":"4"}}
+  %hs = ((f32[64]{0}), f32[64]{0}, u32[]) custom-call-start(%k), async_execution_thread="host", custom_call_target="HostExecute", called_computations={%hostcomp}
+  %hd = f32[64]{0} custom-call-done(%hs)
   ROOT %c = f32[64]{0} conditional(%i, %k, %k), branch_computations={%branch_a, %branch_b}
 }
 """
@@ -87,16 +114,21 @@ def test_hlo_bytes_of_a_hand_written_program():
     """Hand-counted: the in-place update reads its one new row (256 B) and the index (4 B) and writes the row, not the
     1024-row cache; the slicing fusion reads one row of ``big`` (256 B), all of ``small`` (256 B) and the index, and
     writes 256 B; the custom call reads 2 x 256 and writes 256; the copy to host reads 256 on the device and writes 256
-    to the host; each conditional branch (counted as taken) reads and writes 256; the scatter appending one 128-byte
-    row to a 64 KiB pool in place reads the row and its index (4 B) and writes the row."""
+    to the host; of the conditional's two branches (each reads and writes 256) one counts; the scatter appending one
+    128-byte row to a 64 KiB pool in place reads the row and its index (4 B) and writes the row; the loop runs its
+    known 4 trips, each a counter increment (3 x 4 B), a negation (2 x 256) and the condition's compare (2 x 4 + 1);
+    the host call's start hands 256 over and holds its operand, output and a 4-byte token (772 on the device), and the
+    host computation's negation moves 512 host bytes."""
     counted = hlo_bytes(HLO)
     dus = 256 + 4 + 256
     sliced = 256 + 256 + 4 + 256
     kernel = 3 * 256
     copy = 256
-    branches = 2 * (256 + 256)
+    branch = 256 + 256
     scatter = 4 + 128 + 128
-    assert counted == {"device": dus + sliced + kernel + copy + branches + scatter, "host": 256}
+    loop = 4 * (12 + 512 + 9)
+    host_start = 256 + (256 + 256 + 4)
+    assert counted == {"device": dus + sliced + kernel + copy + branch + scatter + loop + host_start, "host": 256 + 512}
 
 
 def test_mesh_shapes_of_the_targets():

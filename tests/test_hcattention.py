@@ -50,7 +50,7 @@ def test_top_p_hand_cases():
     # ties: sorted 0.5 (1), 0.25 (0), 0.125 (2), 0.125 (3); k* = 3 falls inside the tie, so both tied are kept
     assert _select([0.25, 0.5, 0.125, 0.125], 0.8) == [0, 1, 2, 3]
     assert _select([0.25, 0.5, 0.125, 0.125], 0.75) == [0, 1]  # reached before the tie
-    # tiny masses (the bisection is exact on the float bit patterns, whatever the magnitude)
+    # tiny masses (the search is exact on the float bit patterns, whatever the magnitude)
     assert _select([4e-20, 1e-20, 3e-20, 2e-20], 0.65) == [0, 2]
     assert _select([4e-20, 1e-20, 3e-20, 2e-20], 0.75) == [0, 2, 3]
     # tau = 1 keeps every token with non-zero mass, and only those
@@ -61,6 +61,41 @@ def test_top_p_hand_cases():
     # always-kept tokens count first: 0.55 forced + 0.25 reaches 0.75
     assert _select([0.25, 0.2], 0.75, forced=0.55) == [0]
     assert _select([0.25, 0.25], 0.5, forced=0.5) == []
+
+
+def _top_p_numpy(mass, target):
+    """Eq. 4 by sorting (float64 sums): the k* largest masses reaching ``target``, ties at the k*-th kept."""
+    out = np.zeros(mass.shape, bool)
+    for idx in np.ndindex(mass.shape[:-1]):
+        m, t = mass[idx].astype(np.float64), float(target[idx])
+        if t <= 0:
+            continue
+        order = np.sort(m)[::-1]
+        k = int(np.searchsorted(np.cumsum(order), t))  # first prefix reaching t
+        out[idx] = (m >= order[min(k, len(order) - 1)]) & (m > 0)
+    return out
+
+
+@pytest.mark.parametrize("digit_bits,one_read", [(1, False), (2, False), (3, True), (4, True), (4, False), (8, True)])
+def test_top_p_radix_search_matches_a_sort(digit_bits, one_read):
+    """Every digit width and both reduction forms select what sorting selects: masses spanning 40 orders of
+    magnitude, exact zeros, ties, a target forced mass alone reaches, and targets near the total."""
+    rng = np.random.default_rng(digit_bits)
+    mass = np.exp(rng.standard_normal((3, 5, 257)) * 20).astype(np.float32)
+    mass[..., :7] = 0.0
+    mass[0, 0, 10:20] = mass[0, 0, 30]  # ties
+    mass[1] = np.round(mass[1], 0)  # many exact ties and zeros
+    total = mass.astype(np.float64).sum(-1)
+    forced = np.zeros_like(total)
+    forced[2, 0] = 5 * total[2, 0]  # forced alone reaches the target: nothing selected
+    total = (total + forced).astype(np.float32)
+    for tau in (0.1, 0.5, 0.9, 0.999):
+        got = top_p_select(jnp.asarray(mass), jnp.asarray(total), jnp.asarray(forced, np.float32), tau,
+                           digit_bits=digit_bits, one_read=one_read)
+        target = tau * total.astype(np.float32) - forced.astype(np.float32)  # as the function computes it
+        np.testing.assert_array_equal(np.asarray(got), _top_p_numpy(mass, target), err_msg=f"tau={tau}")
+    with pytest.raises(ValueError, match="digit_bits"):
+        top_p_select(jnp.asarray(mass), jnp.asarray(total), jnp.asarray(forced, np.float32), 0.5, digit_bits=0)
 
 
 # ------------------------------------------------------------------------- one layer vs numpy
