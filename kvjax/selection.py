@@ -354,13 +354,10 @@ def top_p_select(mass, total, forced, tau: float, *, digit_bits: int | None = No
       on the order of positions). Nothing is selected when ``forced`` alone reaches the target.
 
     Sort-free and exact: ``t`` is found digit by digit over the bit patterns of the (non-negative) float32 masses
-    (a radix search, 31 bits), each pass summing the masses at or above ``2**digit_bits - 1`` candidate thresholds.
-    The passes read the masses ``ceil(31 / digit_bits)`` times: on an accelerator, where a decode step's selection
-    is bound by those reads, 8 passes of 15 thresholds, one multi-output reduction each (each mass read once per
-    pass); a bisection (one bit per pass) read them 32 times, 4x the bytes of an 8B model's other selection work
-    at 32K tokens. On a CPU, compute-bound, 16 passes of 3 thresholds are fastest (1.7 ms per layer against 2.5 ms
-    for the bisection and 12.7 ms for 15 thresholds; 56 query rows of 4K tokens). A full sort per query head
-    (``lax.top_k`` with ``k = S``) was 30x slower than the bisection on this CPU.
+    (a radix search over 31 bits), each pass summing the masses at or above ``2**digit_bits - 1`` candidate
+    thresholds, so the masses are read ``ceil(31 / digit_bits)`` times. On an accelerator the reads bound it: 8 passes
+    of 15 thresholds, each one multi-output reduction. On a CPU the compares bound it: 16 passes of 3. Both choices
+    and the sort this replaces are measured in ``docs/RESULTS.md`` (HCAttention).
     """
     mass = mass.astype(jnp.float32)
     if tau >= 1.0:

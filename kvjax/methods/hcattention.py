@@ -17,7 +17,7 @@ Lifecycle:
      the tokens appended after the prompt keep exact keys and values on the device;
   2. one softmax over both (Eq. 2), then the smallest set of prompt tokens whose cumulative mass,
      with the always-kept newer tokens counted first, reaches ``tau`` (Eq. 4; found by a sort-free
-     bisection on the threshold, :func:`kvjax.selection.top_p_select`; tokens tied at the threshold are all kept);
+     radix search on the threshold, :func:`kvjax.selection.top_p_select`; tokens tied at the threshold are all kept);
   3. the weighted sum of the selected values (Eq. 5), by one of two paths: ``value_path="host"``
      sends the weights (dense over the prompt) to the host, computes the weighted sum where the values live over
      the selected rows only (a ``compute_on`` host region, :func:`kvjax.host_tier.weighted_union_on_host`) and
