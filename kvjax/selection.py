@@ -332,8 +332,10 @@ class SinksAndRecent:
         return keep_top(jnp.broadcast_to(priority, scores.shape), jnp.zeros(scores.shape, bool), real[:, None, :], row_caps)
 
 
-# Bits of the threshold found per pass over the masses by :func:`top_p_select`, per backend (the rest: 4).
-TOP_P_DIGIT_BITS = {"cpu": 2}
+# :func:`top_p_select`'s search per backend: (bits of the threshold found per pass over the masses, whether each
+# pass is one multi-output reduction). Accelerators are bound by the reads, a CPU by the compares.
+TOP_P_SEARCH = {"cpu": (2, False)}
+TOP_P_SEARCH_ACCELERATOR = (4, True)
 
 
 def top_p_select(mass, total, forced, tau: float, *, digit_bits: int | None = None, one_read: bool | None = None):
@@ -344,9 +346,10 @@ def top_p_select(mass, total, forced, tau: float, *, digit_bits: int | None = No
       total: ``[...]`` the softmax normaliser (candidates plus ``forced``).
       forced: ``[...]`` mass of tokens that are always kept (counted before any candidate).
       tau: threshold in (0, 1]; ``tau >= 1`` keeps every candidate with non-zero mass.
-      digit_bits: bits of the threshold found per pass over the masses (default :data:`TOP_P_DIGIT_BITS` for the
-        backend jax traces for).
-      one_read: sum each pass's thresholds in one multi-output reduction (default: except on a CPU).
+      digit_bits: bits of the threshold found per pass over the masses.
+      one_read: sum each pass's thresholds in one multi-output reduction.
+      Both default to :data:`TOP_P_SEARCH` for the backend jax traces for (:data:`TOP_P_SEARCH_ACCELERATOR` for
+      any other).
 
     Returns:
       bool ``[..., S]``: ``mass >= t`` for the largest value ``t`` whose set reaches the target, i.e. the
@@ -362,9 +365,9 @@ def top_p_select(mass, total, forced, tau: float, *, digit_bits: int | None = No
     mass = mass.astype(jnp.float32)
     if tau >= 1.0:
         return mass > 0
-    backend = jax.default_backend()
-    digit_bits = TOP_P_DIGIT_BITS.get(backend, 4) if digit_bits is None else digit_bits
-    one_read = backend != "cpu" if one_read is None else one_read
+    default_bits, default_one_read = TOP_P_SEARCH.get(jax.default_backend(), TOP_P_SEARCH_ACCELERATOR)
+    digit_bits = default_bits if digit_bits is None else digit_bits
+    one_read = default_one_read if one_read is None else one_read
     if not 1 <= digit_bits <= 8:
         raise ValueError(f"digit_bits must be in [1, 8], got {digit_bits}")
     target = tau * total - forced

@@ -76,11 +76,13 @@ def _top_p_numpy(mass, target):
     return out
 
 
-@pytest.mark.parametrize("digit_bits,one_read", [(1, False), (2, False), (3, True), (4, True), (4, False), (8, True)])
+@pytest.mark.parametrize("digit_bits,one_read", [(None, None), (1, False), (2, False), (3, True), (4, True), (4, False),
+                                                 (8, True)])
 def test_top_p_radix_search_matches_a_sort(digit_bits, one_read):
     """Every digit width and both reduction forms select what sorting selects: masses spanning 40 orders of
-    magnitude, exact zeros, ties, a target forced mass alone reaches, and targets near the total."""
-    rng = np.random.default_rng(digit_bits)
+    magnitude, exact zeros, ties, a target forced mass alone reaches, and targets near the total. ``None``: the
+    backend's default form."""
+    rng = np.random.default_rng(digit_bits or 0)
     mass = np.exp(rng.standard_normal((3, 5, 257)) * 20).astype(np.float32)
     mass[..., :7] = 0.0
     mass[0, 0, 10:20] = mass[0, 0, 30]  # ties
