@@ -506,8 +506,9 @@ def render(report: dict) -> str:
         "nominal HBM bandwidth per chip; "
         "floor = (a chip's share of the weights read + the cache's device bytes / chips) / bandwidth",
         "- bytes moved: GPU: counted from the compiled HLO per kernel, device memory only (`evals.plan.hlo_bytes`: "
-        "operands and outputs; a sliced operand's slices; an in-place update's update; every conditional branch as "
-        "taken; a kernel's whole operands, so Quest's selected pages count as all); TPU: XLA's "
+        "operands and outputs; a sliced operand's slices; an in-place update's update; a loop body times its known "
+        "trip count; a conditional's largest branch; a host computation's work as host traffic; a kernel's whole "
+        "operands, so Quest's selected pages count as all); TPU: XLA's "
         "`cost_analysis()['bytes accessed']`, which also counts the on-chip (VMEM) side of the copies the TPU "
         "compiler inserts: an upper bound on HBM traffic",
         "- host → device: the bytes the step's host computations return to the device (a recall's gathered rows; "
@@ -518,7 +519,7 @@ def render(report: dict) -> str:
     for tname, rows in report["targets"].items():
         t = TARGETS[tname]
         lines += [f"## {tname}: {t.chips} chip(s), {t.memory_bytes / GIB:.0f} GiB and {t.bandwidth / 1e12:.2f} TB/s "
-                  f"per chip, mesh (data, model) = {report['meshes'][tname]}", "",
+                  f"per chip, mesh (data, model) = {tuple(report['meshes'][tname])}", "",
                   "| method | budget | prompt | GiB/chip at batch 1 | GiB/row | host GiB at batch 1 | max batch | fits | "
                   "bytes moved/step, GiB (batch 1) | floor GiB | projected ms/step (batch 1) | ÷ floor | "
                   "vs full (batch 1) | host → device MiB/step (batch 1) | host link ms/step | "
