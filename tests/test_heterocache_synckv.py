@@ -188,6 +188,47 @@ def test_leader_picks_hand_case():
     assert sorted(np.asarray(picks)[0, 0].tolist()) == [3 + 2, 3 + 5, 3 + 7]
 
 
+def _leader_probs_numpy(k, lengths, heads, qg, kernel, gqa):
+    """float64 reference of :func:`leader_probs` from each head's stored keys ``k[B, Hkv, S, D]`` in order."""
+    B, T, n, G, D = qg.shape
+    S = k.shape[2]
+    out = np.full((B, n, T, S), -np.inf)
+    for b in range(B):
+        for i, h in enumerate(heads):
+            for t in range(T):
+                seen = lengths[b, h] - (T - 1 - t)
+                p = np.zeros((G, S))
+                for g in range(G):
+                    s = k[b, h, :seen].astype(np.float64) @ qg[b, t, i, g].astype(np.float64) / np.sqrt(D)
+                    e = np.exp(s - s.max())
+                    p[g, :seen] = e / e.sum()
+                half = kernel // 2
+                padded = np.pad(p, ((0, 0), (half, half)))
+                pooled = np.stack([padded[:, j:j + kernel].sum(-1) / kernel for j in range(S)], -1)
+                agg = pooled.max(0) if gqa == "max" else pooled.mean(0)
+                out[b, i, t, :seen] = agg[:seen]
+    return out
+
+
+@pytest.mark.parametrize("T,gqa", [(1, "max"), (1, "mean"), (3, "max")])
+def test_leader_probs_match_numpy(T, gqa):
+    """The leaders' pooled attention over their paged keys, one query (the decode step's form) and several (a
+    multi-token call's): ragged lengths, a leader that is not head 0, pages not aligned to the lengths."""
+    rng = np.random.default_rng(T)
+    B, H, S, D, G, heads = 2, 3, 21, 8, 2, (2, 0)
+    k = rng.standard_normal((B, H, S, D)).astype(np.float32)
+    lengths = np.array([[21, 9, 17], [13, 21, 6]], np.int32)
+    idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
+    paged = build_paged(jnp.asarray(k), jnp.asarray(k), idx, jnp.asarray(lengths), (S,) * H, 0, 4)
+    qg = rng.standard_normal((B, T, len(heads), G, D)).astype(np.float32)
+    got = np.asarray(leader_probs(paged, heads, jnp.asarray(qg), 3, gqa))  # positions: whole pages
+    want = _leader_probs_numpy(np.pad(k, ((0, 0), (0, 0), (0, got.shape[-1] - S), (0, 0))), lengths, heads, qg, 3,
+                               gqa)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(np.where(np.isinf(want), 0, got), np.where(np.isinf(want), 0, want), rtol=1e-5,
+                               atol=1e-7)
+
+
 # --------------------------------------------------------------------------------- runtime
 def _prefilled(model, method, tokens, artifact, room=8):
     cache = new_cache(method, model.config, tokens.shape[0], tokens.shape[1], room, model.dtype, artifact=artifact)

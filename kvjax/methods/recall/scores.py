@@ -71,9 +71,14 @@ def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str):
     M = paged.block_table.shape[-1]
     ps = paged.page_size
     ids = jnp.asarray(heads, jnp.int32)
-    k = paged.k_pages[paged.block_table[:, ids]].reshape(B, n, M * ps, D)  # the cache's dtype: no f32 copy
-    s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(k.dtype), k, precision=lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32) * D**-0.5
+    pages = paged.k_pages[paged.block_table[:, ids]]  # [B, n, M, ps, D]
+    if T == 1:  # a multiply-reduce: the compiler reads the pages where they lie (a matmul would read a gathered copy)
+        k = pages.reshape(B, n, 1, M * ps, 1, D).astype(jnp.float32)
+        q = qg.transpose(0, 2, 1, 3, 4)[:, :, :, None].astype(pages.dtype).astype(jnp.float32)  # [B, n, 1, 1, G, D]
+        s = jnp.swapaxes((k * q).sum(-1), -1, -2) * D**-0.5  # exact products, as the matmul's below
+    else:
+        s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(pages.dtype), pages.reshape(B, n, M * ps, D),
+                       precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * D**-0.5
     lengths = paged.lengths[:, ids]  # [B, n]
     limit = lengths[..., None] - T + jnp.arange(T) + 1  # [B, n, T]
     seen = jnp.arange(M * ps)[None, None, None, :] < limit[..., None]  # [B, n, T, S]
