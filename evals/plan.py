@@ -191,9 +191,18 @@ def _parse(hlo: str) -> dict:
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
 
 
+def _reads_through_bitcasts(users: dict, name: str) -> list:
+    """``(instruction, the name it reads)`` for each use of ``name`` in a fused computation, looking through bitcasts
+    (a reshape that moves no data)."""
+    out = []
+    for u in users.get(name, []):
+        out += _reads_through_bitcasts(users, u.name) if u.op == "bitcast" else [(u, name)]
+    return out
+
+
 def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_shape: str) -> tuple[int, int]:
     """(device, host) bytes a fusion reads and writes: an operand that the fused computation only slices or gathers
-    counts the slices; an in-place root (``dynamic-update-slice``, ``scatter``: a cache append) writes its update and
+    (directly or through bitcasts) counts the slices; an in-place root (``dynamic-update-slice``, ``scatter``: a cache append) writes its update and
     neither reads nor rewrites its target."""
     insts = comps.get(callee, [])
     params = {i.name: int(i.args.strip() or 0) for i in insts if i.op == "parameter"}
@@ -211,8 +220,9 @@ def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_sh
         uses = users.get(pname, [])
         if in_place and root.operands[0] == pname and all(u is root for u in uses):
             continue  # updated in place: neither read nor rewritten
-        if uses and all(u.op in _SLICING and u.operands and u.operands[0] == pname for u in uses):
-            part = [_arrays(u.shape) for u in uses]
+        reads = _reads_through_bitcasts(users, pname)
+        if reads and all(u.op in _SLICING and u.operands and u.operands[0] == via for u, via in reads):
+            part = [_arrays(u.shape) for u, _ in reads]
             dev += min(sum(d for d, _ in part), full[0])
             host += min(sum(h for _, h in part), full[1])
         else:
@@ -292,10 +302,10 @@ def hlo_bytes(hlo: str) -> dict:
     and writes its output, in the computations that run, as often as they run: the entry; a loop's body and condition
     times its known trip count (once when XLA does not know it); of a conditional's branches the one that moves the
     most (an upper bound); what a host computation (a ``compute_on`` region, run by the host thread) reads and writes
-    counts as host traffic, the arrays it is handed and returns as their memory says. A fusion that only slices or gathers from an operand reads those
-    slices; a fusion whose root updates its first operand in place (``dynamic-update-slice``, ``scatter``) writes the
-    update only. Arrays in
-    host memory (``S(5)``) count as host traffic. Returns ``{"device": bytes, "host": bytes}``.
+    counts as host traffic, the arrays it is handed and returns as their memory says. A fusion that only slices or
+    gathers from an operand (directly or through bitcasts) reads those slices; a fusion whose root updates its first
+    operand in place (``dynamic-update-slice``, ``scatter``) writes the update only. Arrays in host memory (``S(5)``)
+    count as host traffic. Returns ``{"device": bytes, "host": bytes}``.
     """
     dev = host = 0
     for _, _, d, h in instruction_bytes(hlo):
@@ -506,9 +516,9 @@ def render(report: dict) -> str:
         "nominal HBM bandwidth per chip; "
         "floor = (a chip's share of the weights read + the cache's device bytes / chips) / bandwidth",
         "- bytes moved: GPU: counted from the compiled HLO per kernel, device memory only (`evals.plan.hlo_bytes`: "
-        "operands and outputs; a sliced operand's slices; an in-place update's update; a loop body times its known "
-        "trip count; a conditional's largest branch; a host computation's work as host traffic; a kernel's whole "
-        "operands, so Quest's selected pages count as all); TPU: XLA's "
+        "operands and outputs; a sliced operand's slices, through bitcasts too; an in-place update's update; a loop "
+        "body times its known trip count; a conditional's largest branch; a host computation's work as host "
+        "traffic; a kernel's whole operands, so Quest's selected pages count as all); TPU: XLA's "
         "`cost_analysis()['bytes accessed']`, which also counts the on-chip (VMEM) side of the copies the TPU "
         "compiler inserts: an upper bound on HBM traffic",
         "- host → device: the bytes the step's host computations return to the device (a recall's gathered rows; "

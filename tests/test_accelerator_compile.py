@@ -37,7 +37,8 @@ HLO = """HloModule m
   %q1 = f32[64]{0} parameter(1)
   %q2 = s32[] parameter(2)
   %z = s32[] constant(0)
-  %row = f32[1,64]{1,0} dynamic-slice(%q0, %q2, %z), dynamic_slice_sizes={1,64}
+  %q0b = f32[64,64,64]{2,1,0} bitcast(%q0)
+  %row = f32[1,1,64]{2,1,0} dynamic-slice(%q0b, %q2, %z, %z), dynamic_slice_sizes={1,1,64}
   %r = f32[64]{0} reshape(%row)
   ROOT %a = f32[64]{0} add(%r, %q1)
 }
@@ -112,13 +113,13 @@ ENTRY %main (cache: bf16[1024,128], new: bf16[1,128], i: s32[], big: f32[4096,64
 
 def test_hlo_bytes_of_a_hand_written_program():
     """Hand-counted: the in-place update reads its one new row (256 B) and the index (4 B) and writes the row, not the
-    1024-row cache; the slicing fusion reads one row of ``big`` (256 B), all of ``small`` (256 B) and the index, and
-    writes 256 B; the custom call reads 2 x 256 and writes 256; the copy to host reads 256 on the device and writes 256
-    to the host; of the conditional's two branches (each reads and writes 256) one counts; the scatter appending one
-    128-byte row to a 64 KiB pool in place reads the row and its index (4 B) and writes the row; the loop runs its
-    known 4 trips, each a counter increment (3 x 4 B), a negation (2 x 256) and the condition's compare (2 x 4 + 1);
-    the host call's start hands 256 over and holds its operand, output and a 4-byte token (772 on the device), and the
-    host computation's negation moves 512 host bytes."""
+    1024-row cache; the slicing fusion reads one row of ``big`` (256 B, sliced through a bitcast), all of ``small``
+    (256 B) and the index, and writes 256 B; the custom call reads 2 x 256 and writes 256; the copy to host reads 256
+    on the device and writes 256 to the host; of the conditional's two branches (each reads and writes 256) one
+    counts; the scatter appending one 128-byte row to a 64 KiB pool in place reads the row and its index (4 B) and
+    writes the row; the loop runs its known 4 trips, each a counter increment (3 x 4 B), a negation (2 x 256) and the
+    condition's compare (2 x 4 + 1); the host call's start hands 256 over and holds its operand, output and a 4-byte
+    token (772 on the device), and the host computation's negation moves 512 host bytes."""
     counted = hlo_bytes(HLO)
     dus = 256 + 4 + 256
     sliced = 256 + 256 + 4 + 256
