@@ -210,10 +210,12 @@ def _leader_probs_numpy(k, lengths, heads, qg, kernel, gqa):
     return out
 
 
-@pytest.mark.parametrize("T,gqa", [(1, "max"), (1, "mean"), (3, "max")])
-def test_leader_probs_match_numpy(T, gqa):
-    """The leaders' pooled attention over their paged keys, one query (the decode step's form) and several (a
-    multi-token call's): ragged lengths, a leader that is not head 0, pages not aligned to the lengths."""
+@pytest.mark.parametrize("T,gqa,multiply_reduce", [(1, "max", None), (1, "max", True), (1, "mean", True),
+                                                    (3, "max", None), (3, "mean", True)])
+def test_leader_probs_match_numpy(T, gqa, multiply_reduce):
+    """The leaders' pooled attention over their paged keys, one query (a decode step) and several (a multi-token
+    call), as a matmul (this CPU's default) and as a multiply-reduce (an accelerator's for one query): ragged lengths,
+    a leader that is not head 0, pages not aligned to the lengths."""
     rng = np.random.default_rng(T)
     B, H, S, D, G, heads = 2, 3, 21, 8, 2, (2, 0)
     k = rng.standard_normal((B, H, S, D)).astype(np.float32)
@@ -221,7 +223,7 @@ def test_leader_probs_match_numpy(T, gqa):
     idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
     paged = build_paged(jnp.asarray(k), jnp.asarray(k), idx, jnp.asarray(lengths), (S,) * H, 0, 4)
     qg = rng.standard_normal((B, T, len(heads), G, D)).astype(np.float32)
-    got = np.asarray(leader_probs(paged, heads, jnp.asarray(qg), 3, gqa))  # positions: whole pages
+    got = np.asarray(leader_probs(paged, heads, jnp.asarray(qg), 3, gqa, multiply_reduce=multiply_reduce))
     want = _leader_probs_numpy(np.pad(k, ((0, 0), (0, 0), (0, got.shape[-1] - S), (0, 0))), lengths, heads, qg, 3,
                                gqa)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))

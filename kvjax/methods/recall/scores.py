@@ -60,21 +60,27 @@ def leader_queries(q, heads: tuple, num_kv_heads: int):
     return q.reshape(B, T, num_kv_heads, Hq // num_kv_heads, D)[:, :, jnp.asarray(heads, jnp.int32)]
 
 
-def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str):
+def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, multiply_reduce: bool | None = None):
     """Scores of consecutive queries ``qg[B, T, n, G, D]`` (:func:`leader_queries`) over the leader heads' held tokens.
 
     Returns ``[B, n, T, positions]`` (f32): softmax per query head over the tokens each query saw
     (the ``T`` queries are the newest tokens, already appended: query ``t`` saw all but the last
     ``T - 1 - t``), average pooling (``kernel``), aggregation over the group (``gqa``); -inf where unseen.
+
+    ``multiply_reduce`` (default: one query, on an accelerator) scores by a multiply-reduce, which the compiler fuses
+    with the page gather, so the leaders' keys are read once where they lie; a matmul reads a gathered copy (written
+    first: three passes over the keys on an H100), but runs faster on a CPU and for several queries.
     """
     B, T, n, G, D = qg.shape
     M = paged.block_table.shape[-1]
     ps = paged.page_size
     ids = jnp.asarray(heads, jnp.int32)
     pages = paged.k_pages[paged.block_table[:, ids]]  # [B, n, M, ps, D]
-    if T == 1:  # a multiply-reduce: the compiler reads the pages where they lie (a matmul would read a gathered copy)
+    if multiply_reduce is None:
+        multiply_reduce = T == 1 and jax.default_backend() != "cpu"
+    if multiply_reduce:
         k = pages.reshape(B, n, 1, M * ps, 1, D).astype(jnp.float32)
-        q = qg.transpose(0, 2, 1, 3, 4)[:, :, :, None].astype(pages.dtype).astype(jnp.float32)  # [B, n, 1, 1, G, D]
+        q = qg.transpose(0, 2, 1, 3, 4)[:, :, :, None].astype(pages.dtype).astype(jnp.float32)  # [B, n, T, 1, G, D]
         s = jnp.swapaxes((k * q).sum(-1), -1, -2) * D**-0.5  # exact products, as the matmul's below
     else:
         s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(pages.dtype), pages.reshape(B, n, M * ps, D),
