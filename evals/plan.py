@@ -249,9 +249,9 @@ def _instruction_own_bytes(comps: dict, shapes: dict, i: _Inst) -> tuple[int, in
 
 
 def _walk(comps: dict, shapes: dict, comp: str, times: int, on_host: bool, stack: tuple = ()):
-    """Instructions of ``comp`` that launch work, each ``(name, op name, device bytes, host bytes)`` multiplied by the
-    times the computation runs; loop bodies by their known trip count, the largest branch of a conditional, host
-    computations' traffic as host traffic."""
+    """Instructions of ``comp`` that launch work, each ``(name, op name, device bytes, host bytes, device launches)``
+    multiplied by the times the computation runs; loop bodies by their known trip count, the largest branch of a
+    conditional, host computations' traffic as host traffic (and no device launch)."""
     if comp in stack:  # a recursive reference would be malformed HLO; never loop on it
         return
     stack = stack + (comp,)
@@ -268,7 +268,7 @@ def _walk(comps: dict, shapes: dict, comp: str, times: int, on_host: bool, stack
                         re.findall(r"(?:true|false)_computation=%([\w.\-]+)", i.tail))
             walked = [list(_walk(comps, shapes, b, times, on_host, stack)) for b in branches]
             if walked:
-                yield from max(walked, key=lambda rows: sum(d + h for _, _, d, h in rows))
+                yield from max(walked, key=lambda rows: sum(r[2] + r[3] for r in rows))
             continue
         if i.op == "call":
             for part in re.findall(r"to_apply=%([\w.\-]+)", i.tail):
@@ -278,7 +278,8 @@ def _walk(comps: dict, shapes: dict, comp: str, times: int, on_host: bool, stack
             continue
         d, h = _instruction_own_bytes(comps, shapes, i)
         op_name = re.search(r'op_name="([^"]*)"', i.tail)
-        yield i.name, op_name.group(1) if op_name else i.op, (0 if on_host else d) * times, (d + h if on_host else h) * times
+        yield (i.name, op_name.group(1) if op_name else i.op, (0 if on_host else d) * times,
+               (d + h if on_host else h) * times, 0 if on_host else times)
         if 'async_execution_thread="host"' in i.tail:
             called = re.search(r"called_computations=\{([^}]*)\}", i.tail)
             for part in (called.group(1).split(",") if called else []):
@@ -292,7 +293,17 @@ def instruction_bytes(hlo: str):
     shapes = {i.name: i.shape for insts in comps.values() for i in insts}
     entry = re.search(r"^ENTRY %(\S+) \(", hlo, re.M)
     if entry:
-        yield from _walk(comps, shapes, entry.group(1), 1, False)
+        for name, op, d, h, _ in _walk(comps, shapes, entry.group(1), 1, False):
+            yield name, op, d, h
+
+
+def kernel_launches(hlo: str) -> int:
+    """Device kernels a compiled (optimized) HLO module launches per run: the instructions :func:`instruction_bytes`
+    walks, loop bodies times their trip count, a conditional's largest branch, none for a host computation's work."""
+    comps = _parse(hlo)
+    shapes = {i.name: i.shape for insts in comps.values() for i in insts}
+    entry = re.search(r"^ENTRY %(\S+) \(", hlo, re.M)
+    return sum(r[4] for r in _walk(comps, shapes, entry.group(1), 1, False)) if entry else 0
 
 
 def hlo_bytes(hlo: str) -> dict:
@@ -414,6 +425,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     host = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes - mem.host_alias_size_in_bytes
             + mem.host_temp_size_in_bytes)
     counted = hlo_bytes(hlo)
+    kernels = kernel_launches(hlo)
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else None
     # a TPU program's async slices into VMEM are not counted reliably from the HLO: take XLA's own count there
@@ -426,7 +438,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
             "artifact_bytes": bytes_by_memory_kind(cache.artifact)[0],
             "device_traffic": traffic, "hlo_device_traffic": counted["device"], "xla_bytes_accessed": xla,
             "host_traffic": counted["host"], "host_to_device": host_to_device, "floor_bytes": floor,
-            "compile_s": seconds, "compiled": compiled}
+            "kernels": kernels, "compile_s": seconds, "compiled": compiled}
 
 
 def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, room: int, artifact, graphdef, params,
@@ -447,7 +459,7 @@ def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, roo
     row = {"batch1": b1, "fixed_bytes": fixed, "per_row_bytes": per_row, "device_bytes_b1": one["device_bytes"],
            "host_bytes_b1": one["host_bytes"], "traffic_b1": one["device_traffic"],
            "xla_bytes_accessed_b1": one["xla_bytes_accessed"], "host_traffic_b1": one["host_traffic"],
-           "host_to_device_b1": one["host_to_device"],
+           "host_to_device_b1": one["host_to_device"], "kernels_b1": one["kernels"],
            "floor_b1": one["floor_bytes"], "compile_s": one["compile_s"]}
     fits = int((target.memory_bytes - fixed) // per_row) if per_row > 0 else 0
     row["max_batch"] = max(0, fits - fits % b1)
@@ -524,6 +536,8 @@ def render(report: dict) -> str:
         "- host → device: the bytes the step's host computations return to the device (a recall's gathered rows; "
         "GPU targets), and their time at the host link's nominal bandwidth; not in the projected step, which a "
         "recall adds to unless it overlaps the step's device work",
+        "- kernels/step: the compiled step's instructions that launch work, as often as they run (fusions, custom "
+        "calls, copies); each costs a launch the projected step leaves out: what bounds a step that moves few bytes",
         "",
     ]
     for tname, rows in report["targets"].items():
@@ -533,12 +547,12 @@ def render(report: dict) -> str:
                   "| method | budget | prompt | GiB/chip at batch 1 | GiB/row | host GiB at batch 1 | max batch | fits | "
                   "bytes moved/step, GiB (batch 1) | floor GiB | projected ms/step (batch 1) | ÷ floor | "
                   "vs full (batch 1) | host → device MiB/step (batch 1) | host link ms/step | "
-                  "tokens/s at max batch | vs full (max batch) | compile s |",
-                  "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "kernels/step (batch 1) | tokens/s at max batch | vs full (max batch) | compile s |",
+                  "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         full = {r["length"]: r for r in rows if r["method"] == "full" and "error" not in r}
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['method']} | {r['budget']} | {r['length']} | {r['error']} |||||||||||||||")
+                lines.append(f"| {r['method']} | {r['budget']} | {r['length']} | {r['error']} ||||||||||||||||")
                 continue
             f = full.get(r["length"])
             speed = f"{f['step_s_b1'] / r['step_s_b1']:.2f}×" if f else ""
@@ -555,7 +569,8 @@ def render(report: dict) -> str:
                 f"{_gib(r['per_row_bytes'] * r['batch1'])} | {_gib(r['host_bytes_b1'])} | {batch} | "
                 f"{fits} | {_gib(r['traffic_b1'])} | {_gib(r['floor_b1'])} | {r['step_s_b1'] * 1e3:.2f} | "
                 f"{r['step_s_b1'] / r['floor_s_b1']:.2f} | {speed} | {'' if h2d is None else f'{h2d / 2**20:.1f}'} | "
-                f"{link} | {'' if tps is None else f'{tps:.0f}'} | {tps_ratio} | {r['compile_s']:.0f} |")
+                f"{link} | {r.get('kernels_b1', '')} | {'' if tps is None else f'{tps:.0f}'} | {tps_ratio} | "
+                f"{r['compile_s']:.0f} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from evals.plan import TARGETS, hlo_bytes, mesh_shape
+from evals.plan import TARGETS, hlo_bytes, kernel_launches, mesh_shape
 from kvjax.methods import METHODS
 from tests.mesh_worker import CONFIG_D16
 
@@ -130,6 +130,9 @@ def test_hlo_bytes_of_a_hand_written_program():
     loop = 4 * (12 + 512 + 9)
     host_start = 256 + (256 + 256 + 4)
     assert counted == {"device": dus + sliced + kernel + copy + branch + scatter + loop + host_start, "host": 256 + 512}
+    # launches: the scatter, the update, the slice, the custom call, the copy, 4 x 3 in the loop, the host call's
+    # start and one branch; the host computation's negation runs on the host
+    assert kernel_launches(HLO) == 5 + 12 + 1 + 1
 
 
 def test_mesh_shapes_of_the_targets():
@@ -214,7 +217,7 @@ def test_plan_finds_the_largest_batch_that_compiles_when_the_estimate_does_not(m
         device = GIB_ + batch * 2 * GIB_ + (batch > 30) * 60 * GIB_  # fits up to 30 rows
         return {"device_bytes": device, "host_bytes": 0, "artifact_bytes": 0, "device_traffic": 1e9 * batch,
                 "xla_bytes_accessed": None, "host_traffic": 0, "host_to_device": None, "floor_bytes": 1e9,
-                "compile_s": 1.0}
+                "kernels": 7, "compile_s": 1.0}
 
     monkeypatch.setattr(plan, "compile_step", fake_compile)
     row = plan.plan_cell(target, mesh, None, "bfloat16", None, 1024, 64, None, None, params)
@@ -224,4 +227,10 @@ def test_plan_finds_the_largest_batch_that_compiles_when_the_estimate_does_not(m
     assert [f["batch"] for f in row["verify_failures"]] == [49, 36]
     assert "RESOURCE_EXHAUSTED" in row["verify_failures"][0]["error"]
     assert row["tokens_per_s_max"] == pytest.approx(27 / (27e9 / 1e12))
+    assert row["kernels_b1"] == 7
+    table = plan.render({"args": {"model": "toy", "targets": ["h100"], "dtype": "bfloat16", "room": 64},
+                         "command": "c", "jax": "0", "date": "d", "meshes": {"h100": [1, 1]},
+                         "targets": {"h100": [dict(row, method="m", budget=0.1, length=1024)]}})
+    header, _, line = ([c.strip() for c in r.strip("|").split("|")] for r in table.splitlines()[-3:])
+    assert line[header.index("kernels/step (batch 1)")] == "7"
 
