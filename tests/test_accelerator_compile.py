@@ -172,10 +172,9 @@ def compiled():
 @pytest.mark.parametrize("target", ["h100", "v5e-8"])
 def test_every_decode_step_compiles_for_the_target(compiled, target):
     """Every registered method's one-token decode step compiles (XLA for the target, not only lowered), and
-    HCAttention's with 16-bit codes; every method
-    runs a Pallas kernel in it (Triton custom call on the GPU, Mosaic on the TPU), not the XLA
-    fallback (the full cache's one-token step reads its contiguous cache with the paged kernel too); the compiled
-    memory holds at least the cache's keys and values, counted by hand."""
+    HCAttention's with 16-bit codes; every method runs a Pallas kernel in it (Triton custom call on the GPU, Mosaic on
+    the TPU), not the XLA fallback (the full cache's one-token step reads its contiguous cache with the paged kernel
+    too); the compiled memory holds at least the cache's keys and values, counted by hand."""
     from tests.accelerator_compile_worker import EXTRA
 
     rows = compiled[target]["methods"]
