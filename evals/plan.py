@@ -278,8 +278,9 @@ def _walk(comps: dict, shapes: dict, comp: str, times: int, on_host: bool, stack
             continue
         d, h = _instruction_own_bytes(comps, shapes, i)
         op_name = re.search(r'op_name="([^"]*)"', i.tail)
+        launches = 0 if on_host or d + h == 0 else times  # zero-sized arrays: nothing to launch
         yield (i.name, op_name.group(1) if op_name else i.op, (0 if on_host else d) * times,
-               (d + h if on_host else h) * times, 0 if on_host else times)
+               (d + h if on_host else h) * times, launches)
         if 'async_execution_thread="host"' in i.tail:
             called = re.search(r"called_computations=\{([^}]*)\}", i.tail)
             for part in (called.group(1).split(",") if called else []):
@@ -299,7 +300,8 @@ def instruction_bytes(hlo: str):
 
 def kernel_launches(hlo: str) -> int:
     """Device kernels a compiled (optimized) HLO module launches per run: the instructions :func:`instruction_bytes`
-    walks, loop bodies times their trip count, a conditional's largest branch, none for a host computation's work."""
+    walks, loop bodies times their trip count, a conditional's largest branch, none for a host computation's work or
+    for an instruction over zero-sized arrays."""
     comps = _parse(hlo)
     shapes = {i.name: i.shape for insts in comps.values() for i in insts}
     entry = re.search(r"^ENTRY %(\S+) \(", hlo, re.M)

@@ -102,6 +102,8 @@ ENTRY %main (cache: bf16[1024,128], new: bf16[1,128], i: s32[], big: f32[4096,64
   %sl = f32[64]{0} fusion(%big, %small, %i), kind=kLoop, calls=%fused_slice
   %k = f32[64]{0} custom-call(%sl, %small), custom_call_target="__gpu$xla.gpu.triton"
   %h = f32[64]{0:S(5)} copy(%k)
+  %none = s32[1,0]{1,0} constant({ {  } })
+  %nocopy = s32[1,0]{1,0} copy(%none)
   %init = (s32[], f32[64]{0}) tuple(%i, %k)
   %loop = (s32[], f32[64]{0}) while(%init), condition=%wcond, body=%wbody, backend_config={"known_trip_count":{"n":"4"}}
   %hs = ((f32[64]{0}), f32[64]{0}, u32[]) custom-call-start(%k), async_execution_thread="host", custom_call_target="HostExecute", called_computations={%hostcomp}
@@ -131,7 +133,7 @@ def test_hlo_bytes_of_a_hand_written_program():
     host_start = 256 + (256 + 256 + 4)
     assert counted == {"device": dus + sliced + kernel + copy + branch + scatter + loop + host_start, "host": 256 + 512}
     # launches: the scatter, the update, the slice, the custom call, the copy, 4 x 3 in the loop, the host call's
-    # start and one branch; the host computation's negation runs on the host
+    # start and one branch; the host computation's negation runs on the host; the copy of an empty array launches none
     assert kernel_launches(HLO) == 5 + 12 + 1 + 1
 
 
