@@ -202,8 +202,8 @@ def _reads_through_bitcasts(users: dict, name: str) -> list:
 
 def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_shape: str) -> tuple[int, int]:
     """(device, host) bytes a fusion reads and writes: an operand that the fused computation only slices or gathers
-    (directly or through bitcasts) counts the slices; an in-place root (``dynamic-update-slice``, ``scatter``: a cache append) writes its update and
-    neither reads nor rewrites its target."""
+    (directly or through bitcasts) counts the slices; an in-place root (``dynamic-update-slice``, ``scatter``: a cache
+    append) writes its update and neither reads nor rewrites its target."""
     insts = comps.get(callee, [])
     params = {i.name: int(i.args.strip() or 0) for i in insts if i.op == "parameter"}
     users: dict = {}
