@@ -287,25 +287,26 @@ def _walk(comps: dict, shapes: dict, comp: str, times: int, on_host: bool, stack
                 yield from _walk(comps, shapes, part.strip().lstrip("%"), times, True, stack)
 
 
-def instruction_bytes(hlo: str):
-    """``(instruction name, its jax op name or HLO opcode, device bytes, host bytes)`` of every instruction of a
-    compiled (optimized) HLO module that launches work, as often as it runs (see :func:`hlo_bytes`)."""
+def _walk_entry(hlo: str):
+    """:func:`_walk` from a compiled (optimized) HLO module's entry computation (nothing without one)."""
     comps = _parse(hlo)
     shapes = {i.name: i.shape for insts in comps.values() for i in insts}
     entry = re.search(r"^ENTRY %(\S+) \(", hlo, re.M)
-    if entry:
-        for name, op, d, h, _ in _walk(comps, shapes, entry.group(1), 1, False):
-            yield name, op, d, h
+    return _walk(comps, shapes, entry.group(1), 1, False) if entry else iter(())
+
+
+def instruction_bytes(hlo: str):
+    """``(instruction name, its jax op name or HLO opcode, device bytes, host bytes)`` of every instruction of a
+    compiled (optimized) HLO module that launches work, as often as it runs (see :func:`hlo_bytes`)."""
+    for name, op, d, h, _ in _walk_entry(hlo):
+        yield name, op, d, h
 
 
 def kernel_launches(hlo: str) -> int:
     """Device kernels a compiled (optimized) HLO module launches per run: the instructions :func:`instruction_bytes`
     walks, loop bodies times their trip count, a conditional's largest branch, none for a host computation's work or
     for an instruction over zero-sized arrays."""
-    comps = _parse(hlo)
-    shapes = {i.name: i.shape for insts in comps.values() for i in insts}
-    entry = re.search(r"^ENTRY %(\S+) \(", hlo, re.M)
-    return sum(r[4] for r in _walk(comps, shapes, entry.group(1), 1, False)) if entry else 0
+    return sum(r[4] for r in _walk_entry(hlo))
 
 
 def hlo_bytes(hlo: str) -> dict:
