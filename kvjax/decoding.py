@@ -89,8 +89,14 @@ def prompt_positions(pad: jax.Array, start: int, length: int) -> jax.Array:
 
 
 def _forward(graphdef, params, tokens, positions, cache: Cache, *, last_only: bool):
-    """The loaded model's own forward (``graphdef`` + ``params`` merged inside the trace)."""
-    return nnx.merge(graphdef, params)(tokens, positions, cache, last_only=last_only)
+    """The loaded model's own forward (``graphdef`` + ``params`` merged inside the trace); on a compressed cache,
+    inside the method's ``around_layers``."""
+    model = nnx.merge(graphdef, params)
+
+    def run(cache):
+        return model(tokens, positions, cache, last_only=last_only)
+
+    return run(cache) if cache.stage == "prefill" else cache.method.around_layers(cache, tokens.shape[1], run)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))

@@ -367,6 +367,39 @@ def recall(host: HostKV, idx, count, *, mechanism: str = "host_gather"):
     return _recall(host, idx, count, block=1, limit=limit, mechanism=mechanism)
 
 
+def recall_many(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> list[tuple[jax.Array, jax.Array]]:
+    """:func:`recall` of several host tiers (e.g. every layer's) in **one** host computation and one transfer: one
+    host call where one per tier would each wait for the device work enqueued before it, the masking of rows past
+    ``count`` done on the host, and every tier's rows in one block the device slices. Returns ``[(k, v)]`` per tier
+    (``[n_heads, R, D]`` in device memory, zero past ``count``)."""
+    if not (len(hosts) == len(idxs) == len(counts)) or not hosts:
+        raise ValueError(f"one idx and count per host tier: {len(hosts)} tiers, {len(idxs)} idx, {len(counts)} count")
+    if len({(h.k.dtype, h.k.shape[-1]) for h in hosts}) != 1:
+        raise ValueError("recall_many: every host tier must have the same dtype and head dimension")
+    checked = [_check_request(h, i, c, pages=False) for h, i, c in zip(hosts, idxs, counts)]
+    n, D = len(hosts), hosts[0].k.shape[-1]
+
+    def gather(*args):
+        out = []
+        for j, (_, _, limit) in enumerate(checked):
+            k, v, ids, count = args[j], args[n + j], args[2 * n + j], args[3 * n + j]
+            ids, count = jax.device_put(ids, HOST), jax.device_put(count, HOST)
+            live = jax.device_put(jnp.arange(ids.shape[1], dtype=jnp.int32), HOST)[None, :] < count[:, None]
+            safe = jnp.clip(ids, 0, limit - 1) * live.astype(ids.dtype)  # products: no constant in device memory
+            out += [(take_blocks(x, safe) * live[..., None].astype(x.dtype)).reshape(-1, D) for x in (k, v)]
+        return jnp.concatenate(out)  # [sum over tiers of 2 * n_heads * R, D]
+
+    rows = _device_host(gather)(*[h.k for h in hosts], *[h.v for h in hosts],
+                                *[jnp.asarray(i, jnp.int32) for i, _, _ in checked],
+                                *[jnp.asarray(c, jnp.int32) for _, c, _ in checked])
+    out, at = [], 0
+    for i, _, _ in checked:
+        size = i.shape[0] * i.shape[1]
+        out.append(tuple(rows[at + x * size:at + (x + 1) * size].reshape(*i.shape, D) for x in range(2)))
+        at += 2 * size
+    return out
+
+
 def recall_pages(host: HostKV, pages, count, *, mechanism: str = "host_gather"):
     """Page-granular :func:`recall`: whole pages of ``host.page_size`` tokens.
 

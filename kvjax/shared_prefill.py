@@ -61,6 +61,10 @@ class SharedStaging:
         """One (a staging never decodes)."""
         return 1
 
+    def around_layers(self, cache, tokens: int, run):
+        """The layers alone: each does its own work."""
+        return run(cache)
+
     def finish_question(self, cache):
         """Nothing: a question leaves no work for other layers."""
         return cache

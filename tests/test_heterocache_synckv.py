@@ -16,7 +16,7 @@ from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.decoding import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
 from kvjax.methods.recall.layout import publish_anchor
-from kvjax.methods.recall.schedules import apply_anchors, spread_moves
+from kvjax.methods.recall.schedules import SpreadRecall, apply_anchors, spread_moves, write_moves
 from kvjax.methods.recall.scores import leader_probs, leader_queries, prompt_only, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.methods.recall.heterocache import classify_group, head_capacities, spread_capped, star_clustering
@@ -354,6 +354,13 @@ def test_spread_moves_hand_case():
     assert moves(jnp.asarray([[[10, 20, 12, 13]]]), target, four, 4) == ([21], [3])
     assert moves(held, target, jnp.asarray([[3]], jnp.int32), 1) == ([20], [1])  # 21 and 13 are past count
     assert moves(target, target, four, 1) == ([], [])
+    # several followers padded to one width: ``most`` caps each one's moves (1 for the first, 2 for the second)
+    both = jnp.concatenate([held, held], axis=1)
+    ids, pos, n = (np.asarray(x)[0] for x in spread_moves(both, jnp.concatenate([target, target], axis=1),
+                                                            jnp.asarray([[4, 4]], jnp.int32), 2, 32,
+                                                            jnp.asarray([[1, 2]], jnp.int32)))
+    assert n.tolist() == [1, 2] and ids[0, :1].tolist() == [20] and ids[1].tolist() == [20, 21]
+    assert pos[0, :1].tolist() == [1] and pos[1].tolist() == [1, 3]
 
 
 @pytest.mark.parametrize("which,schedule", [("heterocache", "spread"), ("synckv", "spread"), ("heterocache", "ahead"),
@@ -363,7 +370,8 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
     holds exactly the host rows of its leader's choice (matched to host rows in numpy, as a set, no row twice),
     same-layer and cross-layer followers; after the first of those steps only part of it. ``"ahead"`` holds the
     same once the rows a step gathered are written (at the next call: the schedule's ``land``), and not before;
-    ``"pipelined"`` once the next call has gathered them and the one after has written them, and not before."""
+    ``"pipelined"`` once the next call has chosen them (from the loop carry, before its layers) and written them
+    (after its layers), and not before."""
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 97, size=(1, L + 6)).astype(np.int32)
     if which == "heterocache":
@@ -375,11 +383,16 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
     cache = _prefilled(tiny, method, tokens[:, :L], art)
     key = jax.random.PRNGKey(0)
 
+    def written(layers):  # every move chosen so far (pipelined: that the carry implies) written
+        if schedule != "pipelined":
+            return [method.schedule.land(st, None, drain=True) for st in layers]
+        return write_moves(*method.schedule.gather_moves(layers, None, drain=False), None)
+
     def regions(state, landed=True):  # {follower: set of prompt slots its region holds}, no token held twice
         out = {}
+        layers = written(state.layers) if landed else state.layers
         for layer, head in followers:
-            st = state.layers[layer]
-            st = method.schedule.land(st, None, drain=True) if landed else st  # every move chosen so far written
+            st = layers[layer]
             i = [f.head for f in st.plan.followers].index(head)
             start, count = int(st.region_start[0, i]), int(st.region_count[0, i])
             host_k = np.asarray(st.host.k)[st.host.heads.index((0, head))]
@@ -396,9 +409,9 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
             assert regions(cache, landed=False) == per_step[2]
         if schedule == "ahead" and t - L + 1 == 4:  # the 4th step's call wrote them before it attended
             assert regions(cache, landed=False) == per_step[3]
-        if schedule == "pipelined" and t - L + 1 in (3, 4):  # chosen in the 3rd step, gathered in the 4th
+        if schedule == "pipelined" and t - L + 1 == 3:  # the choice at the 3rd step, its moves not yet chosen
             assert regions(cache, landed=False) == per_step[2]
-        if schedule == "pipelined" and t - L + 1 == 5:  # the 5th step's call wrote them before it attended
+        if schedule == "pipelined" and t - L + 1 == 4:  # chosen before the 4th step's layers, written after them
             assert regions(cache, landed=False) == per_step[3]
     assert int(cache.layers[0].version[0, 0]) == 1  # one choice, published at the 3rd step
     picks = np.asarray(cache.layers[0].picks)[0, 0]
@@ -412,27 +425,57 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
         assert len(per_step[3][f] - want) == max(0, before - moves)  # after one step: up to ceil(W / m) moved
         assert per_step[5][f] == want  # after m steps: exactly the choice
         changed += before
-    assert changed > 0 and cache.stats()["rows_recalled"] == changed
+    assert changed > 0 and cache.replace(layers=tuple(written(cache.layers))).stats()["rows_recalled"] == changed
 
 
-def test_pipelined_reanchoring_cancels_the_moves_in_flight(tiny):
-    """``recall_schedule="pipelined"``: a re-anchoring applied while moves chosen from the old set are in flight
-    (gathered, not yet written) cancels them, and the next spread step moves nothing (the region holds the anchor's
-    tokens already). After a drain, each of layer 1's followers holds exactly the host rows of the anchor's kept set,
-    in order (numpy), though a write of the cancelled moves would have changed it. (Re-anchorings are applied in
-    multi-token calls, which first drain what is in flight, so the state is built by hand: the leader layer
-    re-anchors while layer 1 has moves in flight.)"""
-    rng = np.random.default_rng(13)
-    tokens = rng.integers(0, 97, size=(1, L + 4)).astype(np.int32)
+def test_pipelined_moves_of_every_layer_at_once_equal_each_layers_own(tiny):
+    """``recall_schedule="pipelined"`` chooses every layer's moves in one padded batch (layer 0 has one follower,
+    layer 1 two) and gathers them in one host computation: per layer, the same moves, region slots, held tokens,
+    versions and counters as the layer-by-layer spread step on the same states, and the gathered rows are the host
+    rows of the moved tokens (numpy)."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 97, size=(1, L + 3)).astype(np.int32)
     method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule="pipelined")
     cache = _prefilled(tiny, method, tokens[:, :L], sk_artifact(tiny))
     key = jax.random.PRNGKey(0)
-    for t in range(L, L + 4):  # a choice at the 3rd step: moves chosen then, gathered at the 4th, more chosen
+    for t in range(L, L + 3):  # the leader's choice at the 3rd step
+        _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
+    layers = cache.layers
+    assert [len(st.plan.followers) for st in layers] == [1, 2]
+    batched, moves = method.schedule.gather_moves(layers, None, drain=False)
+    moved_any = 0
+    for i, st in enumerate(layers):
+        own, ids, count, dst = SpreadRecall(method.schedule.every).moves(st, layers, i, None)
+        got, got_dst = moves[i]
+        n = np.asarray(count)
+        assert np.asarray(got.count).tolist() == n.tolist()
+        for h in range(len(n)):
+            assert np.asarray(got.idx)[h, :n[h]].tolist() == np.asarray(ids)[h, :n[h]].tolist()
+            assert np.asarray(got_dst)[h, :n[h]].tolist() == np.asarray(dst)[h, :n[h]].tolist()
+            host_k = np.asarray(st.host.k)[h]
+            np.testing.assert_array_equal(np.asarray(got.k)[h, :n[h]], host_k[np.asarray(ids)[h, :n[h]]])
+        for field in ("held", "applied", "recalls", "rows_moved"):
+            np.testing.assert_array_equal(np.asarray(getattr(batched[i], field)), np.asarray(getattr(own, field)))
+        moved_any += int(n.sum())
+    assert moved_any > 0
+
+
+def test_reanchoring_cancels_the_moves_in_flight(tiny):
+    """``recall_schedule="ahead"``: a re-anchoring applied while moves chosen from the old set are in flight
+    (gathered, not yet written) cancels them, and the next spread step moves nothing (the region holds the anchor's
+    tokens already). After the next call's landing, each of layer 1's followers holds exactly the host rows of the
+    anchor's kept set, in order (numpy), though a write of the cancelled moves would have changed it.
+    (Re-anchorings are applied in multi-token calls, which first write what is in flight, so the state is built by
+    hand: the leader layer re-anchors while layer 1 has moves in flight.)"""
+    rng = np.random.default_rng(13)
+    tokens = rng.integers(0, 97, size=(1, L + 3)).astype(np.int32)
+    method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule="ahead")
+    cache = _prefilled(tiny, method, tokens[:, :L], sk_artifact(tiny))
+    key = jax.random.PRNGKey(0)
+    for t in range(L, L + 3):  # a choice at the 3rd step: its first moves gathered then
         _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
     st0, st1 = cache.layers
-    schedule = method.schedule
-    new1 = schedule.land(st1, None, drain=False)  # the next call's start: the 4th step's moves gathered
-    p = new1.pending
+    schedule, p = method.schedule, st1.pending
     assert int(p.fetched.count.sum()) > 0  # moves in flight
     start = int(st1.region_start[0, 0])
     assert (np.asarray(st1.region_start) == start).all()
@@ -442,10 +485,10 @@ def test_pipelined_reanchoring_cancels_the_moves_in_flight(tiny):
     # the moves in flight would put these tokens at these region positions
     n, ids, dst = (np.asarray(x) for x in (p.fetched.count, p.fetched.idx, p.dst))
     assert any(anchor[dst[i, j]] != ids[i, j] for i in range(len(n)) for j in range(n[i]))
-    new1 = apply_anchors(new1, (lead, new1), 1, None)
+    new1 = apply_anchors(st1, (lead, st1), 1, None)
     assert int(new1.pending.fetched.count.sum()) == 0  # cancelled
     new1 = schedule.step(new1, (lead, new1), 1, None)
-    assert int(new1.pending.chosen_count.sum()) == 0  # the region already holds the anchor's: nothing to move
+    assert int(new1.pending.fetched.count.sum()) == 0  # the region already holds the anchor's: nothing to move
     landed = schedule.land(new1, None, drain=True)
     for i, f in enumerate(st1.plan.followers):
         count = min(start + int(st1.region_count[0, i]), K)

@@ -271,6 +271,26 @@ def test_bad_inputs(kv, host):
         ht.write_recalled(pools, pools, table[:1], rk, rk, HEADS, 0, count)
 
 
+def test_recall_many_matches_numpy_per_tier():
+    """Two host tiers of different head counts and widths gathered in one host computation (jitted): each tier's
+    rows ``idx[h, r]`` for ``r < count[h]`` and zeros past it, against numpy indexing; mismatched arguments raise."""
+    rng = np.random.default_rng(3)
+    tiers, idxs, counts = [], [], []
+    for n, S, R in ((2, 40, 5), (3, 24, 2)):
+        k, v = (jnp.asarray(rng.standard_normal((1, n, S, 8)), jnp.float32) for _ in range(2))
+        tiers.append(ht.offload(k, v, [(0, h) for h in range(n)], page_size=8))
+        idxs.append(jnp.asarray(rng.integers(0, S, (n, R)), jnp.int32))
+        counts.append(jnp.asarray(rng.integers(0, R + 1, (n,)), jnp.int32).at[0].set(R))
+    got = jax.jit(ht.recall_many)(tiers, idxs, counts)
+    for tier, idx, count, (k, v) in zip(tiers, idxs, counts, got):
+        for dev, src in ((k, tier.k), (v, tier.v)):
+            want = np.asarray(src)[np.arange(idx.shape[0])[:, None], np.asarray(idx)]
+            want[np.arange(idx.shape[1])[None, :] >= np.asarray(count)[:, None]] = 0
+            np.testing.assert_array_equal(np.asarray(dev), want)
+    with pytest.raises(ValueError, match="one idx and count per host tier"):
+        ht.recall_many(tiers, idxs[:1], counts)
+
+
 def test_gather_rows_and_weighted_rows_on_host_against_numpy():
     """HCAttention's value paths with the size chosen on the device: selected rows to the device (rows past count
     zero), and the weighted sum computed on the host (only ids and weights go out, [n, Q, D] comes back)."""

@@ -156,7 +156,7 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
     # padded per device block: pools of unequal capacities, follower slots (host copies and per-slot arrays)
     padded = {".paged.k_pages", ".paged.v_pages", ".host.k", ".host.v", ".region_start", ".region_count", ".applied",
               ".held", ".pending.fetched.k", ".pending.fetched.v", ".pending.fetched.idx", ".pending.fetched.count",
-              ".pending.dst", ".pending.chosen", ".pending.chosen_count", ".pending.chosen_dst"}
+              ".pending.dst"}
     recall_methods = ("heterocache", "synckv", "synckv_ahead", "synckv_pipelined")
     for mesh in ("data=2,model=4", "data=1,model=8"):
         rows = parse_mesh(mesh)["data"]

@@ -84,6 +84,12 @@ class Method(Protocol):
         """Selection and layout of one layer after the prompt."""
         ...
 
+    def around_layers(self, cache: Cache, tokens: int, run) -> tuple[jax.Array, Cache]:
+        """A call of ``tokens`` tokens per row on the compressed cache: ``run(cache) -> (logits, cache)`` runs the
+        layers; a method may work on the whole cache before or after (e.g. one recall for every layer). Most
+        return ``run(cache)``."""
+        ...
+
     def decode_attend(self, state: Any, q, k, v, ctx: AttendContext) -> tuple[jax.Array, Any]:
         """Append later tokens to one compressed layer and attend."""
         ...
@@ -238,6 +244,10 @@ class PromptCompression:
     def question_passes(self) -> int:
         """One pass: a question is appended and attended like any later token."""
         return 1
+
+    def around_layers(self, cache, tokens: int, run):
+        """The layers alone: each does its own work."""
+        return run(cache)
 
     def finish_question(self, cache):
         """Nothing: a question leaves no work for other layers."""

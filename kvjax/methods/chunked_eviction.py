@@ -136,6 +136,10 @@ class ChunkedEviction:
         """One pass: a question is appended and attended like any later token."""
         return 1
 
+    def around_layers(self, cache, tokens: int, run):
+        """The layers alone: each does its own work."""
+        return run(cache)
+
     def finish_question(self, cache):
         """Nothing: a question leaves no work for other layers."""
         return cache

@@ -150,6 +150,10 @@ class LeaderFollowerMethod(abc.ABC):
                             region_start=region_start, region_count=region_count, picks=picks, tracker=tracker)
         return self.schedule.with_room(layer, plans)
 
+    def around_layers(self, cache: Cache, tokens: int, run):
+        """The layers inside the recall schedule's whole-cache work (:meth:`RecallSchedule.around_layers`)."""
+        return self.schedule.around_layers(cache, tokens, run)
+
     def decode_attend(self, state: RecallKV, q, k, v, ctx):
         """Attend over every head's held tokens, let the leaders decide, recall by the schedule. A multi-token call
         first writes everything in flight; with re-anchoring it publishes and recalls *before* it attends, and in a

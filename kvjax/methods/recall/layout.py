@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.host_tier import HostKV, Prefetch, issue, scatter_to_slots, take, to_host
+from kvjax.host_tier import HostKV, Prefetch, issue, recall_many, scatter_to_slots, take, to_host
 from kvjax.paged import (PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes,
                          paged_partition, paged_read_bytes, shard_map)
 from kvjax.sharding import (BY_DEVICE, DATA, MODEL, REPLICATED, ROWS_HEADS, OnHost, axis_size, device_block,
@@ -95,12 +95,6 @@ class PendingRecall:
 
     fetched: Prefetch
     dst: jax.Array
-    # ``recall_schedule="pipelined"`` only: the moves the previous call chose, gathered by the next call (into
-    # ``fetched``) and written by the one after: host rows ``chosen[B * n_slots, S]`` (the first ``chosen_count``
-    # of each) and their region slots ``chosen_dst``
-    chosen: jax.Array | None = None
-    chosen_count: jax.Array | None = None
-    chosen_dst: jax.Array | None = None
 
 
 @struct.dataclass
@@ -123,7 +117,7 @@ class RecallKV:
     recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
     # int32 [] token rows brought from the host, counted when chosen (``"pipelined"`` gathers them a call later)
     rows_moved: jax.Array
-    pending: PendingRecall | None = None  # rows in flight (``recall_schedule="ahead"`` or ``"pipelined"`` only)
+    pending: PendingRecall | None = None  # rows in flight between calls (``recall_schedule="ahead"`` only)
     plan: LayerPlan = struct.field(pytree_node=False, default=None)
     slots: tuple = struct.field(pytree_node=False, default=())  # follower index of each slot, -1: padding
 
@@ -262,6 +256,22 @@ def gather_followers(host: HostKV, ids, count, mesh) -> Prefetch:
     return per_device(local, mesh, (BY_DEVICE,) * 4, FETCHED_BY_DEVICE, host.k, host.v, ids, count)
 
 
+def gather_layers(hosts: list, ids: list, counts: list, mesh) -> list:
+    """:func:`gather_followers` of several layers at once (``hosts``, ``ids``, ``counts``: one per layer): one host
+    computation per device for all of them (:func:`kvjax.host_tier.recall_many`). Returns a
+    :class:`kvjax.host_tier.Prefetch` per layer."""
+    n = len(hosts)
+
+    def local(*args):  # one device's followers of every layer (or all)
+        tiers = [h.replace(k=k, v=v) for h, k, v in zip(hosts, args[:n], args[n:2 * n])]
+        idx, count = args[2 * n:3 * n], args[3 * n:]
+        rows = recall_many(tiers, idx, count)
+        return tuple(Prefetch(k=k, v=v, idx=i, count=c) for (k, v), i, c in zip(rows, idx, count))
+
+    return list(per_device(local, mesh, (BY_DEVICE,) * (4 * n), (FETCHED_BY_DEVICE,) * n,
+                           *[h.k for h in hosts], *[h.v for h in hosts], *ids, *counts))
+
+
 def write_followers(paged: PagedKV, host: HostKV, fetched: Prefetch, dst, mesh) -> PagedKV:
     """Write gathered rows (:func:`gather_followers`) into the followers' region slots ``dst[B * n_slots, R]`` (the
     first ``fetched.count`` of each), per device on a mesh (each device into its own pages)."""
@@ -292,8 +302,6 @@ def recall_partition(state: RecallKV, tracker) -> RecallKV:
     pending = None
     if state.pending is not None:
         pending = PendingRecall(fetched=FETCHED_BY_DEVICE, dst=BY_DEVICE)
-        if state.pending.chosen is not None:
-            pending = pending.replace(chosen=BY_DEVICE, chosen_count=BY_DEVICE, chosen_dst=BY_DEVICE)
     rows = jax.sharding.PartitionSpec(DATA)
     return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, region_start=ROWS_HEADS,
                          region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS, prompt_len=rows, picks=rows,

@@ -10,8 +10,11 @@ is a host synchronisation per layer and serialises the recall it holds):
   ``every`` steps and a token already on the device is never moved again.
 * :class:`AheadRecall`: the spread moves, gathered in the call that chooses them and written at the layer's next
   call, before it attends (same attended tokens as ``SpreadRecall``): nothing in a call waits for its own gather.
-* :class:`PipelinedRecall`: the spread moves chosen in call ``t`` are gathered at the start of call ``t + 1`` (their
-  inputs come from the loop carry) and written in call ``t + 2``, so a whole step of device work can hide the gather.
+* :class:`PipelinedRecall`: the spread moves of every layer at once, around a call's layers
+  (:meth:`RecallSchedule.around_layers`): chosen before them from the leaders' choices as the previous call left
+  them (the loop carry), gathered in one host computation while the layers run, written after them. The layers' work
+  hides the gather, and a step launches a few kernels for recall where a layer-by-layer schedule launches a few per
+  layer.
 
 Multi-token calls (a question) and the end of a question's last pass refresh whole regions and apply
 re-anchorings (:func:`apply_anchors`, :func:`refresh_regions`); a multi-token call first writes everything in flight.
@@ -25,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.host_tier import empty_prefetch
-from kvjax.methods.recall.layout import (LayerPlan, PendingRecall, RecallKV, gather_followers, leader_plan,
-                                         leader_values, recall_rows, write_followers)
+from kvjax.methods.recall.layout import (LayerPlan, PendingRecall, RecallKV, gather_followers, gather_layers,
+                                         leader_plan, leader_values, recall_rows, write_followers)
 from kvjax.sharding import flatten_heads
 
 
@@ -60,15 +63,17 @@ def first_set(mask, n: int):
     return jax.vmap(one)(mask.reshape(-1, W), rank.reshape(-1, W)).reshape(*lead, n)
 
 
-def spread_moves(held, target, count, spread_over: int, slots: int):
+def spread_moves(held, target, count, spread_over: int, slots: int, most=None):
     """One fixed-size step of a follower towards its leader's choice, without duplicates.
 
-    ``held[B, n, W]``, ``target[B, n, W]``: the prompt slots (below ``slots``) the follower's region holds and its
-    leader's choice (best first); entries ``>= count[B, n]`` of both are unused. Returns ``(ids, positions,
+    ``held[..., W]``, ``target[..., W]``: the prompt slots (below ``slots``) the follower's region holds and its
+    leader's choice (best first); entries ``>= count[...]`` of both are unused. Returns ``(ids, positions,
     moves)``, each with ``S = ceil(W / spread_over)`` entries per follower: the ``moves`` best chosen tokens the
     follower lacks (``ids``) and the region positions holding tokens the choice dropped, in order (``positions``;
     ``W`` past ``moves``), where they go. Each step only replaces dropped tokens with missing ones, so the region
-    never holds a token twice, and after ``spread_over`` steps it holds exactly the choice (as a set).
+    never holds a token twice, and after ``spread_over`` steps it holds exactly the choice (as a set). ``most``
+    (broadcastable to ``count``): fewer moves per step for followers whose regions are narrower than ``W`` (several
+    layers' followers padded to one width), default ``S``.
     """
     W = held.shape[-1]
     S = -(-W // spread_over)
@@ -76,7 +81,7 @@ def spread_moves(held, target, count, spread_over: int, slots: int):
     missing = live & ~members(held, live, target, slots)
     dropped = live & ~members(target, live, held, slots)
     src, positions = first_set(missing, S), first_set(dropped, S)
-    moves = jnp.minimum(missing.sum(-1), S).astype(jnp.int32)
+    moves = jnp.minimum(missing.sum(-1), S if most is None else jnp.minimum(most, S)).astype(jnp.int32)
     positions = jnp.where(jnp.arange(S) < moves[..., None], positions, W)
     return jnp.take_along_axis(target, jnp.minimum(src, W - 1), axis=-1), positions, moves
 
@@ -140,6 +145,32 @@ def chosen_width(state: RecallKV, layers, layer: int) -> int:
     return max(max(leader_plan(state, layers, layer, f).picks, 1) for f in state.plan.followers)
 
 
+def spread_inputs(state: RecallKV, layers, layer: int):
+    """A layer's inputs to :func:`spread_moves`: ``(versions[B, n_slots], held, target[B, n_slots, W], count)``:
+    the followers' leader versions, their regions' slots and their leaders' choices cut to the ``W`` positions a
+    choice reaches, and the live entries (none before a leader's first choice)."""
+    versions = leader_values(state, layers, layer, lambda st: st.version)
+    picks = leader_values(state, layers, layer, lambda st: st.picks)  # [B, n_slots, R]
+    chosen = picks.shape[-1]
+    W = min(state.held.shape[-1], chosen)
+    count = jnp.where(versions > 0, jnp.minimum(state.region_count, chosen), 0)
+    return versions, state.held[..., :W], picks[..., :W], count
+
+
+def moved(state: RecallKV, versions, ids, positions, count, mesh, held=None):
+    """``(state after the moves, ids, count, dst)`` of :func:`spread_moves`' output, the last three flattened per
+    host head: the region positions take the moved tokens (``held``: the updated positions when already computed),
+    the followers the versions, the counters the moves."""
+    S = positions.shape[-1]
+    width = state.held.shape[-1]
+    positions = jnp.where(jnp.arange(S) < count[..., None], positions, width)  # past the moves: written nowhere
+    flat = [flatten_heads(x, mesh) for x in (ids, count, state.region_start[..., None] + positions)]
+    if held is None:
+        held = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
+            state.held.reshape(-1, width), positions.reshape(-1, S), ids.reshape(-1, S)).reshape(state.held.shape)
+    return (followed(state, versions > state.applied, versions, count, held=held), *flat)
+
+
 # ------------------------------------------------------------------------------------------ schedules
 @dataclasses.dataclass(frozen=True)
 class RecallSchedule:
@@ -156,9 +187,14 @@ class RecallSchedule:
         """``layer`` (just built, nothing in flight) with its empty in-flight buffers, if the schedule keeps any."""
         return layer
 
+    def around_layers(self, cache, tokens: int, run):
+        """A call on the compressed cache (``tokens`` per row): ``run(cache) -> (logits, cache)`` runs its layers,
+        with recall work for every layer at once before or after (the base: none)."""
+        return run(cache)
+
     def land(self, state: RecallKV, mesh, *, drain: bool) -> RecallKV:
-        """At the start of a call, before it attends: write what earlier calls gathered. ``drain`` (a multi-token
-        call): leave nothing in flight."""
+        """At the start of a layer's call, before it attends: write what earlier calls gathered. ``drain`` (a
+        multi-token call): leave nothing in flight."""
         return state
 
     def step(self, state: RecallKV, layers, layer: int, mesh) -> RecallKV:
@@ -198,21 +234,9 @@ class SpreadRecall(RecallSchedule):
     def moves(self, state, layers, layer, mesh):
         """This step's moves: ``(state with held/applied/counters updated, ids, count, dst)``, the last three
         flattened per host head (:func:`kvjax.sharding.flatten_heads`)."""
-        versions = leader_values(state, layers, layer, lambda st: st.version)
-        picks = leader_values(state, layers, layer, lambda st: st.picks)  # [B, n_slots, R]
-        chosen = picks.shape[-1]
-        region = jnp.minimum(state.region_count, chosen)
-        held = state.held
-        W = min(held.shape[-1], chosen)  # a region's positions a choice can reach
-        ids, positions, count = spread_moves(held[..., :W], picks[..., :W], jnp.where(versions > 0, region, 0),
-                                             self.every, state.host.length)
-        flat = [flatten_heads(x, mesh) for x in (ids, count, state.region_start[..., None] + positions)]
-        held = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(  # positions W: dropped
-            held.reshape(-1, held.shape[-1]), positions.reshape(-1, positions.shape[-1]),
-            ids.reshape(-1, ids.shape[-1])).reshape(held.shape)
-        due = versions > state.applied
-        state = followed(state, due, versions, count, held=held)
-        return (state, *flat)
+        versions, held, target, count = spread_inputs(state, layers, layer)
+        ids, positions, count = spread_moves(held, target, count, self.every, state.host.length)
+        return moved(state, versions, ids, positions, count, mesh)
 
     def step(self, state, layers, layer, mesh):
         if not state.plan.followers:
@@ -258,37 +282,67 @@ class AheadRecall(SpreadRecall):
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelinedRecall(AheadRecall):
-    """The spread moves chosen in one call, gathered at the start of the next (from the loop carry) and written in
-    the one after; a multi-token call writes everything in flight before it attends."""
-
-    def with_room(self, layer, plans):
-        layer = super().with_room(layer, plans)
-        if layer.pending is None:
-            return layer
-        rows = layer.pending.dst
-        return layer.replace(pending=layer.pending.replace(
-            chosen=rows, chosen_count=jnp.zeros((layer.host.n_heads,), jnp.int32), chosen_dst=rows))
-
-    def land(self, state, mesh, *, drain):
-        p = state.pending
-        if p is None:
-            return state
-        state = super().land(state, mesh, drain=drain)
-        p = state.pending
-        fetched = gather_followers(state.host, p.chosen, p.chosen_count, mesh)
-        nothing = jnp.zeros_like(p.chosen_count)
-        if drain:
-            paged = write_followers(state.paged, state.host, fetched, p.chosen_dst, mesh)
-            return state.replace(paged=paged, pending=p.replace(chosen_count=nothing))
-        return state.replace(pending=p.replace(fetched=fetched, dst=p.chosen_dst, chosen_count=nothing))
+class PipelinedRecall(SpreadRecall):
+    """Every layer's spread moves at once, around a call's layers: chosen before them from the leaders' choices as
+    the previous call left them (the loop carry), gathered for every layer in one host computation while the layers
+    run, and written after them, so the next call attends them. A multi-token call writes them before its layers (its
+    whole-region refreshes follow). A follower after its leader's layer moves as under :class:`SpreadRecall`, one
+    call later; one before it sees its leader's choice one call sooner than a layer-by-layer schedule would."""
 
     def step(self, state, layers, layer, mesh):
-        if not state.plan.followers:
-            return state
-        state, ids, count, dst = self.moves(state, layers, layer, mesh)
-        check_room(state.pending, ids)
-        return state.replace(pending=state.pending.replace(chosen=ids, chosen_count=count, chosen_dst=dst))
+        return state  # the next call chooses the moves (:meth:`around_layers`)
+
+    def around_layers(self, cache, tokens, run):
+        mesh = cache.spec.mesh
+        layers, moves = self.gather_moves(cache.layers, mesh, drain=tokens > 1)
+        if tokens > 1:
+            return run(cache.replace(layers=write_moves(layers, moves, mesh)))
+        out, cache = run(cache.replace(layers=layers))
+        return out, cache.replace(layers=write_moves(cache.layers, moves, mesh))
+
+    def gather_moves(self, layers: tuple, mesh, *, drain: bool):
+        """Every layer's spread moves from ``layers`` (each layer's followers padded to one width; a follower moves
+        as many tokens per call as in its own layer) and their host rows in one gather: ``(layers with held, applied
+        and counters updated, {layer: (rows, region slots)})``. ``drain`` (a multi-token call): no moves for a
+        follower due a new version, which takes its whole region in the call (:func:`refresh_regions`)."""
+        moving = [i for i, st in enumerate(layers) if st.plan.followers]
+        if not moving:
+            return layers, {}
+        layers = list(layers)
+        inputs = [spread_inputs(layers[i], layers, i) for i in moving]
+        n = max(held.shape[1] for _, held, _, _ in inputs)
+        W = max(held.shape[-1] for _, held, _, _ in inputs)
+
+        def stacked(arrays):  # [B, n_i(, W_i)] per layer -> [layers, B, n(, W)], zero-padded
+            return jnp.stack([jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, W - x.shape[-1])] * (x.ndim - 2))
+                              for x in arrays])
+
+        versions, held, target, count = (stacked(x) for x in zip(*inputs))
+        if drain:
+            count = jnp.where(versions > stacked([layers[i].applied for i in moving]), 0, count)
+        most = jnp.asarray([-(-h.shape[-1] // self.every) for _, h, _, _ in inputs], jnp.int32)[:, None, None]
+        ids, positions, count = spread_moves(held, target, count, self.every, layers[moving[0]].host.length, most)
+        S = positions.shape[-1]
+        written = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
+            held.reshape(-1, W), jnp.where(jnp.arange(S) < count[..., None], positions, W).reshape(-1, S),
+            ids.reshape(-1, S)).reshape(held.shape)
+        flat = {}
+        for j, i in enumerate(moving):
+            st, (v, h, _, _) = layers[i], inputs[j]
+            n_i, W_i = h.shape[1], h.shape[-1]
+            S_i = -(-W_i // self.every)
+            new_held = st.held.at[..., :W_i].set(written[j, :, :n_i, :W_i])
+            layers[i], *flat[i] = moved(st, v, ids[j, :, :n_i, :S_i], positions[j, :, :n_i, :S_i],
+                                        count[j, :, :n_i], mesh, held=new_held)
+        fetched = gather_layers([layers[i].host for i in moving], [flat[i][0] for i in moving],
+                                [flat[i][1] for i in moving], mesh)
+        return tuple(layers), {i: (got, flat[i][2]) for i, got in zip(moving, fetched)}
+
+
+def write_moves(layers: tuple, moves: dict, mesh) -> tuple:
+    """``layers`` with the rows of :meth:`PipelinedRecall.gather_moves` written into their region slots."""
+    return tuple(st.replace(paged=write_followers(st.paged, st.host, *moves[i], mesh)) if i in moves else st
+                 for i, st in enumerate(layers))
 
 
 def check_room(pending: PendingRecall | None, ids) -> None:
