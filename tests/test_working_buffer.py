@@ -53,6 +53,9 @@ class EvictEveryChunk:
     def decode_attend(self, state, q, k, v, ctx):
         return append_and_attend(state, q, k, v, "xla")
 
+    def around_layers(self, cache, tokens, run):
+        return run(cache)
+
     def question_passes(self):
         return 1
 
