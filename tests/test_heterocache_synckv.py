@@ -698,7 +698,8 @@ def test_heterocache_prefill_from_pivot_is_overwritten_by_a_reanchoring_question
     assert not np.array_equal(inside[True], inside[False])
 
 
-def test_heterocache_question_rehearsal_reanchors_satellites_before_their_pivot(tiny):
+@pytest.mark.parametrize("schedule", ["whole", "pipelined"])
+def test_heterocache_question_rehearsal_reanchors_satellites_before_their_pivot(tiny, schedule):
     """``reanchor``: the pivot sits in layer 1 and leads both heads of layer 0. The question in one pass (the jitted
     call alone) makes the pivot publish its choice for the question even without drift, but layer 0's satellites
     attend with the prefill's tokens; :func:`prefill` rehearses first, so they then hold the host rows of that
@@ -708,7 +709,8 @@ def test_heterocache_question_rehearsal_reanchors_satellites_before_their_pivot(
     art = Artifact(arrays={}, kind="heterocache", model_id=model_identity(tiny.config),
                    meta=(("roles", roles), ("pivot_of", pivot_of), ("stability", ((0.5, 0.5), (0.9, 0.8))),
                          ("group_layers", 2)))
-    method = HeteroCache(budget=0.5, block=16, tau_drift=0.0, reanchor=True)  # tau 0: the drift test never fires
+    # tau 0: the drift test never fires
+    method = HeteroCache(budget=0.5, block=16, tau_drift=0.0, reanchor=True, recall_schedule=schedule)
     assert method.question_passes() == 2 and HeteroCache(budget=0.5).question_passes() == 1
     rng = np.random.default_rng(13)
     base = _prefilled(tiny, method, rng.integers(0, 97, size=(1, L)).astype(np.int32), art)
@@ -760,7 +762,8 @@ def _r_head_in_layer_1(model):
     return art, tokens, jnp.asarray(rng.integers(0, 97, size=(1, 4)), jnp.int32)
 
 
-def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny, monkeypatch):
+@pytest.mark.parametrize("schedule", ["whole", "pipelined"])
+def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny, monkeypatch, schedule):
     """The R-head sits in layer 1 and leads both heads of layer 0. A question in one pass leaves layer 0's NR-heads
     holding the prefill's choice while it attends; :func:`prefill` rehearses it first, so they hold the host rows of
     the R-head's question choice (the anchor published in the rehearsal) when it attends. What a layer attended with
@@ -768,7 +771,7 @@ def test_synckv_question_rehearsal_reanchors_heads_before_their_r_head(tiny, mon
     R-head published last (numpy on the host rows). The slot counter and every head's length advance by the question
     only (the rehearsal's tokens are dropped)."""
     art, tokens, question = _r_head_in_layer_1(tiny)
-    method = SyncKV(budget=0.5, block=16, num_representatives=1)
+    method = SyncKV(budget=0.5, block=16, num_representatives=1, recall_schedule=schedule)
     assert method.question_passes() == 2 and SyncKV(budget=0.5, reanchor=False).question_passes() == 1
     base = _prefilled(tiny, method, tokens, art)
     st = base.layers[0]

@@ -332,6 +332,8 @@ class PipelinedRecall(SpreadRecall):
             n_i, W_i = h.shape[1], h.shape[-1]
             S_i = -(-W_i // self.every)
             new_held = st.held.at[..., :W_i].set(written[j, :, :n_i, :W_i])
+            if drain:  # a follower due a new version keeps its applied one: the call's refresh is still due
+                v = jnp.where(v > st.applied, st.applied, v)
             layers[i], *flat[i] = moved(st, v, ids[j, :, :n_i, :S_i], positions[j, :, :n_i, :S_i],
                                         count[j, :, :n_i], mesh, held=new_held)
         fetched = gather_layers([layers[i].host for i in moving], [flat[i][0] for i in moving],
