@@ -115,7 +115,7 @@ class RecallKV:
     tracker: object  # the method's per-leader state
     steps: jax.Array  # int32 [] decode calls with one token
     recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
-    # int32 [] token rows brought from the host, counted when chosen (``"pipelined"`` gathers them a call later)
+    # int32 [] token rows brought from the host, counted when chosen (``"ahead"`` writes them a call later)
     rows_moved: jax.Array
     pending: PendingRecall | None = None  # rows in flight between calls (``recall_schedule="ahead"`` only)
     plan: LayerPlan = struct.field(pytree_node=False, default=None)

@@ -157,17 +157,15 @@ def spread_inputs(state: RecallKV, layers, layer: int):
     return versions, state.held[..., :W], picks[..., :W], count
 
 
-def moved(state: RecallKV, versions, ids, positions, count, mesh, held=None):
+def moved(state: RecallKV, versions, ids, positions, count, mesh):
     """``(state after the moves, ids, count, dst)`` of :func:`spread_moves`' output, the last three flattened per
-    host head: the region positions take the moved tokens (``held``: the updated positions when already computed),
-    the followers the versions, the counters the moves."""
+    host head: the region positions take the moved tokens, the followers the versions, the counters the moves."""
     S = positions.shape[-1]
     width = state.held.shape[-1]
     positions = jnp.where(jnp.arange(S) < count[..., None], positions, width)  # past the moves: written nowhere
     flat = [flatten_heads(x, mesh) for x in (ids, count, state.region_start[..., None] + positions)]
-    if held is None:
-        held = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
-            state.held.reshape(-1, width), positions.reshape(-1, S), ids.reshape(-1, S)).reshape(state.held.shape)
+    held = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
+        state.held.reshape(-1, width), positions.reshape(-1, S), ids.reshape(-1, S)).reshape(state.held.shape)
     return (followed(state, versions > state.applied, versions, count, held=held), *flat)
 
 
@@ -310,6 +308,11 @@ class PipelinedRecall(SpreadRecall):
             return layers, {}
         layers = list(layers)
         inputs = [spread_inputs(layers[i], layers, i) for i in moving]
+        if drain:  # a follower due a new version neither moves nor applies it: the call's refresh stays due
+            for j, i in enumerate(moving):
+                v, h, t, c = inputs[j]
+                due = v > layers[i].applied
+                inputs[j] = (jnp.where(due, layers[i].applied, v), h, t, jnp.where(due, 0, c))
         n = max(held.shape[1] for _, held, _, _ in inputs)
         W = max(held.shape[-1] for _, held, _, _ in inputs)
 
@@ -317,25 +320,15 @@ class PipelinedRecall(SpreadRecall):
             return jnp.stack([jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, W - x.shape[-1])] * (x.ndim - 2))
                               for x in arrays])
 
-        versions, held, target, count = (stacked(x) for x in zip(*inputs))
-        if drain:
-            count = jnp.where(versions > stacked([layers[i].applied for i in moving]), 0, count)
+        held, target, count = (stacked([x[k] for x in inputs]) for k in (1, 2, 3))
         most = jnp.asarray([-(-h.shape[-1] // self.every) for _, h, _, _ in inputs], jnp.int32)[:, None, None]
         ids, positions, count = spread_moves(held, target, count, self.every, layers[moving[0]].host.length, most)
-        S = positions.shape[-1]
-        written = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
-            held.reshape(-1, W), jnp.where(jnp.arange(S) < count[..., None], positions, W).reshape(-1, S),
-            ids.reshape(-1, S)).reshape(held.shape)
         flat = {}
         for j, i in enumerate(moving):
-            st, (v, h, _, _) = layers[i], inputs[j]
-            n_i, W_i = h.shape[1], h.shape[-1]
-            S_i = -(-W_i // self.every)
-            new_held = st.held.at[..., :W_i].set(written[j, :, :n_i, :W_i])
-            if drain:  # a follower due a new version keeps its applied one: the call's refresh is still due
-                v = jnp.where(v > st.applied, st.applied, v)
-            layers[i], *flat[i] = moved(st, v, ids[j, :, :n_i, :S_i], positions[j, :, :n_i, :S_i],
-                                        count[j, :, :n_i], mesh, held=new_held)
+            v, h = inputs[j][:2]
+            n_i, S_i = h.shape[1], -(-h.shape[-1] // self.every)
+            layers[i], *flat[i] = moved(layers[i], v, ids[j, :, :n_i, :S_i], positions[j, :, :n_i, :S_i],
+                                        count[j, :, :n_i], mesh)
         fetched = gather_layers([layers[i].host for i in moving], [flat[i][0] for i in moving],
                                 [flat[i][1] for i in moving], mesh)
         return tuple(layers), {i: (got, flat[i][2]) for i, got in zip(moving, fetched)}
