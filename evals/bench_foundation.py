@@ -184,7 +184,7 @@ def worker_kvjax(args) -> dict:
         return first, cache
 
     def run_decode(first, cache):
-        out, count, cache = decode_exe(model.params, first, cache, key)
+        cache, out, count = decode_exe(model.params, first, cache, key)
         out.block_until_ready()
         return out, count, cache
 

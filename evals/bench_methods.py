@@ -456,7 +456,7 @@ def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
         if stats_before is None:
             stats_before = cache.stats()
         t = time.perf_counter()
-        out, count, cache = decode_exe(model.params, first, cache, key)
+        cache, out, count = decode_exe(model.params, first, cache, key)
         jax.block_until_ready((out, count, cache))
         decode_times.append(time.perf_counter() - t)
         if int(count[0]) != N:

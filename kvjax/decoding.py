@@ -233,10 +233,14 @@ def forward_step(graphdef, params, tokens: jax.Array, cache: Cache):
 
 
 def _decode_step(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Array, *, sampling: Sampling = Sampling()):
-    """Jitted body of :func:`decode_step` (as ``decode_step_jit``: nestable, without :func:`decode_compiler_options`)."""
+    """Jitted body of :func:`decode_step` (as ``decode_step_jit``: nestable, without :func:`decode_compiler_options`):
+    ``(cache, next tokens [B], logits [B, V])``, the cache first. A donated input's buffer goes to the first output of
+    its shape and dtype, in output order; the next tokens (int32 ``[B]``) first would take the buffer of the cache's
+    first int32 ``[B]`` leaf, and every later such leaf its neighbour's, one device copy each per step (143 in a
+    SyncKV step of the default model)."""
     TRACE_COUNTS["decode_step"] += 1
     logits, cache = forward_step(graphdef, params, tokens, cache)
-    return sample(logits, key, sampling), logits, constrain_cache(cache)
+    return constrain_cache(cache), sample(logits, key, sampling), logits
 
 
 _DECODE_STEP_JIT = dict(static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
@@ -251,7 +255,8 @@ def decode_step(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Arra
     """
     check_room(cache, 1)
     step = _decode_step_gpu if decode_compiler_options() else decode_step_jit
-    return step(graphdef, params, tokens, cache, key, sampling=sampling)
+    cache, tokens, logits = step(graphdef, params, tokens, cache, key, sampling=sampling)
+    return tokens, logits, cache
 
 
 def _decode_loop(
@@ -262,9 +267,9 @@ def _decode_loop(
 
     ``first_tokens[B]`` are the tokens sampled from the prefill logits (they count as generated).
     Stops when every row has produced an EOS token or at the length limit. Returns
-    ``(tokens int32 [B, max_new_tokens], num_generated int32 [B] (EOS included), cache)``; positions
-    after a row's EOS hold that EOS id. As ``decode_loop_jit`` it is nestable and compiles without
-    :func:`decode_compiler_options` (pass them to ``.lower(...).compile`` ahead of time).
+    ``(cache, tokens int32 [B, max_new_tokens], num_generated int32 [B] (EOS included))``, the cache first (see
+    :func:`_decode_step`); positions after a row's EOS hold that EOS id. As ``decode_loop_jit`` it is nestable and
+    compiles without :func:`decode_compiler_options` (pass them to ``.lower(...).compile`` ahead of time).
     """
     TRACE_COUNTS["decode_loop"] += 1
     B = first_tokens.shape[0]
@@ -296,7 +301,7 @@ def _decode_loop(
     _, _, _, out, count, cache, _ = lax.while_loop(cond, body, state)
     # positions past a row's last generated token (loop ended early) repeat that token (its EOS)
     last = jnp.minimum(jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :], count[:, None] - 1)
-    return jnp.take_along_axis(out, last, axis=1), count, cache
+    return cache, jnp.take_along_axis(out, last, axis=1), count
 
 
 _DECODE_LOOP_JIT = dict(static_argnames=("graphdef", "max_new_tokens", "eos_ids", "sampling"), donate_argnames=("cache",))
@@ -316,5 +321,6 @@ def decode_loop(graphdef, params, first_tokens: jax.Array, cache: Cache, key: ja
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     check_room(cache, max_new_tokens - 1)
     loop = _decode_loop_gpu if decode_compiler_options() else decode_loop_jit
-    return loop(graphdef, params, first_tokens, cache, key, max_new_tokens=max_new_tokens, eos_ids=tuple(eos_ids),
-                sampling=sampling)
+    cache, tokens, count = loop(graphdef, params, first_tokens, cache, key, max_new_tokens=max_new_tokens,
+                                eos_ids=tuple(eos_ids), sampling=sampling)
+    return tokens, count, cache

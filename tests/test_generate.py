@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,33 @@ def test_decode_compiles_once(tiny):
     generate_tokens(tiny, [row], max_new_tokens=20)
     generate_tokens(tiny, [row[::-1]], max_new_tokens=20)
     assert TRACE_COUNTS["decode_loop"] == loop_before + 1
+
+
+def donated_aliases(lowered) -> dict:
+    """``{argument index: output index}`` of a lowered jit's donated arguments (its StableHLO ``tf.aliasing_output``)."""
+    text = lowered.as_text()
+    sig = text[text.index("func.func public @main("):]
+    sig = sig[:sig.index("{\n")]
+    return {int(a): int(o) for a, o in re.findall(r"%arg(\d+): [^%]*?tf\.aliasing_output = (\d+)", sig)}
+
+
+def test_donated_cache_leaves_alias_their_own_outputs(tiny):
+    """Every cache leaf is written back into its own buffer: XLA gives a donated buffer to the first output of its
+    shape, so sampled tokens ``int32[B]`` returned before the cache would take the buffer of the cache's first
+    ``int32[B]`` leaf (``pad``) and shift every later one, a device copy each per step."""
+    from kvjax.decoding import decode_loop_jit, decode_step_jit
+
+    cache = new_cache(FullCache(block=16), tiny.config, 2, 16, 8, tiny.dtype)
+    _, cache = prefill(tiny.graphdef, tiny.params, jnp.zeros((2, 16), jnp.int32), cache)
+    cache = compress(cache)
+    leaves = jax.tree_util.tree_leaves(cache)
+    assert any(x.shape == (2,) and x.dtype == jnp.int32 for x in leaves)  # the collision this guards against
+    first = len(jax.tree_util.tree_leaves(tiny.params)) + 1  # the cache's leaves follow the parameters and tokens
+    own = {first + i: i for i in range(len(leaves))}
+    tokens, key = jnp.zeros((2,), jnp.int32), jax.random.PRNGKey(0)
+    assert donated_aliases(decode_step_jit.lower(tiny.graphdef, tiny.params, tokens, cache, key)) == own
+    assert donated_aliases(decode_loop_jit.lower(tiny.graphdef, tiny.params, tokens, cache, key,
+                                                 max_new_tokens=4)) == own
 
 
 def test_top_p_keeps_smallest_nucleus():

@@ -87,12 +87,15 @@ def spread_moves(held, target, count, spread_over: int, slots: int, most=None):
 
 
 # ------------------------------------------------------------------------------- whole-set refreshes
-def followed(state: RecallKV, due, versions, count, **changes) -> RecallKV:
+def followed(state: RecallKV, due, versions, count, tallies=None, **changes) -> RecallKV:
     """``state`` with ``changes`` after the follower slots in ``due[B, n_slots]`` took their leaders' ``versions``,
-    writing ``count[B, n_slots]`` rows: the versions they hold and the recall counters updated."""
+    writing ``count[B, n_slots]`` rows: the versions they hold and the recall counters updated. ``tallies``: the
+    counters' increments ``(followers due, rows)`` when the caller summed them for several layers at once (one
+    reduction instead of two per layer), else this layer's own sums."""
+    due_n, rows_n = (due.sum(), count.sum()) if tallies is None else tallies
     return state.replace(applied=jnp.where(due, versions, state.applied),
-                         recalls=state.recalls + due.sum().astype(jnp.int32),
-                         rows_moved=state.rows_moved + count.sum().astype(jnp.int32), **changes)
+                         recalls=state.recalls + due_n.astype(jnp.int32),
+                         rows_moved=state.rows_moved + rows_n.astype(jnp.int32), **changes)
 
 
 def apply_anchors(state: RecallKV, layers, layer: int, mesh) -> RecallKV:
@@ -157,16 +160,17 @@ def spread_inputs(state: RecallKV, layers, layer: int):
     return versions, state.held[..., :W], picks[..., :W], count
 
 
-def moved(state: RecallKV, versions, ids, positions, count, mesh):
+def moved(state: RecallKV, versions, ids, positions, count, mesh, tallies=None):
     """``(state after the moves, ids, count, dst)`` of :func:`spread_moves`' output, the last three flattened per
-    host head: the region positions take the moved tokens, the followers the versions, the counters the moves."""
+    host head: the region positions take the moved tokens, the followers the versions, the counters the moves
+    (``tallies``: as :func:`followed`)."""
     S = positions.shape[-1]
     width = state.held.shape[-1]
     positions = jnp.where(jnp.arange(S) < count[..., None], positions, width)  # past the moves: written nowhere
     flat = [flatten_heads(x, mesh) for x in (ids, count, state.region_start[..., None] + positions)]
     held = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
         state.held.reshape(-1, width), positions.reshape(-1, S), ids.reshape(-1, S)).reshape(state.held.shape)
-    return (followed(state, versions > state.applied, versions, count, held=held), *flat)
+    return (followed(state, versions > state.applied, versions, count, tallies, held=held), *flat)
 
 
 # ------------------------------------------------------------------------------------------ schedules
@@ -320,15 +324,18 @@ class PipelinedRecall(SpreadRecall):
             return jnp.stack([jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, W - x.shape[-1])] * (x.ndim - 2))
                               for x in arrays])
 
-        held, target, count = (stacked([x[k] for x in inputs]) for k in (1, 2, 3))
+        versions, held, target, count = (stacked([x[k] for x in inputs]) for k in range(4))
         most = jnp.asarray([-(-h.shape[-1] // self.every) for _, h, _, _ in inputs], jnp.int32)[:, None, None]
         ids, positions, count = spread_moves(held, target, count, self.every, layers[moving[0]].host.length, most)
+        # every layer's counter increments in one reduction each (padded followers: version 0, no moves)
+        due = (versions > stacked([layers[i].applied for i in moving])).sum((1, 2))
+        rows = count.sum((1, 2))
         flat = {}
         for j, i in enumerate(moving):
             v, h = inputs[j][:2]
             n_i, S_i = h.shape[1], -(-h.shape[-1] // self.every)
             layers[i], *flat[i] = moved(layers[i], v, ids[j, :, :n_i, :S_i], positions[j, :, :n_i, :S_i],
-                                        count[j, :, :n_i], mesh)
+                                        count[j, :, :n_i], mesh, (due[j], rows[j]))
         fetched = gather_layers([layers[i].host for i in moving], [flat[i][0] for i in moving],
                                 [flat[i][1] for i in moving], mesh)
         return tuple(layers), {i: (got, flat[i][2]) for i, got in zip(moving, fetched)}
