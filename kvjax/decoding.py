@@ -236,8 +236,7 @@ def _decode_step(graphdef, params, tokens: jax.Array, cache: Cache, key: jax.Arr
     """Jitted body of :func:`decode_step` (as ``decode_step_jit``: nestable, without :func:`decode_compiler_options`):
     ``(cache, next tokens [B], logits [B, V])``, the cache first. A donated input's buffer goes to the first output of
     its shape and dtype, in output order; the next tokens (int32 ``[B]``) first would take the buffer of the cache's
-    first int32 ``[B]`` leaf, and every later such leaf its neighbour's, one device copy each per step (143 in a
-    SyncKV step of the default model)."""
+    first int32 ``[B]`` leaf, and every later such leaf its neighbour's, one device copy each per step."""
     TRACE_COUNTS["decode_step"] += 1
     logits, cache = forward_step(graphdef, params, tokens, cache)
     return constrain_cache(cache), sample(logits, key, sampling), logits
