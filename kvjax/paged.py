@@ -128,10 +128,9 @@ def append(state: PagedKV, k_new, v_new) -> PagedKV:
         x = x.transpose(0, 2, 1, 3).reshape(-1, D).astype(pool.dtype)
         return pool.reshape(n * ps, D).at[flat].set(x).reshape(n, ps, D)
 
-    # the new lengths after the writes that read the old: the lengths update in place, without a copy of the old
-    k_pages, v_pages, lengths = jax.lax.optimization_barrier(
-        (write(state.k_pages, k_new), write(state.v_pages, v_new), state.lengths))
-    return state.replace(k_pages=k_pages, v_pages=v_pages, lengths=lengths + T)
+    return state.replace(
+        k_pages=write(state.k_pages, k_new), v_pages=write(state.v_pages, v_new), lengths=state.lengths + T
+    )
 
 
 def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implementation: str = "auto", mesh=None):
