@@ -269,6 +269,30 @@ def decode_module(model, method, length: int, new_tokens: int, artifact=None) ->
     return export_for_gpu(loop, params, first, cache, key).mlir_module()
 
 
+def step_module(model, method, length: int, artifact=None) -> str:
+    """StableHLO of ``method``'s one-token decode step (:func:`kvjax.decoding.decode_step_jit`, the cache donated) for
+    one row after a ``length``-token prompt, lowered for ``cuda``; shapes only, as :func:`decode_module`."""
+    import jax
+    import jax.numpy as jnp
+
+    from evals.plan import cpu_mesh
+    from evals.synthetic import abstract_compressed_cache
+    from kvjax.cache import CacheSpec
+    from kvjax.decoding import decode_step_jit
+
+    spec = CacheSpec.for_model(model.config, 1, length, 1, model.dtype)
+    cache = abstract_compressed_cache(method, spec, cpu_mesh(), artifact)
+    params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+
+    def step(params, tokens, cache, key):
+        return decode_step_jit(model.graphdef, params, tokens, cache, key)
+
+    jax.clear_caches()
+    return export_for_gpu(step, params, jax.ShapeDtypeStruct((1,), jnp.int32), cache, key,
+                          donate_argnums=(2,)).mlir_module()
+
+
 def summarize(windows: list[dict]) -> dict:
     """The loop body's host calls (outside conditionals) of one compilation, as one table row."""
     calls = [w for w in windows if w["loop_body"] and not w["in_branch"]]

@@ -378,20 +378,23 @@ def recall_many(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> li
         raise ValueError("recall_many: every host tier must have the same dtype and head dimension")
     checked = [_check_request(h, i, c, pages=False) for h, i, c in zip(hosts, idxs, counts)]
     n, D = len(hosts), hosts[0].k.shape[-1]
+    # every tier's ids and counts in one block: one device-to-host copy (one kernel writes it) instead of two per tier
+    request = jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for i, c, _ in checked for x in (i, c)])
 
     def gather(*args):
-        out = []
-        for j, (_, _, limit) in enumerate(checked):
-            k, v, ids, count = args[j], args[n + j], args[2 * n + j], args[3 * n + j]
-            ids, count = jax.device_put(ids, HOST), jax.device_put(count, HOST)
+        out, at = [], 0
+        request = jax.device_put(args[2 * n], HOST)
+        for j, (i, c, limit) in enumerate(checked):
+            k, v = args[j], args[n + j]
+            ids = request[at:at + i.size].reshape(i.shape)
+            count = request[at + i.size:at + i.size + c.size]
+            at += i.size + c.size
             live = jax.device_put(jnp.arange(ids.shape[1], dtype=jnp.int32), HOST)[None, :] < count[:, None]
             safe = jnp.clip(ids, 0, limit - 1) * live.astype(ids.dtype)  # products: no constant in device memory
             out += [(take_blocks(x, safe) * live[..., None].astype(x.dtype)).reshape(-1, D) for x in (k, v)]
         return jnp.concatenate(out)  # [sum over tiers of 2 * n_heads * R, D]
 
-    rows = _device_host(gather)(*[h.k for h in hosts], *[h.v for h in hosts],
-                                *[jnp.asarray(i, jnp.int32) for i, _, _ in checked],
-                                *[jnp.asarray(c, jnp.int32) for _, c, _ in checked])
+    rows = _device_host(gather)(*[h.k for h in hosts], *[h.v for h in hosts], request)
     out, at = [], 0
     for i, _, _ in checked:
         size = i.shape[0] * i.shape[1]

@@ -1,6 +1,6 @@
 """Runs in its own process with jax's CUDA plugin on the path (``tests/test_gpu_schedule.py`` starts it): compiles the
 tiny model's decode loop for an H100, without one, and prints the host calls' windows and the step's conditionals as
-one JSON object on the last line of stdout; also compiles the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode
+one JSON object on the last line of stdout, with the shapes each program's one-token step copies; also compiles the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode
 shape (the custom calls of the compiled program).
 
 ``python -m tests.gpu_schedule_worker`` (``PYTHONPATH`` must hold the plugin's directory, ``.aot-gpu``).
@@ -12,7 +12,8 @@ import json
 import re
 
 from evals.gpu_schedule import (compile_for_gpu, compile_only_cuda, decode_module, gpu_topology, host_call_windows,
-                                loop_conditionals)
+                                loop_conditionals, step_module)
+from evals.plan import instruction_bytes
 from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS
 from kvjax.methods import HeteroCache, SyncKV
 from tests.mesh_worker import CONFIG_D16, recall_artifacts, tiny_model
@@ -30,14 +31,18 @@ def main() -> None:
         "synckv-pipelined": (SyncKV(budget=0.5, num_representatives=3, block=32, recall_schedule="pipelined"), sync),
         "synckv-ahead": (SyncKV(budget=0.5, num_representatives=3, block=32, recall_schedule="ahead"), sync),
     }
-    windows, conditionals = {}, {}
+    windows, conditionals, step_copies = {}, {}, {}
     for name, (method, artifact) in programs.items():
         module = decode_module(model, method, PROMPT, NEW, artifact)
         for label, options in (("kvjax", GPU_DECODE_COMPILER_OPTIONS), ("xla-default", {})):
             hlo = compile_for_gpu(module, topology, options)
             windows[f"{name}/{label}"] = host_call_windows(hlo)
             conditionals[f"{name}/{label}"] = loop_conditionals(hlo)
-    print(json.dumps({"windows": windows, "conditionals": conditionals, "mosaic_paged": mosaic_paged_calls(topology)}))
+        hlo = compile_for_gpu(step_module(model, method, PROMPT, artifact), topology, GPU_DECODE_COMPILER_OPTIONS)
+        step_copies[name] = [re.search(rf"%{re.escape(n)} = (\S+) copy\(", hlo)[1]
+                             for n, op, _, _ in instruction_bytes(hlo) if op == "copy"]
+    print(json.dumps({"windows": windows, "conditionals": conditionals, "step_copies": step_copies,
+                      "mosaic_paged": mosaic_paged_calls(topology)}))
 
 
 def mosaic_paged_calls(topology) -> list[str]:

@@ -128,5 +128,10 @@ def test_pipelined_recall_overlaps_the_step_in_the_h100_schedule():
     # no conditional in the compiled step (each would be a host synchronisation per step on a GPU), as in the
     # lowered program (tests/test_gpu_host_syncs.py)
     assert result["conditionals"] and set(result["conditionals"].values()) == {0}, result["conditionals"]
+    # the one-token step updates each layer's recall state in place: it copies scalars at most (the old code copied
+    # every layer's page lengths, followers' applied versions and leaders' versions, a kernel each)
+    assert set(result["step_copies"]) == {"heterocache-pipelined", "synckv-pipelined", "synckv-ahead"}
+    for name, copied in result["step_copies"].items():
+        assert all(shape.startswith("s32[]") for shape in copied), (name, copied)
     # the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode shape compiles for the H100 as its own custom call
     assert "mosaic_gpu_v2" in result["mosaic_paged"], result["mosaic_paged"]

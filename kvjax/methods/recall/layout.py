@@ -218,6 +218,9 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
 def append_attend(state: RecallKV, q, k, v, implementation: str, mesh=None):
     """Append the new tokens to every head and attend (kernel for one token, per device on a ``mesh``; XLA for a chunk)."""
     paged = append(state.paged, k, v)
+    # the page writes read the old lengths: order them before the lengths' in-place update (else XLA copies them)
+    k_pages, v_pages, lengths = jax.lax.optimization_barrier((paged.k_pages, paged.v_pages, state.paged.lengths))
+    paged = paged.replace(k_pages=k_pages, v_pages=v_pages, lengths=lengths + k.shape[1])
     if q.shape[1] == 1:
         out = paged_attention(q[:, 0], paged, implementation=implementation, mesh=mesh)[:, None]
     else:

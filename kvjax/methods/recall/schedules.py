@@ -160,17 +160,19 @@ def spread_inputs(state: RecallKV, layers, layer: int):
     return versions, state.held[..., :W], picks[..., :W], count
 
 
-def moved(state: RecallKV, versions, ids, positions, count, mesh, tallies=None):
+def moved(state: RecallKV, versions, ids, positions, count, mesh, tallies=None, due=None):
     """``(state after the moves, ids, count, dst)`` of :func:`spread_moves`' output, the last three flattened per
     host head: the region positions take the moved tokens, the followers the versions, the counters the moves
-    (``tallies``: as :func:`followed`)."""
+    (``tallies``: as :func:`followed`; ``due``: the followers due a new version, when the caller has them)."""
     S = positions.shape[-1]
     width = state.held.shape[-1]
     positions = jnp.where(jnp.arange(S) < count[..., None], positions, width)  # past the moves: written nowhere
     flat = [flatten_heads(x, mesh) for x in (ids, count, state.region_start[..., None] + positions)]
     held = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
         state.held.reshape(-1, width), positions.reshape(-1, S), ids.reshape(-1, S)).reshape(state.held.shape)
-    return (followed(state, versions > state.applied, versions, count, tallies, held=held), *flat)
+    if due is None:  # materialized first, so that the in-place update of applied follows the counters' read
+        due, versions = jax.lax.optimization_barrier((versions > state.applied, versions))
+    return (followed(state, due, versions, count, tallies, held=held), *flat)
 
 
 # ------------------------------------------------------------------------------------------ schedules
@@ -324,21 +326,30 @@ class PipelinedRecall(SpreadRecall):
             return jnp.stack([jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, W - x.shape[-1])] * (x.ndim - 2))
                               for x in arrays])
 
-        versions, held, target, count = (stacked([x[k] for x in inputs]) for k in range(4))
+        versions, held, target, count = (stacked(x) for x in zip(*inputs))
         most = jnp.asarray([-(-h.shape[-1] // self.every) for _, h, _, _ in inputs], jnp.int32)[:, None, None]
         ids, positions, count = spread_moves(held, target, count, self.every, layers[moving[0]].host.length, most)
-        # every layer's counter increments in one reduction each (padded followers: version 0, no moves)
-        due = (versions > stacked([layers[i].applied for i in moving])).sum((1, 2))
-        rows = count.sum((1, 2))
-        flat = {}
-        for j, i in enumerate(moving):
-            v, h = inputs[j][:2]
-            n_i, S_i = h.shape[1], -(-h.shape[-1] // self.every)
-            layers[i], *flat[i] = moved(layers[i], v, ids[j, :, :n_i, :S_i], positions[j, :, :n_i, :S_i],
-                                        count[j, :, :n_i], mesh, (due[j], rows[j]))
-        fetched = gather_layers([layers[i].host for i in moving], [flat[i][0] for i in moving],
-                                [flat[i][1] for i in moving], mesh)
-        return tuple(layers), {i: (got, flat[i][2]) for i, got in zip(moving, fetched)}
+        cut = [(inputs[j][1].shape[1], -(-inputs[j][1].shape[-1] // self.every)) for j in range(len(moving))]
+        # the gather needs only the moves: it can start before anything below
+        fetched = gather_layers([layers[i].host for i in moving],
+                                [flatten_heads(ids[j, :, :n, :S], mesh) for j, (n, S) in enumerate(cut)],
+                                [flatten_heads(count[j, :, :n], mesh) for j, (n, _) in enumerate(cut)], mesh)
+        due = versions > stacked([layers[i].applied for i in moving])
+        # Everything read from the versions and followers' state as the previous call left them is computed before
+        # any layer updates them in place (the leaders' versions later in the call, the followers' below); without
+        # this order XLA copies every layer's versions and applied versions to keep the old values for readers it
+        # cannot order (the counters' reduction).
+        leaders = {f.leader_layer for i in moving for f in layers[i].plan.followers}
+        old = {i: (layers[i].version, layers[i].applied) for i in sorted(leaders | set(moving))}
+        old, versions, due, ids, positions, count = jax.lax.optimization_barrier(
+            (old, versions, due, ids, positions, count))
+        layers = [st.replace(version=old[i][0], applied=old[i][1]) if i in old else st for i, st in enumerate(layers)]
+        tallies = due.sum((1, 2)), count.sum((1, 2))  # every layer's counter increments in one reduction each
+        dst = {}
+        for j, (i, (n, S)) in enumerate(zip(moving, cut)):
+            layers[i], _, _, dst[i] = moved(layers[i], versions[j, :, :n], ids[j, :, :n, :S], positions[j, :, :n, :S],
+                                            count[j, :, :n], mesh, (tallies[0][j], tallies[1][j]), due[j, :, :n])
+        return tuple(layers), {i: (got, dst[i]) for i, got in zip(moving, fetched)}
 
 
 def write_moves(layers: tuple, moves: dict, mesh) -> tuple:
