@@ -241,6 +241,15 @@ def _instruction_own_bytes(comps: dict, shapes: dict, i: _Inst) -> tuple[int, in
     callee = re.search(r"calls=%([\w.\-]+)", i.tail)
     if i.op == "fusion" and callee:
         return _fusion_bytes(comps, shapes, callee.group(1), i.operands, i.shape)
+    aliasing = re.search(r"output_to_operand_aliasing=\{(.*?)\}\s*(?:,\s*[a-z_]+=|$)", i.tail)
+    if aliasing:  # an in-place kernel: reads its other operands and writes as much (the rows it writes)
+        aliased = {int(k) for k in re.findall(r"\}:\s*\((\d+),", aliasing.group(1))}
+        d = h = 0
+        for k, o in enumerate(i.operands):
+            if k not in aliased:
+                od, oh = _arrays(shapes.get(o, ""))
+                d, h = d + 2 * od, h + 2 * oh
+        return d, h
     d, h = _arrays(i.shape)
     for o in i.operands:
         od, oh = _arrays(shapes.get(o, ""))
@@ -318,8 +327,10 @@ def hlo_bytes(hlo: str) -> dict:
     most (an upper bound); what a host computation (a ``compute_on`` region, run by the host thread) reads and writes
     counts as host traffic, the arrays it is handed and returns as their memory says. A fusion that only slices or
     gathers from an operand (directly or through bitcasts) reads those slices; a fusion whose root updates its first
-    operand in place (``dynamic-update-slice``, ``scatter``) writes the update only. Arrays in host memory (``S(5)``)
-    count as host traffic. Returns ``{"device": bytes, "host": bytes}``.
+    operand in place (``dynamic-update-slice``, ``scatter``) writes the update only; a custom call whose outputs alias
+    operands (an in-place kernel such as :func:`pallas_kernels.row_write.write_rows`) reads its other operands and
+    writes as much. Arrays in host memory (``S(5)``) count as host traffic. Returns ``{"device": bytes, "host":
+    bytes}``.
     """
     dev = host = 0
     for _, _, d, h in instruction_bytes(hlo):
@@ -533,7 +544,8 @@ def render(report: dict) -> str:
         "- bytes moved: GPU: counted from the compiled HLO per kernel, device memory only (`evals.plan.hlo_bytes`: "
         "operands and outputs; a sliced operand's slices, through bitcasts too; an in-place update's update; a loop "
         "body times its known trip count; a conditional's largest branch; a host computation's work as host "
-        "traffic; a kernel's whole operands, so Quest's selected pages count as all); TPU: XLA's "
+        "traffic; a kernel's whole operands, so Quest's selected pages count as all, except an in-place kernel's "
+        "(outputs aliased to operands: its other operands, read and written once); TPU: XLA's "
         "`cost_analysis()['bytes accessed']`, which also counts the on-chip (VMEM) side of the copies the TPU "
         "compiler inserts: an upper bound on HBM traffic",
         "- host → device: the bytes the step's host computations return to the device (a recall's gathered rows; "

@@ -372,6 +372,17 @@ def recall_many(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> li
     host call where one per tier would each wait for the device work enqueued before it, the masking of rows past
     ``count`` done on the host, and every tier's rows in one block the device slices. Returns ``[(k, v)]`` per tier
     (``[n_heads, R, D]`` in device memory, zero past ``count``)."""
+    rows, out, at = recall_block(hosts, idxs, counts), [], 0
+    for i in idxs:
+        size = i.shape[0] * i.shape[1]
+        out.append(tuple(rows[at + x * size:at + (x + 1) * size].reshape(*i.shape, rows.shape[-1]) for x in range(2)))
+        at += 2 * size
+    return out
+
+
+def recall_block(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> jax.Array:
+    """:func:`recall_many`'s one block in device memory, unsliced: ``[sum over tiers of 2 * n_heads * R, D]``, each
+    tier's keys then its values, row by row of its ``idx`` (zero past ``count``)."""
     if not (len(hosts) == len(idxs) == len(counts)) or not hosts:
         raise ValueError(f"one idx and count per host tier: {len(hosts)} tiers, {len(idxs)} idx, {len(counts)} count")
     if len({(h.k.dtype, h.k.shape[-1]) for h in hosts}) != 1:
@@ -392,15 +403,9 @@ def recall_many(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> li
             live = jax.device_put(jnp.arange(ids.shape[1], dtype=jnp.int32), HOST)[None, :] < count[:, None]
             safe = jnp.clip(ids, 0, limit - 1) * live.astype(ids.dtype)  # products: no constant in device memory
             out += [(take_blocks(x, safe) * live[..., None].astype(x.dtype)).reshape(-1, D) for x in (k, v)]
-        return jnp.concatenate(out)  # [sum over tiers of 2 * n_heads * R, D]
+        return jnp.concatenate(out)
 
-    rows = _device_host(gather)(*[h.k for h in hosts], *[h.v for h in hosts], request)
-    out, at = [], 0
-    for i, _, _ in checked:
-        size = i.shape[0] * i.shape[1]
-        out.append(tuple(rows[at + x * size:at + (x + 1) * size].reshape(*i.shape, D) for x in range(2)))
-        at += 2 * size
-    return out
+    return _device_host(gather)(*[h.k for h in hosts], *[h.v for h in hosts], request)
 
 
 def recall_pages(host: HostKV, pages, count, *, mechanism: str = "host_gather"):
@@ -488,18 +493,27 @@ def scatter_recalled(k_pages, v_pages, block_table, recalled_k, recalled_v, rows
     return scatter_to_slots(k_pages, v_pages, block_table, recalled_k, recalled_v, rows, hs, slots, count)
 
 
+def pool_rows(num_pages: int, page_size: int, block_table, rows, hs, slots, count=None):
+    """Where recalled rows go in a pool flattened to ``[num_pages * page_size, D]``: row ``r`` of recalled head ``i``
+    (the (row, KV head) pair ``rows[i], hs[i]``) at logical slot ``slots[i, r]``; ``[n_heads * R]`` int32, with
+    ``num_pages * page_size`` (outside the pool: dropped) for rows past ``count[i]`` (if given) or slots outside
+    the table."""
+    ps, max_pages = page_size, block_table.shape[-1]
+    j = jnp.asarray(slots, jnp.int32)
+    ok = (j >= 0) & (j < max_pages * ps)
+    if count is not None:
+        ok &= jnp.arange(j.shape[1])[None, :] < jnp.asarray(count, jnp.int32)[:, None]
+    page = block_table[rows[:, None], hs[:, None], jnp.clip(j // ps, 0, max_pages - 1)]  # [n, R]
+    return jnp.where(ok, page * ps + j % ps, num_pages * ps).reshape(-1)
+
+
 def scatter_to_slots(k_pages, v_pages, block_table, recalled_k, recalled_v, rows, hs, slots, count):
     """As :func:`scatter_recalled`, row ``r`` of recalled head ``i`` going to any logical slot ``slots[i, r]``
     (int ``[n_heads, R]``; distinct within a head) instead of consecutive ones."""
     num_pages, ps, D = k_pages.shape
-    max_pages = block_table.shape[-1]
     n, R = recalled_k.shape[:2]
-    j = jnp.asarray(slots, jnp.int32)
-    ok = (jnp.arange(R)[None, :] < jnp.asarray(count, jnp.int32)[:, None]) & (j >= 0) & (j < max_pages * ps)
-    page_ix = jnp.clip(j // ps, 0, max_pages - 1)
-    page = block_table[rows[:, None], hs[:, None], page_ix]  # [n, R]
     n_slots = num_pages * ps
-    flat = jnp.where(ok, page * ps + j % ps, n_slots).reshape(-1)  # out of range: dropped
+    flat = pool_rows(num_pages, ps, block_table, rows, hs, slots, count)
 
     def write(pool, x):
         upd = x.reshape(n * R, D).astype(pool.dtype)

@@ -101,6 +101,7 @@ ENTRY %main (cache: bf16[1024,128], new: bf16[1,128], i: s32[], big: f32[4096,64
   %upd = bf16[1024,128]{1,0} fusion(%cache, %new, %i), kind=kLoop, calls=%fused_dus
   %sl = f32[64]{0} fusion(%big, %small, %i), kind=kLoop, calls=%fused_slice
   %k = f32[64]{0} custom-call(%sl, %small), custom_call_target="__gpu$xla.gpu.triton"
+  %written = (bf16[512,64]{1,0}, bf16[1024,128]{1,0}) custom-call(%ids, %row, %appended, %upd), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{0}: (2, {}), {1}: (3, {})}
   %h = f32[64]{0:S(5)} copy(%k)
   %none = s32[1,0]{1,0} constant({ {  } })
   %nocopy = s32[1,0]{1,0} copy(%none)
@@ -117,7 +118,9 @@ def test_hlo_bytes_of_a_hand_written_program():
     """Hand-counted: the in-place update reads its one new row (256 B) and the index (4 B) and writes the row, not the
     1024-row cache; the slicing fusion reads one row of ``big`` (256 B, sliced through a bitcast), all of ``small``
     (256 B) and the index, and writes 256 B; the custom call reads 2 x 256 and writes 256; the copy to host reads 256
-    on the device and writes 256 to the host; of the conditional's two branches (each reads and writes 256) one
+    on the device and writes 256 to the host; the in-place kernel writing one row into each of two pools (its
+    outputs alias them) reads the row and its index (4 + 128 B) and writes as much, not the pools; of the
+    conditional's two branches (each reads and writes 256) one
     counts; the scatter appending one 128-byte row to a 64 KiB pool in place reads the row and its index (4 B) and
     writes the row; the loop runs its known 4 trips, each a counter increment (3 x 4 B), a negation (2 x 256) and the
     condition's compare (2 x 4 + 1); the host call's start hands 256 over and holds its operand, output and a 4-byte
@@ -126,15 +129,17 @@ def test_hlo_bytes_of_a_hand_written_program():
     dus = 256 + 4 + 256
     sliced = 256 + 256 + 4 + 256
     kernel = 3 * 256
+    in_place = 2 * (4 + 128)
     copy = 256
     branch = 256 + 256
     scatter = 4 + 128 + 128
     loop = 4 * (12 + 512 + 9)
     host_start = 256 + (256 + 256 + 4)
-    assert counted == {"device": dus + sliced + kernel + copy + branch + scatter + loop + host_start, "host": 256 + 512}
-    # launches: the scatter, the update, the slice, the custom call, the copy, 4 x 3 in the loop, the host call's
+    assert counted == {"device": dus + sliced + kernel + in_place + copy + branch + scatter + loop + host_start,
+                       "host": 256 + 512}
+    # launches: the scatter, the update, the slice, the two custom calls, the copy, 4 x 3 in the loop, the host call's
     # start and one branch; the host computation's negation runs on the host; the copy of an empty array launches none
-    assert kernel_launches(HLO) == 5 + 12 + 1 + 1
+    assert kernel_launches(HLO) == 6 + 12 + 1 + 1
 
 
 def test_mesh_shapes_of_the_targets():

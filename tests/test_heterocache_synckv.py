@@ -16,7 +16,7 @@ from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.decoding import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
 from kvjax.methods.recall.layout import publish_anchor
-from kvjax.methods.recall.schedules import SpreadRecall, apply_anchors, spread_moves, write_moves
+from kvjax.methods.recall.schedules import SpreadRecall, apply_anchors, spread_moves
 from kvjax.methods.recall.scores import leader_probs, leader_queries, prompt_only, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.methods.recall.heterocache import classify_group, head_capacities, spread_capped, star_clustering
@@ -364,21 +364,27 @@ def test_spread_moves_hand_case():
 
 
 @pytest.mark.parametrize("which,schedule", [("heterocache", "spread"), ("synckv", "spread"), ("heterocache", "ahead"),
-                                            ("synckv", "ahead"), ("heterocache", "pipelined"), ("synckv", "pipelined")])
+                                            ("synckv", "ahead"), ("heterocache", "pipelined"), ("synckv", "pipelined"),
+                                            ("synckv", "pipelined-kernel")])
 def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which, schedule):
     """``recall_schedule="spread"`` with a new choice every m=3 steps: m steps after it, each follower's region
     holds exactly the host rows of its leader's choice (matched to host rows in numpy, as a set, no row twice),
     same-layer and cross-layer followers; after the first of those steps only part of it. ``"ahead"`` holds the
     same once the rows a step gathered are written (at the next call: the schedule's ``land``), and not before;
     ``"pipelined"`` once the next call has chosen them (from the loop carry, before its layers) and written them
-    (after its layers), and not before."""
+    (after its layers), and not before; also when it writes them with the row-write kernel (``"pipelined-kernel"``:
+    the method's implementation ``"pallas_interpret"``, the kernel's GPU form interpreted)."""
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 97, size=(1, L + 6)).astype(np.int32)
+    implementation = "pallas_interpret" if schedule == "pipelined-kernel" else "auto"
+    schedule = schedule.removesuffix("-kernel")
     if which == "heterocache":
-        method = HeteroCache(budget=0.5, block=16, window=3, tau_drift=1.0, recall_schedule=schedule)
+        method = HeteroCache(budget=0.5, block=16, window=3, tau_drift=1.0, recall_schedule=schedule,
+                             implementation=implementation)
         art, followers = hc_artifact(tiny), [(0, 1), (1, 0)]
     else:
-        method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule=schedule)
+        method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule=schedule,
+                        implementation=implementation)
         art, followers = sk_artifact(tiny), [(0, 1), (1, 0), (1, 1)]
     cache = _prefilled(tiny, method, tokens[:, :L], art)
     key = jax.random.PRNGKey(0)
@@ -386,7 +392,7 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
     def written(layers):  # every move chosen so far (pipelined: that the carry implies) written
         if schedule != "pipelined":
             return [method.schedule.land(st, None, drain=True) for st in layers]
-        return write_moves(*method.schedule.gather_moves(layers, None, drain=False), None)
+        return method.schedule.write_moves(*method.schedule.gather_moves(layers, None, drain=False), None)
 
     def regions(state, landed=True):  # {follower: set of prompt slots its region holds}, no token held twice
         out = {}
@@ -442,18 +448,19 @@ def test_pipelined_moves_of_every_layer_at_once_equal_each_layers_own(tiny):
         _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
     layers = cache.layers
     assert [len(st.plan.followers) for st in layers] == [1, 2]
-    batched, moves = method.schedule.gather_moves(layers, None, drain=False)
-    moved_any = 0
+    batched, (moving, block, dsts) = method.schedule.gather_moves(layers, None, drain=False)
+    assert moving == [0, 1]
+    moved_any, at = 0, 0
     for i, st in enumerate(layers):
         own, ids, count, dst = SpreadRecall(method.schedule.every).moves(st, layers, i, None)
-        got, got_dst = moves[i]
         n = np.asarray(count)
-        assert np.asarray(got.count).tolist() == n.tolist()
+        np.testing.assert_array_equal(np.asarray(dsts[i]), np.asarray(dst))  # -1 past each follower's moves
+        rows = np.asarray(block)[at:at + 2 * ids.size].reshape(2, *ids.shape, -1)  # keys then values
+        at += 2 * ids.size
         for h in range(len(n)):
-            assert np.asarray(got.idx)[h, :n[h]].tolist() == np.asarray(ids)[h, :n[h]].tolist()
-            assert np.asarray(got_dst)[h, :n[h]].tolist() == np.asarray(dst)[h, :n[h]].tolist()
-            host_k = np.asarray(st.host.k)[h]
-            np.testing.assert_array_equal(np.asarray(got.k)[h, :n[h]], host_k[np.asarray(ids)[h, :n[h]]])
+            for x, host in enumerate((st.host.k, st.host.v)):
+                np.testing.assert_array_equal(rows[x, h, :n[h]], np.asarray(host)[h][np.asarray(ids)[h, :n[h]]])
+                assert not rows[x, h, n[h]:].any()  # zero past the moves
         for field in ("held", "applied", "recalls", "rows_moved"):
             np.testing.assert_array_equal(np.asarray(getattr(batched[i], field)), np.asarray(getattr(own, field)))
         moved_any += int(n.sum())

@@ -120,7 +120,7 @@ class LeaderFollowerMethod(abc.ABC):
     @property
     def schedule(self) -> RecallSchedule:
         """The recall schedule (:mod:`kvjax.methods.recall.schedules`)."""
-        return make_schedule(self.recall_schedule, self.every, enabled=self.recalls)
+        return make_schedule(self.recall_schedule, self.every, enabled=self.recalls, implementation=self.implementation)
 
     def artifact_for(self, spec: CacheSpec, artifact=None) -> Artifact:
         """The given artifact (checked) or the one shipped for the spec's model."""

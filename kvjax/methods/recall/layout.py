@@ -43,11 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.host_tier import HostKV, Prefetch, issue, recall_many, scatter_to_slots, take, to_host
+from kvjax.attention import resolve_implementation
+from kvjax.host_tier import HostKV, Prefetch, issue, pool_rows, recall_block, scatter_to_slots, take, to_host
 from kvjax.paged import (PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes,
                          paged_partition, paged_read_bytes, shard_map)
 from kvjax.sharding import (BY_DEVICE, DATA, MODEL, REPLICATED, ROWS_HEADS, OnHost, axis_size, device_block,
                             flatten_heads, is_split)
+from pallas_kernels.row_write import write_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,20 +261,49 @@ def gather_followers(host: HostKV, ids, count, mesh) -> Prefetch:
     return per_device(local, mesh, (BY_DEVICE,) * 4, FETCHED_BY_DEVICE, host.k, host.v, ids, count)
 
 
-def gather_layers(hosts: list, ids: list, counts: list, mesh) -> list:
+def gather_block(hosts: list, ids: list, counts: list, mesh):
     """:func:`gather_followers` of several layers at once (``hosts``, ``ids``, ``counts``: one per layer): one host
-    computation per device for all of them (:func:`kvjax.host_tier.recall_many`). Returns a
-    :class:`kvjax.host_tier.Prefetch` per layer."""
+    computation per device for all of them, its rows left in the one block it returns
+    (:func:`kvjax.host_tier.recall_block`; on a mesh each device's block, in device order), for
+    :func:`write_layers`."""
     n = len(hosts)
 
     def local(*args):  # one device's followers of every layer (or all)
         tiers = [h.replace(k=k, v=v) for h, k, v in zip(hosts, args[:n], args[n:2 * n])]
-        idx, count = args[2 * n:3 * n], args[3 * n:]
-        rows = recall_many(tiers, idx, count)
-        return tuple(Prefetch(k=k, v=v, idx=i, count=c) for (k, v), i, c in zip(rows, idx, count))
+        return recall_block(tiers, args[2 * n:3 * n], args[3 * n:])
 
-    return list(per_device(local, mesh, (BY_DEVICE,) * (4 * n), (FETCHED_BY_DEVICE,) * n,
-                           *[h.k for h in hosts], *[h.v for h in hosts], *ids, *counts))
+    return per_device(local, mesh, (BY_DEVICE,) * (4 * n), BY_DEVICE,
+                      *[h.k for h in hosts], *[h.v for h in hosts], *ids, *counts)
+
+
+def write_layers(pageds: list, hosts: list, block, dsts: list, mesh, implementation: str) -> list:
+    """:func:`write_followers` of several layers at once, from :func:`gather_block`'s ``block``: every layer's key
+    and value rows in one :func:`pallas_kernels.row_write.write_rows` per device, one kernel on a GPU where XLA
+    launches a scatter per pool (``implementation``: the method's attention implementation; its ``"auto"`` writes
+    with the kernel on a GPU and with XLA's scatters on a CPU or TPU, where the kernel has no form). ``dsts``: per
+    layer the region slot of each gathered row ``[B * n_slots, R]``, negative for a row not written. Returns the
+    layers' :class:`PagedKV`."""
+    n = len(pageds)
+    impl = resolve_implementation(implementation)
+    impl = "xla" if impl == "pallas" and jax.default_backend() == "tpu" else impl
+
+    def local(block, *args):
+        pools, slots, sizes = [], [], []
+        for kp, vp, table, pairs, dst in zip(*(args[i * n:(i + 1) * n] for i in range(5))):
+            first, row, head = device_block(mesh, *table.shape[:2])  # local page ids, rows and heads
+            num_pages, ps, D = kp.shape
+            at = pool_rows(num_pages, ps, table - first * num_pages, pairs[:, 0] - row, pairs[:, 1] - head, dst)
+            pools += [kp.reshape(-1, D), vp.reshape(-1, D)]
+            slots += [at, at]
+            sizes += [at.shape[0]] * 2
+        out = write_rows(pools, block, jnp.concatenate(slots), sizes, implementation=impl)
+        return tuple(x.reshape(p.shape) for x, p in zip(out[0::2] + out[1::2], args[:2 * n]))  # keys, then values
+
+    pairs = [jnp.asarray(h.heads, jnp.int32) for h in hosts]  # [B * n_slots, 2] (row, KV head) of each host head
+    out = per_device(local, mesh, (BY_DEVICE,) * (1 + 2 * n) + (ROWS_HEADS,) * n + (BY_DEVICE,) * (2 * n),
+                     (BY_DEVICE,) * (2 * n), block, *[p.k_pages for p in pageds], *[p.v_pages for p in pageds],
+                     *[p.block_table for p in pageds], *pairs, *dsts)
+    return [p.replace(k_pages=k, v_pages=v) for p, k, v in zip(pageds, out[:n], out[n:])]
 
 
 def write_followers(paged: PagedKV, host: HostKV, fetched: Prefetch, dst, mesh) -> PagedKV:

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.host_tier import empty_prefetch
-from kvjax.methods.recall.layout import (LayerPlan, PendingRecall, RecallKV, gather_followers, gather_layers,
-                                         leader_plan, leader_values, recall_rows, write_followers)
+from kvjax.methods.recall.layout import (LayerPlan, PendingRecall, RecallKV, gather_block, gather_followers,
+                                         leader_plan, leader_values, recall_rows, write_followers, write_layers)
 from kvjax.sharding import flatten_heads
 
 
@@ -162,12 +162,15 @@ def spread_inputs(state: RecallKV, layers, layer: int):
 
 def moved(state: RecallKV, versions, ids, positions, count, mesh, tallies=None, due=None):
     """``(state after the moves, ids, count, dst)`` of :func:`spread_moves`' output, the last three flattened per
-    host head: the region positions take the moved tokens, the followers the versions, the counters the moves
-    (``tallies``: as :func:`followed`; ``due``: the followers due a new version, when the caller has them)."""
+    host head (``dst`` -1 past the moves): the region positions take the moved tokens, the followers the versions,
+    the counters the moves (``tallies``: as :func:`followed`; ``due``: the followers due a new version, when the
+    caller has them)."""
     S = positions.shape[-1]
     width = state.held.shape[-1]
-    positions = jnp.where(jnp.arange(S) < count[..., None], positions, width)  # past the moves: written nowhere
-    flat = [flatten_heads(x, mesh) for x in (ids, count, state.region_start[..., None] + positions)]
+    live = jnp.arange(S) < count[..., None]
+    positions = jnp.where(live, positions, width)  # past the moves: written nowhere
+    dst = jnp.where(live, state.region_start[..., None] + positions, -1)
+    flat = [flatten_heads(x, mesh) for x in (ids, count, dst)]
     held = jax.vmap(lambda h, p, i: h.at[p].set(i, mode="drop"))(
         state.held.reshape(-1, width), positions.reshape(-1, S), ids.reshape(-1, S)).reshape(state.held.shape)
     if due is None:  # materialized first, so that the in-place update of applied follows the counters' read
@@ -179,9 +182,12 @@ def moved(state: RecallKV, versions, ids, positions, count, mesh, tallies=None, 
 @dataclasses.dataclass(frozen=True)
 class RecallSchedule:
     """How followers follow their leaders in one-token steps; ``every``: the method's decision interval (HeteroCache's
-    drift window, SyncKV's stride). The base recalls nothing (a method with recall turned off)."""
+    drift window, SyncKV's stride); ``implementation``: the method's attention implementation, which also picks how
+    :class:`PipelinedRecall` writes its rows (:func:`kvjax.methods.recall.layout.write_layers`). The base recalls
+    nothing (a method with recall turned off)."""
 
     every: int = 1
+    implementation: str = "auto"
 
     def room(self, plans: tuple, plan: LayerPlan) -> int:
         """Rows per follower kept in flight between calls (0: none)."""
@@ -300,18 +306,31 @@ class PipelinedRecall(SpreadRecall):
         mesh = cache.spec.mesh
         layers, moves = self.gather_moves(cache.layers, mesh, drain=tokens > 1)
         if tokens > 1:
-            return run(cache.replace(layers=write_moves(layers, moves, mesh)))
+            return run(cache.replace(layers=self.write_moves(layers, moves, mesh)))
         out, cache = run(cache.replace(layers=layers))
-        return out, cache.replace(layers=write_moves(cache.layers, moves, mesh))
+        return out, cache.replace(layers=self.write_moves(cache.layers, moves, mesh))
+
+    def write_moves(self, layers: tuple, moves, mesh) -> tuple:
+        """``layers`` with the rows of :meth:`gather_moves` written into their region slots, every layer's at once
+        (:func:`kvjax.methods.recall.layout.write_layers`)."""
+        if moves is None:
+            return layers
+        moving, block, dsts = moves
+        paged = write_layers([layers[i].paged for i in moving], [layers[i].host for i in moving], block, dsts, mesh,
+                             self.implementation)
+        written = dict(zip(moving, paged))
+        return tuple(st.replace(paged=written[i]) if i in written else st for i, st in enumerate(layers))
 
     def gather_moves(self, layers: tuple, mesh, *, drain: bool):
         """Every layer's spread moves from ``layers`` (each layer's followers padded to one width; a follower moves
         as many tokens per call as in its own layer) and their host rows in one gather: ``(layers with held, applied
-        and counters updated, {layer: (rows, region slots)})``. ``drain`` (a multi-token call): no moves for a
-        follower due a new version, which takes its whole region in the call (:func:`refresh_regions`)."""
+        and counters updated, moves)``, ``moves`` for :meth:`write_moves`: ``(layers moving, the gathered rows'
+        block, per layer their region slots)``, None when no layer has followers. ``drain`` (a
+        multi-token call): no moves for a follower due a new version, which takes its whole region in the call
+        (:func:`refresh_regions`)."""
         moving = [i for i, st in enumerate(layers) if st.plan.followers]
         if not moving:
-            return layers, {}
+            return layers, None
         layers = list(layers)
         inputs = [spread_inputs(layers[i], layers, i) for i in moving]
         if drain:  # a follower due a new version neither moves nor applies it: the call's refresh stays due
@@ -331,9 +350,9 @@ class PipelinedRecall(SpreadRecall):
         ids, positions, count = spread_moves(held, target, count, self.every, layers[moving[0]].host.length, most)
         cut = [(inputs[j][1].shape[1], -(-inputs[j][1].shape[-1] // self.every)) for j in range(len(moving))]
         # the gather needs only the moves: it can start before anything below
-        fetched = gather_layers([layers[i].host for i in moving],
-                                [flatten_heads(ids[j, :, :n, :S], mesh) for j, (n, S) in enumerate(cut)],
-                                [flatten_heads(count[j, :, :n], mesh) for j, (n, _) in enumerate(cut)], mesh)
+        block = gather_block([layers[i].host for i in moving],
+                             [flatten_heads(ids[j, :, :n, :S], mesh) for j, (n, S) in enumerate(cut)],
+                             [flatten_heads(count[j, :, :n], mesh) for j, (n, _) in enumerate(cut)], mesh)
         due = versions > stacked([layers[i].applied for i in moving])
         # Everything read from the versions and followers' state as the previous call left them is computed before
         # any layer updates them in place (the leaders' versions later in the call, the followers' below); without
@@ -345,17 +364,14 @@ class PipelinedRecall(SpreadRecall):
             (old, versions, due, ids, positions, count))
         layers = [st.replace(version=old[i][0], applied=old[i][1]) if i in old else st for i, st in enumerate(layers)]
         tallies = due.sum((1, 2)), count.sum((1, 2))  # every layer's counter increments in one reduction each
-        dst = {}
+        dsts = []
         for j, (i, (n, S)) in enumerate(zip(moving, cut)):
-            layers[i], _, _, dst[i] = moved(layers[i], versions[j, :, :n], ids[j, :, :n, :S], positions[j, :, :n, :S],
-                                            count[j, :, :n], mesh, (tallies[0][j], tallies[1][j]), due[j, :, :n])
-        return tuple(layers), {i: (got, dst[i]) for i, got in zip(moving, fetched)}
+            layers[i], _, _, dst = moved(layers[i], versions[j, :, :n], ids[j, :, :n, :S], positions[j, :, :n, :S],
+                                         count[j, :, :n], mesh, (tallies[0][j], tallies[1][j]), due[j, :, :n])
+            dsts.append(dst)
+        return tuple(layers), (moving, block, dsts)
 
 
-def write_moves(layers: tuple, moves: dict, mesh) -> tuple:
-    """``layers`` with the rows of :meth:`PipelinedRecall.gather_moves` written into their region slots."""
-    return tuple(st.replace(paged=write_followers(st.paged, st.host, *moves[i], mesh)) if i in moves else st
-                 for i, st in enumerate(layers))
 
 
 def check_room(pending: PendingRecall | None, ids) -> None:
@@ -370,9 +386,9 @@ SCHEDULES = {"whole": WholeRecall, "spread": SpreadRecall, "ahead": AheadRecall,
 RECALL_SCHEDULES = tuple(SCHEDULES)
 
 
-def make_schedule(name: str, every: int, *, enabled: bool = True) -> RecallSchedule:
-    """The schedule called ``name`` (:data:`RECALL_SCHEDULES`) with decision interval ``every``; with ``enabled``
-    False (recall turned off), one that recalls nothing."""
+def make_schedule(name: str, every: int, *, enabled: bool = True, implementation: str = "auto") -> RecallSchedule:
+    """The schedule called ``name`` (:data:`RECALL_SCHEDULES`) with decision interval ``every`` for a method whose
+    attention runs as ``implementation``; with ``enabled`` False (recall turned off), one that recalls nothing."""
     if name not in SCHEDULES:
         raise ValueError(f"recall_schedule must be one of {RECALL_SCHEDULES}, got {name!r}")
-    return SCHEDULES[name](every) if enabled else RecallSchedule(every)
+    return SCHEDULES[name](every, implementation) if enabled else RecallSchedule(every, implementation)
