@@ -52,7 +52,7 @@ scale)
     ;;
 kernels)
     "$py" -m pytest -q -p no:cacheprovider tests/test_pallas_paged_attention.py tests/test_pallas_pq_attention.py \
-        tests/test_host_tier.py 2>&1 | tee "$out/kernels.txt"
+        tests/test_pallas_row_write.py tests/test_host_tier.py 2>&1 | tee "$out/kernels.txt"
     ;;
 bench)
     "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \

@@ -1,5 +1,5 @@
-"""The in-place row-write kernel (:mod:`pallas_kernels.row_write`) against numpy: its GPU form interpreted on the CPU
-and its XLA form, on the edges a recall step hits (rows dropped past a pool, negative slots, a pool with no rows,
+"""The in-place row-write kernel (:mod:`pallas_kernels.row_write`) against numpy: its GPU form (interpreted on a CPU,
+compiled on a GPU) and its XLA form, on the edges a recall step hits (rows dropped past a pool, negative slots, a pool with no rows,
 pools of different sizes), and its errors."""
 
 import jax
@@ -10,6 +10,8 @@ import pytest
 from pallas_kernels.row_write import write_rows
 
 SIZES = (70, 5, 0, 3)
+# on a CPU the kernel's GPU form runs interpreted, on a GPU compiled (``scripts/gpu_checks.sh kernels``); a TPU has none
+KERNEL = {"cpu": "pallas_interpret", "gpu": "pallas"}.get(jax.default_backend())
 
 
 def _case():
@@ -32,8 +34,12 @@ def _numpy(pools, rows, slots):
     return out
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("implementation", ["xla", "kernel"])
 def test_rows_land_at_their_slots_and_nothing_else_changes(implementation):
+    if implementation == "kernel":
+        if KERNEL is None:
+            pytest.skip("the kernel has no TPU form")
+        implementation = KERNEL
     pools, rows, slots = _case()
     bf16 = [jnp.asarray(p, jnp.bfloat16) for p in pools]
     fn = jax.jit(lambda p, r, s: write_rows(p, r, s, SIZES, implementation=implementation), donate_argnums=(0,))
