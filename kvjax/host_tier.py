@@ -386,7 +386,7 @@ def recall_block(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> j
     if not (len(hosts) == len(idxs) == len(counts)) or not hosts:
         raise ValueError(f"one idx and count per host tier: {len(hosts)} tiers, {len(idxs)} idx, {len(counts)} count")
     if len({(h.k.dtype, h.k.shape[-1]) for h in hosts}) != 1:
-        raise ValueError("recall_many: every host tier must have the same dtype and head dimension")
+        raise ValueError("every host tier of one recall must have the same dtype and head dimension")
     checked = [_check_request(h, i, c, pages=False) for h, i, c in zip(hosts, idxs, counts)]
     n, D = len(hosts), hosts[0].k.shape[-1]
     # every tier's ids and counts in one block: one device-to-host copy (one kernel writes it) instead of two per tier

@@ -372,8 +372,6 @@ class PipelinedRecall(SpreadRecall):
         return tuple(layers), (moving, block, dsts)
 
 
-
-
 def check_room(pending: PendingRecall | None, ids) -> None:
     """Raise when a layer's in-flight buffer does not fit one step's moves ``ids[n, S]``."""
     if pending is None or pending.dst.shape != ids.shape:
