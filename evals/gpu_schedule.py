@@ -244,53 +244,53 @@ def export_for_gpu(fn, *args, donate_argnums=()):
             *placed)
 
 
-def decode_module(model, method, length: int, new_tokens: int, artifact=None) -> str:
-    """StableHLO of ``method``'s decode loop for one row after a ``length``-token prompt, lowered for ``cuda``
-    (``artifact``: the method's calibration, default the one shipped for the model). Only shapes are needed: the
-    compressed cache's come from :func:`evals.synthetic.abstract_compressed_cache` (traced, not run)."""
+def _decode_inputs(model, method, length: int, room: int, artifact):
+    """Shapes of a decode call's ``(params, first tokens, compressed cache, key)`` for one row after a ``length``-token
+    prompt with ``room`` tokens to decode (the cache from :func:`evals.synthetic.abstract_compressed_cache`)."""
     import jax
     import jax.numpy as jnp
 
     from evals.plan import cpu_mesh
     from evals.synthetic import abstract_compressed_cache
     from kvjax.cache import CacheSpec
-    from kvjax.decoding import decode_loop_jit
 
-    spec = CacheSpec.for_model(model.config, 1, length, new_tokens, model.dtype)
+    spec = CacheSpec.for_model(model.config, 1, length, room, model.dtype)
     cache = abstract_compressed_cache(method, spec, cpu_mesh(), artifact)
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
-    first = jax.ShapeDtypeStruct((1,), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    return params, jax.ShapeDtypeStruct((1,), jnp.int32), cache, jax.eval_shape(lambda: jax.random.PRNGKey(0))
+
+
+def decode_module(model, method, length: int, new_tokens: int, artifact=None) -> str:
+    """StableHLO of ``method``'s decode loop for one row after a ``length``-token prompt, lowered for ``cuda``
+    (``artifact``: the method's calibration, default the one shipped for the model). Only shapes are needed: the
+    compressed cache's come from :func:`evals.synthetic.abstract_compressed_cache` (traced, not run)."""
+    import jax
+
+    from kvjax.decoding import decode_loop_jit
+
+    inputs = _decode_inputs(model, method, length, new_tokens, artifact)
 
     def loop(params, first, cache, key):
         return decode_loop_jit(model.graphdef, params, first, cache, key, max_new_tokens=new_tokens)
 
     jax.clear_caches()  # the kernels' form is chosen at trace time: trace again, as on a GPU
-    return export_for_gpu(loop, params, first, cache, key).mlir_module()
+    return export_for_gpu(loop, *inputs).mlir_module()
 
 
 def step_module(model, method, length: int, artifact=None) -> str:
     """StableHLO of ``method``'s one-token decode step (:func:`kvjax.decoding.decode_step_jit`, the cache donated) for
     one row after a ``length``-token prompt, lowered for ``cuda``; shapes only, as :func:`decode_module`."""
     import jax
-    import jax.numpy as jnp
 
-    from evals.plan import cpu_mesh
-    from evals.synthetic import abstract_compressed_cache
-    from kvjax.cache import CacheSpec
     from kvjax.decoding import decode_step_jit
 
-    spec = CacheSpec.for_model(model.config, 1, length, 1, model.dtype)
-    cache = abstract_compressed_cache(method, spec, cpu_mesh(), artifact)
-    params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model.params)
-    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    inputs = _decode_inputs(model, method, length, 1, artifact)
 
     def step(params, tokens, cache, key):
         return decode_step_jit(model.graphdef, params, tokens, cache, key)
 
-    jax.clear_caches()
-    return export_for_gpu(step, params, jax.ShapeDtypeStruct((1,), jnp.int32), cache, key,
-                          donate_argnums=(2,)).mlir_module()
+    jax.clear_caches()  # as decode_module
+    return export_for_gpu(step, *inputs, donate_argnums=(2,)).mlir_module()
 
 
 def summarize(windows: list[dict]) -> dict:

@@ -61,19 +61,21 @@ def check_rows(pools, rows, slots, sizes) -> None:
 def _gpu_kernel(slots_ref, rows_ref, *refs, sizes: tuple):
     out_refs = refs[len(sizes):]
     r = pl.program_id(0)
+    slot = slots_ref[r]
     start = 0
     for size, out_ref in zip(sizes, out_refs):
         if size:
-            slot = slots_ref[r]
 
             @pl.when((r >= start) & (r < start + size) & (slot >= 0) & (slot < out_ref.shape[0]))
-            def _(out_ref=out_ref, slot=slot):
+            def _(out_ref=out_ref):
                 out_ref[pl.ds(slot, 1), :] = rows_ref[pl.ds(r, 1), :].astype(out_ref.dtype)
 
         start += size
 
 
 def _rows_gpu(pools, rows, slots, sizes, *, interpret: bool):
+    if not rows.shape[0]:  # nothing to write (and no program to read a slot)
+        return pools
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as pltriton  # GPU-only module, import lazily
@@ -82,7 +84,7 @@ def _rows_gpu(pools, rows, slots, sizes, *, interpret: bool):
     n = len(pools)
     return tuple(pl.pallas_call(
         functools.partial(_gpu_kernel, sizes=tuple(int(s) for s in sizes)),
-        grid=(max(1, rows.shape[0]),),
+        grid=(rows.shape[0],),
         out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools],
         input_output_aliases={2 + i: i for i in range(n)},
         compiler_params=compiler_params,

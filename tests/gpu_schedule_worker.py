@@ -1,7 +1,7 @@
 """Runs in its own process with jax's CUDA plugin on the path (``tests/test_gpu_schedule.py`` starts it): compiles the
-tiny model's decode loop for an H100, without one, and prints the host calls' windows and the step's conditionals as
-one JSON object on the last line of stdout, with the shapes each program's one-token step copies; also compiles the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode
-shape (the custom calls of the compiled program).
+tiny model's decode loop for an H100, without one, and prints the host calls' windows and the step's conditionals,
+with the shapes each program's one-token step copies, as one JSON object on the last line of stdout; also compiles
+the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode shape (the custom calls of the compiled program).
 
 ``python -m tests.gpu_schedule_worker`` (``PYTHONPATH`` must hold the plugin's directory, ``.aot-gpu``).
 """

@@ -53,6 +53,18 @@ def test_rows_land_at_their_slots_and_nothing_else_changes(implementation):
     assert sum(int((np.asarray(g.astype(jnp.float32)) != as_bf16(p)).any(-1).sum()) for g, p in zip(got, pools)) == 68 + 4 + 2
 
 
+@pytest.mark.parametrize("implementation", ["xla", "kernel"])
+def test_no_rows_leave_the_pools_as_they_are(implementation):
+    if implementation == "kernel":
+        if KERNEL is None:
+            pytest.skip("the kernel has no TPU form")
+        implementation = KERNEL
+    pools = [jnp.arange(16 * 64, dtype=jnp.float32).reshape(16, 64), jnp.ones((8, 64))]
+    got = write_rows(pools, jnp.zeros((0, 64)), jnp.zeros((0,), jnp.int32), (0, 0), implementation=implementation)
+    for g, p in zip(got, pools):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(p))
+
+
 def test_bad_calls_raise():
     pools, rows, slots = _case()
     pools = [jnp.asarray(p) for p in pools]
