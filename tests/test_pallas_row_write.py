@@ -14,6 +14,13 @@ SIZES = (70, 5, 0, 3)
 KERNEL = {"cpu": "pallas_interpret", "gpu": "pallas"}.get(jax.default_backend())
 
 
+def _form(implementation: str) -> str:
+    """``"xla"``, or for ``"kernel"`` the kernel's form on this platform (skipped on a TPU, which has none)."""
+    if implementation == "kernel" and KERNEL is None:
+        pytest.skip("the kernel has no TPU form")
+    return KERNEL if implementation == "kernel" else implementation
+
+
 def _case():
     rng = np.random.default_rng(0)
     pools = [rng.normal(size=(n, 64)).astype(np.float32) for n in (96, 160, 8, 16)]
@@ -36,10 +43,7 @@ def _numpy(pools, rows, slots):
 
 @pytest.mark.parametrize("implementation", ["xla", "kernel"])
 def test_rows_land_at_their_slots_and_nothing_else_changes(implementation):
-    if implementation == "kernel":
-        if KERNEL is None:
-            pytest.skip("the kernel has no TPU form")
-        implementation = KERNEL
+    implementation = _form(implementation)
     pools, rows, slots = _case()
     bf16 = [jnp.asarray(p, jnp.bfloat16) for p in pools]
     fn = jax.jit(lambda p, r, s: write_rows(p, r, s, SIZES, implementation=implementation), donate_argnums=(0,))
@@ -55,10 +59,7 @@ def test_rows_land_at_their_slots_and_nothing_else_changes(implementation):
 
 @pytest.mark.parametrize("implementation", ["xla", "kernel"])
 def test_no_rows_leave_the_pools_as_they_are(implementation):
-    if implementation == "kernel":
-        if KERNEL is None:
-            pytest.skip("the kernel has no TPU form")
-        implementation = KERNEL
+    implementation = _form(implementation)
     pools = [jnp.arange(16 * 64, dtype=jnp.float32).reshape(16, 64), jnp.ones((8, 64))]
     got = write_rows(pools, jnp.zeros((0, 64)), jnp.zeros((0,), jnp.int32), (0, 0), implementation=implementation)
     for g, p in zip(got, pools):
