@@ -349,10 +349,14 @@ def main_hcattention(argv) -> int:
     command = "kvjax calibrate hcattention " + " ".join(shlex.quote(a) for a in argv)
     for g in groups:
         for c in centroids:
-            t2 = time.perf_counter()
+            variant = codebook_variant(g, c)
+            out = artifact_out(args, "hcattention", mid, variant, ".npz")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            checkpoint = out.with_name(out.stem + ".partial.npz")  # finished layers; a killed fit resumes there
             cbs = fit_codebooks(train, groups=g, centroids=c, iterations=args.iterations, batch=args.batch,
-                                seed=args.seed, progress=True)
-            fit_s = time.perf_counter() - t2
+                                seed=args.seed, progress=True, checkpoint=checkpoint)
+            with np.load(checkpoint) as saved:
+                fit_s = float(saved["seconds"])  # over every run of a resumed fit
             stored = cbs.astype(args.storage_dtype).astype(np.float32)
             train_err = quantization_error(train, stored)
             held_err = quantization_error(first_held, stored, queries=held_q, tau=HC_TAU) if args.heldout else None
@@ -363,14 +367,12 @@ def main_hcattention(argv) -> int:
                 seed=args.seed, relative_error=(held_all or train_err)["relative_error"],
                 relative_error_on="held-out samples" if args.heldout else "training samples",
                 heldout=args.heldout, storage_dtype=args.storage_dtype)
-            variant = codebook_variant(g, c)
-            out = artifact_out(args, "hcattention", mid, variant, ".npz")
-            out.parent.mkdir(parents=True, exist_ok=True)
             save_artifact(art, out)
             back = load_artifact(out)
             back.check("hcattention", mid)
             if not np.array_equal(np.asarray(back.arrays["codebooks"]), stored):
                 raise RuntimeError(f"{out} does not read back as the codebooks that were measured")
+            checkpoint.unlink(missing_ok=True)
             report = Path(args.report_dir) / f"hcattention-{name}-{variant}"
             report.mkdir(parents=True, exist_ok=True)
             lines = write_hcattention_report(

@@ -44,6 +44,9 @@ through :mod:`kvjax.decoding`, imported lazily.
 from __future__ import annotations
 
 import functools
+import hashlib
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -244,12 +247,17 @@ def decode_keys(codes, codebooks):
 
 # ------------------------------------------------------------------------------------------ fitting
 def fit_codebooks(keys_per_layer, *, groups: int, centroids: int, iterations: int = 100, batch: int = 4096,
-                  seed: int = 0, progress: bool = False, callback=None):
+                  seed: int = 0, progress: bool = False, callback=None, checkpoint=None):
     """Codebooks ``[L, H_kv, g, c, D // g]`` float32 (numpy) from calibration keys ``[L, H_kv, n, D]``.
 
     One :func:`kmeans_minibatch` per (layer, KV head, group); each layer's ``H_kv * g`` problems run
     vectorised, layer ``l`` with seed ``seed * 1000 + l``. ``progress`` shows a bar over layers;
     ``callback(layer)`` is called after each layer.
+
+    ``checkpoint`` (a path): the finished layers are saved there after each layer, and a fit started again with
+    the same keys and settings resumes after them (a large ``c`` takes hours on a CPU); a checkpoint of other keys
+    or settings is ignored and overwritten. Each layer's fit depends only on its keys and seed, so a resumed fit
+    equals an uninterrupted one. The checkpoint also holds ``seconds``, the fit's time over every run so far.
     """
     keys = keys_per_layer
     if len(np.shape(keys)) != 4:
@@ -259,19 +267,49 @@ def fit_codebooks(keys_per_layer, *, groups: int, centroids: int, iterations: in
     if g < 1 or D % g:
         raise ValueError(f"groups must divide the head dim D={D}, got {g}")
     d = D // g
-    layers = range(L)
+    out = np.zeros((L, H, g, int(centroids), d), np.float32)
+    done, fingerprint, before, t0 = 0, None, 0.0, time.perf_counter()
+    if checkpoint is not None:
+        fingerprint = _fit_fingerprint(keys, g, int(centroids), int(iterations), int(batch), int(seed))
+        done, before = _resume(Path(checkpoint), fingerprint, out)
+    layers = range(done, L)
     if progress:
         from tqdm import tqdm
 
-        layers = tqdm(layers, desc=f"k-means g={g} c={centroids}", unit="layer")
-    out = np.zeros((L, H, g, int(centroids), d), np.float32)
+        layers = tqdm(layers, desc=f"k-means g={g} c={centroids}", unit="layer", initial=done, total=L)
     for l in layers:
         x = jnp.asarray(keys[l], jnp.float32).reshape(H, n, g, d).transpose(0, 2, 1, 3).reshape(H * g, n, d)
         cents = kmeans_minibatch(x, centroids, iterations=iterations, batch=batch, seed=seed * 1000 + l)
         out[l] = np.asarray(cents).reshape(H, g, int(centroids), d)
+        if checkpoint is not None:
+            tmp = Path(checkpoint).with_suffix(".tmp.npz")
+            np.savez(tmp, fingerprint=fingerprint, codebooks=out[:l + 1], seconds=before + time.perf_counter() - t0)
+            tmp.replace(checkpoint)  # a fit killed while saving keeps the previous checkpoint
         if callback is not None:
             callback(l)
     return out
+
+
+def _fit_fingerprint(keys, g: int, c: int, iterations: int, batch: int, seed: int) -> str:
+    """What a checkpoint must match to be resumed: the keys' bytes and the fit's settings."""
+    digest = hashlib.sha256(np.ascontiguousarray(keys, np.float32).tobytes()).hexdigest()
+    return f"{digest}:{np.shape(keys)}:g={g}:c={c}:iterations={iterations}:batch={batch}:seed={seed}"
+
+
+def _resume(path: Path, fingerprint: str, out: np.ndarray) -> tuple[int, float]:
+    """Copies the finished layers of the checkpoint at ``path`` into ``out``; returns how many (0 if there is none
+    or it belongs to another fit) and the seconds they took."""
+    if not path.exists():
+        return 0, 0.0
+    with np.load(path) as saved:
+        if str(saved["fingerprint"]) != fingerprint:
+            print(f"{path}: a checkpoint of other keys or settings; starting the fit again")
+            return 0, 0.0
+        done = saved["codebooks"].shape[0]
+        out[:done] = saved["codebooks"]
+        seconds = float(saved["seconds"])
+    print(f"{path}: resuming after {done} finished layer(s) ({seconds:.0f} s)")
+    return done, seconds
 
 
 def collect_keys(model, rows, *, chunk_size: int = 1024, progress: bool = False, query_window: int = 0):

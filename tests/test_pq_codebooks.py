@@ -54,6 +54,35 @@ def test_kmeans_with_batch_of_everything_is_the_running_mean():
     np.testing.assert_allclose(got[:, 0], pts.mean(axis=1), atol=0.1)  # 40 * 256 draws with replacement
 
 
+def test_interrupted_fit_resumes_from_its_checkpoint(tmp_path):
+    """A fit stopped after its first layer resumes at the second and equals an uninterrupted fit; a checkpoint of
+    another fit (another seed) is ignored."""
+    keys = np.random.default_rng(2).standard_normal((3, 2, 64, 8)).astype(np.float32)
+    settings = dict(groups=2, centroids=4, iterations=5, batch=16)
+    whole = fit_codebooks(keys, seed=0, **settings)
+    ckpt = tmp_path / "cb.partial.npz"
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first(layer):
+        raise Stop
+
+    with pytest.raises(Stop):
+        fit_codebooks(keys, seed=0, checkpoint=ckpt, callback=stop_after_first, **settings)
+    with np.load(ckpt) as saved:
+        assert saved["codebooks"].shape[0] == 1 and float(saved["seconds"]) > 0
+    fitted = []
+    resumed = fit_codebooks(keys, seed=0, checkpoint=ckpt, callback=fitted.append, **settings)
+    assert fitted == [1, 2]
+    np.testing.assert_array_equal(resumed, whole)
+    fitted.clear()
+    other = fit_codebooks(keys, seed=1, checkpoint=ckpt, callback=fitted.append, **settings)
+    assert fitted == [0, 1, 2]
+    np.testing.assert_array_equal(other, fit_codebooks(keys, seed=1, **settings))
+    assert not np.array_equal(other, whole)
+
+
 def test_kmeans_errors():
     with pytest.raises(ValueError, match="at least 8 points per problem, got n=5"):
         kmeans_minibatch(np.zeros((2, 5, 2), np.float32), 8)
