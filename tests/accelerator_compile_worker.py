@@ -1,7 +1,7 @@
 """Runs in its own process with jax's CUDA plugin and libtpu on the path (``tests/test_accelerator_compile.py`` starts
 it): compiles every registered method's one-token decode step on a tiny model for an H100 and for a TPU v5e-8 slice,
 without them (:func:`evals.plan.compile_step`), and prints one JSON object on the last line of stdout: per target and
-method, the compiled memory, the bytes moved, whether the program holds a Pallas kernel, or the error.
+method, the compiled memory, the bytes moved, whether the program holds a Pallas kernel and which, or the error.
 
 ``python -m tests.accelerator_compile_worker [targets]`` (``PYTHONPATH`` must hold ``.aot-gpu`` and ``.aot-tpu``).
 """
@@ -9,6 +9,7 @@ method, the compiled memory, the bytes moved, whether the program holds a Pallas
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 from evals.gpu_schedule import compile_only_cuda
@@ -58,6 +59,7 @@ def main() -> None:
             compiled = out.pop("compiled")
             text = compiled.hlo_modules()[0].to_string() if target.platform == "cuda" else compiled.as_text()
             out["kernel"] = KERNEL_CALLS[target.platform] in text
+            out["pallas_calls"] = sorted(set(re.findall(r"/(\w+)/pallas_call", text)))  # the kernels' names
             rows[name] = out
     print(json.dumps(result))
 

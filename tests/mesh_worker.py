@@ -157,6 +157,38 @@ def pq_kernel_errors() -> dict:
     return errors
 
 
+def leader_score_errors() -> dict:
+    """Max |error| of the recall leaders' scores of one query through the paged-scores kernel (its TPU form
+    interpreted) per device under ``shard_map`` on each mesh, against the XLA scores on one device; leaders on
+    several devices (not head 0), unequal capacities."""
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.methods.recall.scores import leader_probs
+    from kvjax.paged import build_paged, paged_partition
+    from kvjax.sharding import make_mesh, named
+
+    B, H, G, S, D, leaders = 8, 8, 2, 40, 16, (6, 1, 3)
+    caps = (40, 24, 40, 8, 16, 40, 32, 40)
+    rng = np.random.default_rng(7)
+    k = jnp.asarray(rng.normal(size=(B, H, S, D)), jnp.float32)
+    qg = jnp.asarray(rng.normal(size=(B, 1, len(leaders), G, D)), jnp.float32)
+    idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
+    lengths = jnp.minimum(jnp.asarray(rng.integers(1, S, size=(B, H)), jnp.int32), jnp.asarray(caps)[None])
+    reference = leader_probs(build_paged(k, k, idx, lengths, caps, 3, 8), leaders, qg, 3, "max")
+    errors = {}
+    for mesh_text in ("data=2,model=4", "data=1,model=8", "data=8,model=1"):
+        mesh = make_mesh(mesh_text)
+        state = build_paged(k, k, idx, lengths, caps, 3, 8, mesh)
+        shardings = jax.tree_util.tree_map(lambda p: named(mesh, p), paged_partition(state),
+                                           is_leaf=lambda x: isinstance(x, P))
+        out = jax.jit(lambda s, q, m=mesh: leader_probs(s, leaders, q, 3, "max", implementation="pallas_interpret",
+                                                        mesh=m))(jax.device_put(state, shardings), qg)
+        same_inf = bool((jnp.isinf(out) == jnp.isinf(reference)).all())
+        errors[mesh_text] = float(jnp.abs(jnp.where(jnp.isinf(reference), 0, out - reference)).max()) if same_inf \
+            else float("inf")
+    return errors
+
+
 def contiguous_kernel_errors() -> dict:
     """Max |error| of the full cache's one-token attention through the paged kernel (interpreted; the contiguous cache
     read as pages, left padding skipped) per device under ``shard_map`` on each mesh, against numpy dense attention
@@ -238,12 +270,13 @@ def main() -> None:
     rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
     other_rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
     result = {"meshes": {}, "params": {}, "compiles": {}, "bad": {}, "kernel": {}, "pq_kernel": {}, "questions": {},
-              "contiguous_kernel": {}}
+              "contiguous_kernel": {}, "leader_scores": {}}
     if part == 1:
         run_meshes(result, base, rows, other_rows, PARTS[1])
         result["kernel"] = kernel_errors()
         result["pq_kernel"] = pq_kernel_errors()
         result["contiguous_kernel"] = contiguous_kernel_errors()
+        result["leader_scores"] = leader_score_errors()
         print(json.dumps(result))
         return
     run_meshes(result, base, rows, other_rows, PARTS[0])

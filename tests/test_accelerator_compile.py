@@ -197,6 +197,10 @@ def test_every_decode_step_compiles_for_the_target(compiled, target):
     assert rows["full"]["device_bytes"] >= kv_per_chip, (rows["full"], kv_per_chip)
     assert 0 < rows["snapkv"]["device_bytes"] < rows["full"]["device_bytes"] + 2 * kv_per_chip
     assert rows["heterocache"]["host_bytes"] > 0 and rows["full"]["host_bytes"] == 0
+    # the recall methods' leaders score their pages with the paged-scores kernel on the TPU (XLA's page gather
+    # kept whole pools in on-chip memory there); on the GPU XLA fuses the gather into their multiply-reduce
+    for name in ("heterocache", "synckv"):
+        assert ("paged_scores_tpu" in rows[name]["pallas_calls"]) == (target == "v5e-8"), rows[name]["pallas_calls"]
 
 
 def test_plan_finds_the_largest_batch_that_compiles_when_the_estimate_does_not(monkeypatch):

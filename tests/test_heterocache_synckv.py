@@ -210,12 +210,13 @@ def _leader_probs_numpy(k, lengths, heads, qg, kernel, gqa):
     return out
 
 
-@pytest.mark.parametrize("T,gqa,multiply_reduce", [(1, "max", None), (1, "max", True), (1, "mean", True),
-                                                    (3, "max", None), (3, "mean", True)])
-def test_leader_probs_match_numpy(T, gqa, multiply_reduce):
+@pytest.mark.parametrize("T,gqa,path", [(1, "max", "matmul"), (1, "max", "multiply_reduce"), (1, "mean", "multiply_reduce"),
+                                         (1, "max", "kernel"), (3, "max", "matmul"), (3, "mean", "multiply_reduce")])
+def test_leader_probs_match_numpy(T, gqa, path):
     """The leaders' pooled attention over their paged keys, one query (a decode step) and several (a multi-token
-    call), as a matmul (this CPU's default) and as a multiply-reduce (an accelerator's for one query): ragged lengths,
-    a leader that is not head 0, pages not aligned to the lengths."""
+    call), as a matmul (this CPU's default), as a multiply-reduce (a GPU's for one query) and through the paged-scores
+    kernel (a TPU's for one query; its TPU form interpreted here): ragged lengths, a leader that is not head 0, pages
+    not aligned to the lengths."""
     rng = np.random.default_rng(T)
     B, H, S, D, G, heads = 2, 3, 21, 8, 2, (2, 0)
     k = rng.standard_normal((B, H, S, D)).astype(np.float32)
@@ -223,7 +224,9 @@ def test_leader_probs_match_numpy(T, gqa, multiply_reduce):
     idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, H, S))
     paged = build_paged(jnp.asarray(k), jnp.asarray(k), idx, jnp.asarray(lengths), (S,) * H, 0, 4)
     qg = rng.standard_normal((B, T, len(heads), G, D)).astype(np.float32)
-    got = np.asarray(leader_probs(paged, heads, jnp.asarray(qg), 3, gqa, multiply_reduce=multiply_reduce))
+    how = {"matmul": dict(multiply_reduce=False), "multiply_reduce": dict(multiply_reduce=True),
+           "kernel": dict(implementation="pallas_interpret")}[path]
+    got = np.asarray(leader_probs(paged, heads, jnp.asarray(qg), 3, gqa, **how))
     want = _leader_probs_numpy(np.pad(k, ((0, 0), (0, 0), (0, got.shape[-1] - S), (0, 0))), lengths, heads, qg, 3,
                                gqa)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
@@ -857,7 +860,7 @@ def test_heterocache_drift_rule_fires_where_the_median_overlap_crosses_the_thres
 
     versions = []
     for step, direction in enumerate([u, w, u, w, w, u], start=1):
-        st = method.lead(st.replace(steps=jnp.asarray(step, jnp.int32)), query(direction), cache.pad)
+        st = method.lead(st.replace(steps=jnp.asarray(step, jnp.int32)), query(direction), cache.pad, None)
         versions.append(int(st.version[0, 0]))
     assert versions == [0, 0, 0, 0, 0, 1]
     picks = np.asarray(st.picks)[0, 0]

@@ -223,6 +223,15 @@ def test_full_cache_kernel_per_device_under_shard_map(mesh_run):
         assert error < 1e-5, (mesh, error)
 
 
+def test_leader_scores_kernel_per_device_under_shard_map(mesh_run):
+    """The recall leaders' scores through the paged-scores kernel (interpreted) per device on a mesh, each device
+    scoring the leaders among its own KV heads, against XLA's scores on one device (numpy-checked in
+    ``tests/test_heterocache_synckv.py``)."""
+    assert len(mesh_run["leader_scores"]) == 3
+    for mesh, error in mesh_run["leader_scores"].items():
+        assert error < 1e-6, (mesh, error)
+
+
 def test_page_layout_blocks_hand_computed():
     # 4 rows x 2 heads, one page each, in 2 x 2 blocks: (rows 0-1, head 0), (rows 0-1, head 1), (rows 2-3, head 0), ...
     table, pages = page_layout(4, [5, 5], 8, blocks=(2, 2))

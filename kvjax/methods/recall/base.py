@@ -94,11 +94,12 @@ class LeaderFollowerMethod(abc.ABC):
         """``(per-layer LayerPlans, the method's set size)``; raises for a budget the full heads do not fit."""
 
     @abc.abstractmethod
-    def lead(self, state: RecallKV, q, pad) -> RecallKV:
-        """The leaders' decision after the call's tokens are appended and attended (``q[B, T, Hq, D]``)."""
+    def lead(self, state: RecallKV, q, pad, mesh) -> RecallKV:
+        """The leaders' decision after the call's tokens are appended and attended (``q[B, T, Hq, D]``; ``mesh``: the
+        cache's, for scoring per device)."""
 
     @abc.abstractmethod
-    def choose_for_question(self, state: RecallKV, q, pad) -> RecallKV:
+    def choose_for_question(self, state: RecallKV, q, pad, mesh) -> RecallKV:
         """A question's re-anchoring: the leaders publish their choice for it (:func:`layout.publish_anchor` or
         :func:`layout.publish`)."""
 
@@ -161,12 +162,13 @@ class LeaderFollowerMethod(abc.ABC):
         schedule, multi = self.schedule, q.shape[1] > 1
         state = schedule.land(state, ctx.mesh, drain=multi)
         if multi and self.reanchors:
-            return reanchor_then_attend(state, q, k, v, ctx, lambda st: self.choose_for_question(st, q, ctx.pad))
+            return reanchor_then_attend(state, q, k, v, ctx,
+                                        lambda st: self.choose_for_question(st, q, ctx.pad, ctx.mesh))
         out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if not self.recalls:
             return out, state
         if state.plan.leaders:
-            state = self.lead(state, q, ctx.pad)
+            state = self.lead(state, q, ctx.pad, ctx.mesh)
         if multi:
             return out, refresh_all(state, ctx.layers, ctx.layer, ctx.mesh)
         return out, schedule.step(state, ctx.layers, ctx.layer, ctx.mesh)

@@ -309,12 +309,13 @@ class HeteroCache(LeaderFollowerMethod):
                 rows.append(layer_scores(f.leader_layer)[:, plans[f.leader_layer].leaders[f.leader_index]])
         return jnp.stack(rows, axis=1)
 
-    def scored(self, state, q):
+    def scored(self, state, q, mesh):
         """The pivots' scores of the call's last ``min(T, window)`` queries ``[B, n, T', positions]``, their
         top-``base`` sets, and each set's overlap with the reference set ``[B, n, T']`` (Eq. 9)."""
         plan, tr = state.plan, state.tracker
         qg = leader_queries(q, plan.leaders, len(plan.capacities))[:, -min(q.shape[1], self.window):]
-        scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max")
+        scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
+                              mesh=mesh)
         sets = top_mask(scores, tr.base)
         held = jnp.isfinite(scores).sum(-1)
         overlap = (sets & tr.ref[:, :, None]).sum(-1) / jnp.maximum(jnp.minimum(held, tr.base), 1)
@@ -328,11 +329,11 @@ class HeteroCache(LeaderFollowerMethod):
         state = state.replace(tracker=tr.replace(ref=jnp.where(drift[..., None], sets[:, :, -1], tr.ref)))
         return publish(state, drift, picks)
 
-    def lead(self, state, q, pad):
+    def lead(self, state, q, pad, mesh):
         """The drift check. One token: score it, record its overlap, and at the window's last step decide on the
         median of the window's overlaps (predicated: no conditional). A multi-token call: its last ``min(T,
         window)`` queries decide at once."""
-        scores, sets, overlap = self.scored(state, q)
+        scores, sets, overlap = self.scored(state, q, mesh)
         if q.shape[1] > 1:
             return self.publish_drift(state, jnp.median(overlap, axis=-1) < self.tau_drift, scores, sets, pad)
         tr = state.tracker
@@ -341,9 +342,9 @@ class HeteroCache(LeaderFollowerMethod):
         drift = (state.steps % self.window == 0) & (jnp.median(window, axis=0) < self.tau_drift)
         return self.publish_drift(state, drift, scores, sets, pad)
 
-    def choose_for_question(self, state, q, pad):
+    def choose_for_question(self, state, q, pad, mesh):
         """Every pivot publishes its choice for the question's last query, whatever the drift."""
-        scores, sets, _ = self.scored(state, q[:, -1:])
+        scores, sets, _ = self.scored(state, q[:, -1:], mesh)
         return self.publish_drift(state, jnp.ones(state.version.shape, bool), scores, sets, pad)
 
     def tracker_partition(self, tracker):

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kvjax.attention import MASK_VALUE
-from kvjax.paged import PagedKV
+from kvjax.attention import MASK_VALUE, resolve_implementation
+from kvjax.paged import PagedKV, shard_map
 from kvjax.selection import gqa_aggregate, pool1d, window_attention
+from kvjax.sharding import BY_DEVICE, ROWS_HEADS, device_block, is_split
 
 
 def last_query_probs(st, pad, prompt_slots: int):
@@ -60,31 +61,38 @@ def leader_queries(q, heads: tuple, num_kv_heads: int):
     return q.reshape(B, T, num_kv_heads, Hq // num_kv_heads, D)[:, :, jnp.asarray(heads, jnp.int32)]
 
 
-def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, multiply_reduce: bool | None = None):
+def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, implementation: str = "xla",
+                 mesh=None, multiply_reduce: bool | None = None):
     """Scores of consecutive queries ``qg[B, T, n, G, D]`` (:func:`leader_queries`) over the leader heads' held tokens.
 
     Returns ``[B, n, T, positions]`` (f32): softmax per query head over the tokens each query saw
     (the ``T`` queries are the newest tokens, already appended: query ``t`` saw all but the last
     ``T - 1 - t``), average pooling (``kernel``), aggregation over the group (``gqa``); -inf where unseen.
 
-    ``multiply_reduce`` (default: one query, on an accelerator) scores by a multiply-reduce, which the compiler fuses
-    with the page gather, so the leaders' keys are read once where they lie; a matmul reads a gathered copy (written
-    first: three passes over the keys on an H100), but runs faster on a CPU and for several queries.
+    The logits of one query come from :func:`leader_logits` where the paged-scores kernel has a form (a TPU, by
+    the method's ``implementation``; per device on a ``mesh``). Otherwise ``multiply_reduce`` (default: one query,
+    on a GPU) scores by a multiply-reduce, which the compiler fuses with the page gather, so the leaders' keys are
+    read once where they lie; a matmul reads a gathered copy (written first: three passes over the keys on an H100),
+    but runs faster on a CPU and for several queries.
     """
     B, T, n, G, D = qg.shape
     M = paged.block_table.shape[-1]
     ps = paged.page_size
     ids = jnp.asarray(heads, jnp.int32)
-    pages = paged.k_pages[paged.block_table[:, ids]]  # [B, n, M, ps, D]
-    if multiply_reduce is None:
-        multiply_reduce = T == 1 and jax.default_backend() != "cpu"
-    if multiply_reduce:
-        k = pages.reshape(B, n, 1, M * ps, 1, D).astype(jnp.float32)
-        q = qg.transpose(0, 2, 1, 3, 4)[:, :, :, None].astype(pages.dtype).astype(jnp.float32)  # [B, n, T, 1, G, D]
-        s = jnp.swapaxes((k * q).sum(-1), -1, -2) * D**-0.5  # exact products, as the matmul's below
+    impl = resolve_implementation(implementation)
+    if T == 1 and (impl == "pallas_interpret" or (impl == "pallas" and jax.default_backend() == "tpu")):
+        s = leader_logits(paged, heads, qg[:, 0], impl, mesh)[:, :, None]  # [B, n, 1, G, S]
     else:
-        s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(pages.dtype), pages.reshape(B, n, M * ps, D),
-                       precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * D**-0.5
+        pages = paged.k_pages[paged.block_table[:, ids]]  # [B, n, M, ps, D]
+        if multiply_reduce is None:
+            multiply_reduce = T == 1 and jax.default_backend() == "gpu"
+        if multiply_reduce:
+            k = pages.reshape(B, n, 1, M * ps, 1, D).astype(jnp.float32)
+            q = qg.transpose(0, 2, 1, 3, 4)[:, :, :, None].astype(pages.dtype).astype(jnp.float32)  # [B, n, T, 1, G, D]
+            s = jnp.swapaxes((k * q).sum(-1), -1, -2) * D**-0.5  # exact products, as the matmul's below
+        else:
+            s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(pages.dtype), pages.reshape(B, n, M * ps, D),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * D**-0.5
     lengths = paged.lengths[:, ids]  # [B, n]
     limit = lengths[..., None] - T + jnp.arange(T) + 1  # [B, n, T]
     seen = jnp.arange(M * ps)[None, None, None, :] < limit[..., None]  # [B, n, T, S]
@@ -92,6 +100,37 @@ def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, mul
     p = pool1d(p, seen[:, :, :, None], kernel, "avg")
     agg = p.mean(axis=3) if gqa == "mean" else p.max(axis=3)
     return jnp.where(seen, agg, -jnp.inf)
+
+
+def leader_logits(paged: PagedKV, heads: tuple, q, implementation: str, mesh=None):
+    """Logits ``[B, n, G, positions]`` of one query per leader head ``q[B, n, G, D]`` over its held tokens, by the
+    paged-scores kernel (:func:`pallas_kernels.paged_scores.paged_scores`: each leader's pages read where they lie,
+    ``MASK_VALUE`` past its length). On a multi-device ``mesh`` every device scores the leaders among its own rows and
+    KV heads from its block of the pool (the others get length 0: no page is read for them)."""
+    from pallas_kernels.paged_scores import paged_scores
+
+    B, n, G, D = q.shape
+    H, M = paged.block_table.shape[1:]
+    ids = jnp.asarray(heads, jnp.int32)
+    if not is_split(mesh):
+        out = paged_scores(q.reshape(B * n, G, D), paged.k_pages, paged.block_table[:, ids].reshape(B * n, M),
+                           paged.lengths[:, ids].reshape(-1), implementation=implementation)
+        return out.reshape(B, n, G, -1)
+    q_all = jnp.zeros((B, H, G, D), q.dtype).at[:, ids].set(q)
+    leader = jnp.zeros((H,), bool).at[ids].set(True)
+    lengths = jnp.where(leader[None, :], paged.lengths, 0)
+
+    def local(q, k_pages, table, lengths):
+        block, _, _ = device_block(mesh, *table.shape[:2])
+        b, h = table.shape[:2]
+        table = table - (block * k_pages.shape[0]).astype(table.dtype)
+        out = paged_scores(q.reshape(b * h, G, D), k_pages, table.reshape(b * h, M), lengths.reshape(-1),
+                           implementation=implementation)
+        return out.reshape(b, h, G, -1)
+
+    out = shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, BY_DEVICE, ROWS_HEADS, ROWS_HEADS), out_specs=ROWS_HEADS,
+                    check_vma=False)(q_all, paged.k_pages, paged.block_table, lengths)
+    return out[:, ids]
 
 
 def prompt_only(scores, prompt_len):

@@ -316,25 +316,27 @@ class SyncKV(LeaderFollowerMethod):
         static = jnp.stack(statics, axis=1) if statics else jnp.zeros((B, 0, positions), bool)
         return layer.replace(tracker=RepresentativeTracker(static=static, static_rows=static_rows, keep_rows=k_rows))
 
-    def lead(self, state, q, pad):
+    def lead(self, state, q, pad, mesh):
         """Anticipation: the R-heads pick the best ``k_dyn`` prompt tokens outside their static sets for the call's
         last query. A one-token call scores every step and publishes on every ``stride``-th (predicated); a
         multi-token call publishes."""
         plan = state.plan
         qg = leader_queries(q, plan.leaders, len(plan.capacities))[:, -1:]
-        scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max")[:, :, -1]  # [B, n, positions]
+        scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
+                              mesh=mesh)[:, :, -1]  # [B, n, positions]
         scores = jnp.where(state.tracker.static, -jnp.inf, prompt_only(scores, state.prompt_len))
         picks = top_slots(scores, pad, state.picks.shape[-1])
         due = state.steps % self.stride == 0 if q.shape[1] == 1 else True
         return publish(state, jnp.full(state.version.shape, due, bool), picks)
 
-    def choose_for_question(self, state, q, pad):
+    def choose_for_question(self, state, q, pad, mesh):
         """A question asked after compression: the R-heads redo Eq. 3-4 for its last query, or the sum over its last
         ``question_window`` queries (new ``I_0``: static set and initial dynamic set), and publish it as a
         re-anchoring of their NR-heads' whole kept sets."""
         plan, tr = state.plan, state.tracker
         qg = leader_queries(q, plan.leaders, len(plan.capacities))[:, -self.question_window:]
-        probs = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max")  # [B, n, W, S]
+        probs = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
+                             mesh=mesh)  # [B, n, W, S]
         scores = jnp.where(jnp.isfinite(probs), probs, 0.0).sum(axis=2)  # [B, n, positions]
         top = top_slots(prompt_only(scores, state.prompt_len), pad, plan.anchor_picks)  # [B, n, k] best first
         K, positions = top.shape[-1], scores.shape[-1]
