@@ -16,11 +16,12 @@ and the model's parameters (random bf16 of the real shapes, abstract), with XLA'
 From each compiled program: ``memory_analysis()`` (bytes of arguments, outputs, temporaries, per device, device and
 host memory), hence the largest batch that fits in the target's memory (the parameters and the method's artifact are
 fixed; the rest of the memory compiled at the smallest batch grows with the rows; the step is compiled again at that
-batch to check it fits); the bytes a step moves through device memory (GPU: counted from the compiled HLO by
-:func:`hlo_bytes`, each kernel's operands and outputs in device memory, only the slices a fusion reads of an operand it
-slices, only the update of an in-place update or scatter, since the GPU compiler gives no cost analysis without a
-device; TPU: ``cost_analysis()['bytes accessed']``, which also counts the on-chip VMEM side of its copies, so an upper
-bound); the projected step time at the target's nominal HBM bandwidth, and tokens per second at the largest batch. The floor column is the bytes a step reading everything it holds cannot avoid: the weights it reads plus the
+batch to check it fits); the bytes a step moves through device memory, counted from the compiled HLO by
+:func:`hlo_bytes` (each kernel's operands and outputs in device memory, only the slices a fusion reads of an operand it
+slices, only the update of an in-place update or scatter; on a TPU an async slice or copy into on-chip memory counts
+its HBM side once), and on a TPU also XLA's ``cost_analysis()['bytes accessed']`` beside it (which counts the on-chip
+side of those copies and the host computations' operands too; the GPU compiler gives no cost analysis without a
+device); the projected step time at the target's nominal HBM bandwidth, and tokens per second at the largest batch. The floor column is the bytes a step reading everything it holds cannot avoid: the weights it reads plus the
 compressed cache's device bytes (Quest and HCAttention select what they read, so their floor is lower than this).
 
 Needs jax's CUDA plugin (``.aot-gpu/``) and ``libtpu`` (``.aot-tpu/``), both put there by ``scripts/setup_env.sh``
@@ -238,6 +239,20 @@ def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_sh
 
 
 def _instruction_own_bytes(comps: dict, shapes: dict, i: _Inst) -> tuple[int, int]:
+    if i.op == "slice-start":  # a TPU's async slice ((operand), slice, context): reads the slice where it lies
+        found = re.match(r"\(\((.*)\), (.*), [su]32\[\]", i.shape)
+        if found:
+            src = _arrays(found.group(1))
+            size = sum(_SIZE[t] * math.prod(int(d) for d in dims.split(",") if d)
+                       for t, dims, _ in _ARR.findall(found.group(2)))
+            read = (size, 0) if src[0] else (0, size if src[1] else 0)  # read where the operand lies
+            dst = _arrays(found.group(2))  # written: nothing when on-chip (S(1))
+            return read[0] + dst[0], read[1] + dst[1]
+    if i.op == "copy-start":  # (destination, source, context): each side in device or host memory, once
+        found = re.match(r"\((\S+), (\S+), [su]32\[\]", i.shape)
+        if found:
+            dst, src = _arrays(found.group(1)), _arrays(found.group(2))
+            return dst[0] + src[0], dst[1] + src[1]
     callee = re.search(r"calls=%([\w.\-]+)", i.tail)
     if i.op == "fusion" and callee:
         return _fusion_bytes(comps, shapes, callee.group(1), i.operands, i.shape)
@@ -329,8 +344,9 @@ def hlo_bytes(hlo: str) -> dict:
     gathers from an operand (directly or through bitcasts) reads those slices; a fusion whose root updates its first
     operand in place (``dynamic-update-slice``, ``scatter``) writes the update only; a custom call whose outputs alias
     operands (an in-place kernel such as :func:`pallas_kernels.row_write.write_rows`) reads its other operands and
-    writes as much. Arrays in host memory (``S(5)``) count as host traffic. Returns ``{"device": bytes, "host":
-    bytes}``.
+    writes as much. A TPU's async slice reads its slice where the operand lies and an async copy moves its array
+    once on each side, nothing on the side in on-chip memory (``S(1)``). Arrays in host memory (``S(5)``) count as
+    host traffic. Returns ``{"device": bytes, "host": bytes}``.
     """
     dev = host = 0
     for _, _, d, h in instruction_bytes(hlo):
@@ -442,10 +458,10 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     kernels = kernel_launches(hlo)
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else None
-    # a TPU program's async slices into VMEM are not counted reliably from the HLO: take XLA's own count there
-    # (which includes the VMEM side, so an upper bound on HBM traffic)
+    # XLA's own count (a TPU gives one): it also counts the on-chip (VMEM) side of the TPU's copies and slices and the
+    # host computations' operands, so it is reported beside the HLO count, not used for the projection
     xla = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else None
-    traffic = float(counted["device"]) if xla is None else xla
+    traffic = float(counted["device"])
     # the cache's device bytes: what a step reading everything it holds reads (Quest and HCAttention read less)
     floor = weights_read(config, params) + bytes_by_memory_kind(cache)[0] / mesh.size
     return {"device_bytes": int(device), "host_bytes": int(host), "temp_bytes": int(mem.temp_size_in_bytes),
@@ -541,13 +557,14 @@ def render(report: dict) -> str:
         "with the estimate in parentheses (`fits`: whether one did); projected step = bytes moved / "
         "nominal HBM bandwidth per chip; "
         "floor = (a chip's share of the weights read + the cache's device bytes / chips) / bandwidth",
-        "- bytes moved: GPU: counted from the compiled HLO per kernel, device memory only (`evals.plan.hlo_bytes`: "
+        "- bytes moved: counted from the compiled HLO per kernel, device memory only (`evals.plan.hlo_bytes`: "
         "operands and outputs; a sliced operand's slices, through bitcasts too; an in-place update's update; a loop "
         "body times its known trip count; a conditional's largest branch; a host computation's work as host "
         "traffic; a kernel's whole operands, so Quest's selected pages count as all, except an in-place kernel's "
-        "(outputs aliased to operands: its other operands, read and written once); TPU: XLA's "
-        "`cost_analysis()['bytes accessed']`, which also counts the on-chip (VMEM) side of the copies the TPU "
-        "compiler inserts: an upper bound on HBM traffic",
+        "(outputs aliased to operands: its other operands, read and written once); a TPU's async slices and copies "
+        "into on-chip memory (VMEM) count their HBM side once); on a TPU, XLA's "
+        "`cost_analysis()['bytes accessed']` in parentheses, which also counts the on-chip side of those copies "
+        "and the host computations' operands",
         "- host → device: the bytes the step's host computations return to the device (a recall's gathered rows; "
         "GPU targets), and their time at the host link's nominal bandwidth; not in the projected step, which a "
         "recall adds to unless it overlaps the step's device work",
@@ -579,10 +596,11 @@ def render(report: dict) -> str:
                 batch += f" (est. {r['max_batch_estimate']})"
             h2d = r.get("host_to_device_b1")  # absent in plans made before it was counted
             link = f"{h2d / t.host_bandwidth * 1e3:.2f}" if h2d is not None and t.host_bandwidth else ""
+            xla = f" (XLA {_gib(r['xla_bytes_accessed_b1'])})" if r.get("xla_bytes_accessed_b1") is not None else ""
             lines.append(
                 f"| {r['method']} | {r['budget']} | {r['length']} | {_gib(r['device_bytes_b1'])} | "
                 f"{_gib(r['per_row_bytes'] * r['batch1'])} | {_gib(r['host_bytes_b1'])} | {batch} | "
-                f"{fits} | {_gib(r['traffic_b1'])} | {_gib(r['floor_b1'])} | {r['step_s_b1'] * 1e3:.2f} | "
+                f"{fits} | {_gib(r['traffic_b1'])}{xla} | {_gib(r['floor_b1'])} | {r['step_s_b1'] * 1e3:.2f} | "
                 f"{r['step_s_b1'] / r['floor_s_b1']:.2f} | {speed} | {'' if h2d is None else f'{h2d / 2**20:.1f}'} | "
                 f"{link} | {r.get('kernels_b1', '')} | {'' if tps is None else f'{tps:.0f}'} | {tps_ratio} | "
                 f"{r['compile_s']:.0f} |")

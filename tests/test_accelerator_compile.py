@@ -142,6 +142,37 @@ def test_hlo_bytes_of_a_hand_written_program():
     assert kernel_launches(HLO) == 6 + 12 + 1 + 1
 
 
+TPU_HLO = """
+HloModule tpu_copies
+
+%fused_add (x: f32[256,128], y: f32[256,128]) -> f32[256,128] {
+  %x = f32[256,128]{1,0} parameter(0)
+  %y = f32[256,128]{1,0} parameter(1)
+  ROOT %z = f32[256,128]{1,0} add(%x, %y)
+}
+
+ENTRY %main (w: f32[1024,128], h: f32[256,128]) -> f32[256,128] {
+  %w = f32[1024,128]{1,0:T(8,128)} parameter(0)
+  %h = f32[256,128]{1,0:T(8,128)} parameter(1)
+  %ss = ((f32[1024,128]{1,0:T(8,128)}), f32[256,128]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:256], [0:128]}
+  %sd = f32[256,128]{1,0:T(8,128)S(1)} slice-done(%ss)
+  %cs = (f32[256,128]{1,0:T(8,128)S(1)}, f32[256,128]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%h)
+  %cd = f32[256,128]{1,0:T(8,128)S(1)} copy-done(%cs)
+  %sum = f32[256,128]{1,0:T(8,128)S(1)} fusion(%sd, %cd), kind=kLoop, calls=%fused_add
+  %back = (f32[256,128]{1,0:T(8,128)}, f32[256,128]{1,0:T(8,128)S(1)}, u32[]{:S(2)}) copy-start(%sum)
+  ROOT %out = f32[256,128]{1,0:T(8,128)} copy-done(%back)
+}
+"""
+
+
+def test_hlo_bytes_of_a_tpu_program_with_on_chip_copies():
+    """Hand-counted: the async slice of a quarter of ``w`` into on-chip memory (``S(1)``) reads that quarter (128 KiB)
+    from HBM, not the whole operand; the async copy of ``h`` into on-chip memory reads ``h`` once (128 KiB); the
+    fusion over on-chip operands into on-chip memory moves nothing through HBM; the copy back writes 128 KiB."""
+    quarter = 256 * 128 * 4
+    assert hlo_bytes(TPU_HLO) == {"device": 3 * quarter, "host": 0}
+
+
 def test_mesh_shapes_of_the_targets():
     """The model axis takes the most chips that divide the heads: 8 KV heads on 8 chips, 4 on (2, 4), one GPU (1, 1)."""
     from models import model_architecture
