@@ -253,6 +253,13 @@ def _instruction_own_bytes(comps: dict, shapes: dict, i: _Inst) -> tuple[int, in
         if found:
             dst, src = _arrays(found.group(1)), _arrays(found.group(2))
             return dst[0] + src[0], dst[1] + src[1]
+    if i.op in _IN_PLACE and len(i.operands) > _IN_PLACE[i.op]:  # unfused (a TPU's): updates its operand in place
+        d = h = 0
+        for o in i.operands[1:]:
+            od, oh = _arrays(shapes.get(o, ""))
+            d, h = d + od, h + oh
+        ud, uh = _arrays(shapes.get(i.operands[_IN_PLACE[i.op]], ""))
+        return d + ud, h + uh
     callee = re.search(r"calls=%([\w.\-]+)", i.tail)
     if i.op == "fusion" and callee:
         return _fusion_bytes(comps, shapes, callee.group(1), i.operands, i.shape)
@@ -344,7 +351,8 @@ def hlo_bytes(hlo: str) -> dict:
     gathers from an operand (directly or through bitcasts) reads those slices; a fusion whose root updates its first
     operand in place (``dynamic-update-slice``, ``scatter``) writes the update only; a custom call whose outputs alias
     operands (an in-place kernel such as :func:`pallas_kernels.row_write.write_rows`) reads its other operands and
-    writes as much. A TPU's async slice reads its slice where the operand lies and an async copy moves its array
+    writes as much; so does an unfused ``dynamic-update-slice`` or ``scatter`` (a TPU updates a cache in place so). A
+    TPU's async slice reads its slice where the operand lies and an async copy moves its array
     once on each side, nothing on the side in on-chip memory (``S(1)``). Arrays in host memory (``S(5)``) count as
     host traffic. Returns ``{"device": bytes, "host": bytes}``.
     """

@@ -151,9 +151,14 @@ HloModule tpu_copies
   ROOT %z = f32[256,128]{1,0} add(%x, %y)
 }
 
-ENTRY %main (w: f32[1024,128], h: f32[256,128]) -> f32[256,128] {
+ENTRY %main (w: f32[1024,128], h: f32[256,128], kv: bf16[4096,128], new: bf16[1,128], at: s32[]) -> f32[256,128] {
   %w = f32[1024,128]{1,0:T(8,128)} parameter(0)
   %h = f32[256,128]{1,0:T(8,128)} parameter(1)
+  %kv = bf16[4096,128]{1,0:T(8,128)(2,1)} parameter(2)
+  %new = bf16[1,128]{1,0:T(8,128)(2,1)} parameter(3)
+  %at = s32[] parameter(4)
+  %zero = s32[] constant(0)
+  %appended = bf16[4096,128]{1,0:T(8,128)(2,1)} dynamic-update-slice(%kv, %new, %at, %zero)
   %ss = ((f32[1024,128]{1,0:T(8,128)}), f32[256,128]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:256], [0:128]}
   %sd = f32[256,128]{1,0:T(8,128)S(1)} slice-done(%ss)
   %cs = (f32[256,128]{1,0:T(8,128)S(1)}, f32[256,128]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%h)
@@ -168,9 +173,12 @@ ENTRY %main (w: f32[1024,128], h: f32[256,128]) -> f32[256,128] {
 def test_hlo_bytes_of_a_tpu_program_with_on_chip_copies():
     """Hand-counted: the async slice of a quarter of ``w`` into on-chip memory (``S(1)``) reads that quarter (128 KiB)
     from HBM, not the whole operand; the async copy of ``h`` into on-chip memory reads ``h`` once (128 KiB); the
-    fusion over on-chip operands into on-chip memory moves nothing through HBM; the copy back writes 128 KiB."""
+    fusion over on-chip operands into on-chip memory moves nothing through HBM; the copy back writes 128 KiB; the
+    unfused in-place append of one 256-byte row to a 1 MiB cache reads the row and its two indices and writes the
+    row."""
     quarter = 256 * 128 * 4
-    assert hlo_bytes(TPU_HLO) == {"device": 3 * quarter, "host": 0}
+    append = 256 + 2 * 4 + 256
+    assert hlo_bytes(TPU_HLO) == {"device": 3 * quarter + append, "host": 0}
 
 
 def test_mesh_shapes_of_the_targets():
