@@ -317,7 +317,9 @@ class HeteroCache(LeaderFollowerMethod):
         scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
                               mesh=mesh)
         sets = top_mask(scores, tr.base)
-        held = jnp.isfinite(scores).sum(-1)
+        T, S = scores.shape[2:]  # query t saw its pivot's tokens but the last T - 1 - t (leader_probs)
+        lengths = state.paged.lengths[:, jnp.asarray(plan.leaders, jnp.int32)]
+        held = jnp.clip(lengths[..., None] - T + 1 + jnp.arange(T), 0, S)  # = isfinite(scores).sum(-1), no reduction
         overlap = (sets & tr.ref[:, :, None]).sum(-1) / jnp.maximum(jnp.minimum(held, tr.base), 1)
         return scores, sets, overlap
 
