@@ -352,9 +352,9 @@ def hlo_bytes(hlo: str) -> dict:
     operand in place (``dynamic-update-slice``, ``scatter``) writes the update only; a custom call whose outputs alias
     operands (an in-place kernel such as :func:`pallas_kernels.row_write.write_rows`) reads its other operands and
     writes as much; so does an unfused ``dynamic-update-slice`` or ``scatter`` (a TPU updates a cache in place so). A
-    TPU's async slice reads its slice where the operand lies and an async copy moves its array
-    once on each side, nothing on the side in on-chip memory (``S(1)``). Arrays in host memory (``S(5)``) count as
-    host traffic. Returns ``{"device": bytes, "host": bytes}``.
+    TPU's async slice reads its slice where the operand lies and an async copy moves its array once on each side,
+    nothing on a side in on-chip memory (``S(1)``). Arrays in host memory (``S(5)``) count as host traffic. Returns
+    ``{"device": bytes, "host": bytes}``.
     """
     dev = host = 0
     for _, _, d, h in instruction_bytes(hlo):
