@@ -260,6 +260,54 @@ def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, 
 # --------------------------------------------------------------------------------------------
 
 
+class PageBlocks:
+    """A TPU kernel's double-buffered DMA of one (row, KV head) pair's pages, a block of ``pages_per_block`` pages at a
+    time, into ``buf[slot, j]`` of each stream (shared by the paged kernels).
+
+    ``table_ref``: the scalar-prefetched block table, this pair's pages from ``first``; ``pages_used``: pages below its
+    length (the rest are not copied); ``streams``: ``(hbm, buf, sem(slot))`` per pool copied (keys, values).
+    """
+
+    def __init__(self, table_ref, first, pages_per_block: int, pages_used, streams):
+        self.table_ref, self.first, self.pages_per_block = table_ref, first, pages_per_block
+        self.pages_used, self.streams = pages_used, streams
+
+    def _copies(self, block, slot):
+        for j in range(self.pages_per_block):
+            pos = block * self.pages_per_block + j
+            page = self.table_ref[self.first + pos]
+            yield pos < self.pages_used, [pltpu.make_async_copy(hbm.at[page], buf.at[slot, j], sem(slot))
+                                          for hbm, buf, sem in self.streams]
+
+    def start(self, block, slot):
+        """Start copying ``block`` into ``slot``."""
+        for used, copies in self._copies(block, slot):
+            @pl.when(used)
+            def _(copies=copies):  # pl.when calls this at once; the default binds this page
+                for c in copies:
+                    c.start()
+
+    def wait(self, block, slot):
+        """Wait for ``block``'s copies into ``slot``."""
+        for used, copies in self._copies(block, slot):
+            @pl.when(used)
+            def _(copies=copies):
+                for c in copies:
+                    c.wait()
+
+    def advance(self, block, blocks_used):
+        """At ``block`` (its copies started by the previous step, or by ``start(0, 0)`` for the first): start the next
+        block's copies into the other slot if it is used, wait for this one's; returns the slot that holds it."""
+        slot = jax.lax.rem(block, 2)
+
+        @pl.when(block + 1 < blocks_used)
+        def _():
+            self.start(block + 1, 1 - slot)
+
+        self.wait(block, slot)
+        return slot
+
+
 def _tpu_kernel(lengths_ref, starts_ref, bt_ref,  # scalar prefetch (SMEM)
                 q_ref, k_hbm, v_hbm,  # inputs
                 o_ref,  # output
@@ -274,27 +322,8 @@ def _tpu_kernel(lengths_ref, starts_ref, bt_ref,  # scalar prefetch (SMEM)
     pages_used = jax.lax.div(length + page_size - 1, page_size)
     blocks_used = jax.lax.div(length + block_tokens - 1, block_tokens)
 
-    def page_copies(block, slot):
-        for j in range(pages_per_block):
-            pos = block * pages_per_block + j
-            page = bt_ref[n * pages_padded + pos]
-            ck = pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, j], sems.at[0, slot])
-            cv = pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, j], sems.at[1, slot])
-            yield pos < pages_used, ck, cv
-
-    def start_block(block, slot):
-        for used, ck, cv in page_copies(block, slot):
-            @pl.when(used)
-            def _(ck=ck, cv=cv):  # pl.when calls this at once; defaults bind this page
-                ck.start()
-                cv.start()
-
-    def wait_block(block, slot):
-        for used, ck, cv in page_copies(block, slot):
-            @pl.when(used)
-            def _(ck=ck, cv=cv):
-                ck.wait()
-                cv.wait()
+    blocks = PageBlocks(bt_ref, n * pages_padded, pages_per_block, pages_used,
+                        [(k_hbm, k_buf, lambda slot: sems.at[0, slot]), (v_hbm, v_buf, lambda slot: sems.at[1, slot])])
 
     @pl.when(i == 0)
     def _init():
@@ -304,17 +333,11 @@ def _tpu_kernel(lengths_ref, starts_ref, bt_ref,  # scalar prefetch (SMEM)
 
         @pl.when(blocks_used > 0)
         def _():
-            start_block(0, 0)
+            blocks.start(0, 0)
 
     @pl.when(i < blocks_used)
     def _compute():
-        slot = jax.lax.rem(i, 2)
-
-        @pl.when(i + 1 < blocks_used)
-        def _():
-            start_block(i + 1, 1 - slot)
-
-        wait_block(i, slot)
+        slot = blocks.advance(i, blocks_used)
         head_dim = k_buf.shape[-1]
         k = k_buf[slot].astype(jnp.float32).reshape(block_tokens, head_dim)
         v = v_buf[slot].astype(jnp.float32).reshape(block_tokens, head_dim)

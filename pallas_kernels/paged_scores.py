@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.backend import IMPLEMENTATIONS, MASK_VALUE, resolve_backend
-from pallas_kernels.paged_attention import _TPU_SMEM_PREFETCH_BYTES, _check_tpu_page_size, _tpu_heads_per_call
+from pallas_kernels.paged_attention import (_TPU_SMEM_PREFETCH_BYTES, PageBlocks, _check_tpu_page_size,
+                                            _tpu_heads_per_call)
 
 # Tokens per block: the output block's last dim, a multiple of the 128 lanes.
 _BLOCK_TOKENS = 512
@@ -82,33 +83,16 @@ def _tpu_kernel(lengths_ref, bt_ref,  # scalar prefetch (SMEM)
     pages_used = jax.lax.div(length + page_size - 1, page_size)  # lax.div: see the paged-attention kernel
     blocks_used = jax.lax.div(length + block_tokens - 1, block_tokens)
 
-    def copies(block, slot):
-        for j in range(pages_per_block):
-            pos = block * pages_per_block + j
-            page = bt_ref[n * pages_padded + pos]
-            yield pos < pages_used, pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, j], sems.at[slot])
-
-    def start_block(block, slot):
-        for used, copy in copies(block, slot):
-            pl.when(used)(copy.start)
-
-    def wait_block(block, slot):
-        for used, copy in copies(block, slot):
-            pl.when(used)(copy.wait)
+    blocks = PageBlocks(bt_ref, n * pages_padded, pages_per_block, pages_used,
+                        [(k_hbm, k_buf, lambda slot: sems.at[slot])])
 
     @pl.when((i == 0) & (blocks_used > 0))
     def _first():
-        start_block(0, 0)
+        blocks.start(0, 0)
 
     @pl.when(i < blocks_used)
     def _score():
-        slot = jax.lax.rem(i, 2)
-
-        @pl.when(i + 1 < blocks_used)
-        def _():
-            start_block(i + 1, 1 - slot)
-
-        wait_block(i, slot)
+        slot = blocks.advance(i, blocks_used)
         k = k_buf[slot].astype(jnp.float32).reshape(block_tokens, k_buf.shape[-1])
         q = q_ref[...].astype(k_buf.dtype).astype(jnp.float32)  # [G, D], rounded as the reference
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
