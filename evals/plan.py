@@ -413,7 +413,8 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     """Compile ``method``'s one-token decode step for ``target`` at ``batch`` rows after ``length`` prompt tokens.
 
     Returns the compiled program's memory (per device: ``device_bytes`` = arguments + outputs - donated aliases +
-    temporaries; ``host_bytes`` likewise for host memory), the bytes it moves (``device_traffic``, ``host_traffic``),
+    temporaries; ``host_bytes`` likewise for host memory), the bytes it moves (``device_traffic``, ``host_traffic``:
+    :func:`hlo_bytes`; ``xla_bytes_accessed``: XLA's own count where the compiler gives one),
     the bytes floor per device (``floor_bytes``: the chip's weights read + its share of the cache's device bytes), the
     bytes the step's host computations return to the device (``host_to_device``: a recall's gathered rows; GPU targets
     only, else None), the compile time and the compiled object (``compiled``)."""
@@ -469,12 +470,11 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     # XLA's own count (a TPU gives one): it also counts the on-chip (VMEM) side of the TPU's copies and slices and the
     # host computations' operands, so it is reported beside the HLO count, not used for the projection
     xla = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else None
-    traffic = float(counted["device"])
     # the cache's device bytes: what a step reading everything it holds reads (Quest and HCAttention read less)
     floor = weights_read(config, params) + bytes_by_memory_kind(cache)[0] / mesh.size
     return {"device_bytes": int(device), "host_bytes": int(host), "temp_bytes": int(mem.temp_size_in_bytes),
             "artifact_bytes": bytes_by_memory_kind(cache.artifact)[0],
-            "device_traffic": traffic, "hlo_device_traffic": counted["device"], "xla_bytes_accessed": xla,
+            "device_traffic": float(counted["device"]), "xla_bytes_accessed": xla,
             "host_traffic": counted["host"], "host_to_device": host_to_device, "floor_bytes": floor,
             "kernels": kernels, "compile_s": seconds, "compiled": compiled}
 
