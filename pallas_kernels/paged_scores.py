@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.backend import IMPLEMENTATIONS, MASK_VALUE, resolve_backend
+from pallas_kernels.backend import MASK_VALUE, check_call, resolve_backend
 from pallas_kernels.paged_attention import (_TPU_SMEM_PREFETCH_BYTES, PageBlocks, _check_tpu_page_size,
                                             _tpu_heads_per_call)
 
@@ -146,9 +146,8 @@ def paged_scores(q, k_pages, block_table, lengths, *, scale=None, implementation
                  backend: str | None = None):
     """Logits ``[N, G, M * page_size]`` float32 of ``q[N, G, D]`` over each pair's paged keys (module docstring).
     ``implementation``: ``"xla"``, ``"pallas"`` (the TPU form; a GPU has none) or ``"pallas_interpret"``."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; allowed: {IMPLEMENTATIONS}")
     check_scores_call(q, k_pages, block_table, lengths)
+    check_call(implementation, backend, q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if implementation == "xla":
         return paged_scores_reference(q, k_pages, block_table, lengths, scale=scale)
