@@ -152,19 +152,24 @@ def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implem
     return paged_decode_attention(q, state.k_pages, state.v_pages, table, lengths, implementation=impl)
 
 
-def sharded_paged_attention(q, state: PagedKV, block_table, lengths, mesh, implementation: str):
-    """The paged-attention kernel per device under ``shard_map`` (``pallas_call`` needs ``check_vma=False``).
+def local_block_table(table, pool_pages: int, mesh):
+    """Inside ``shard_map`` over ``mesh``: a device's block-table entries as page ids into its own block of the pool
+    (``pool_pages`` pages). The pool is split by page into (data, model) blocks that hold exactly one device's rows and
+    KV heads (:func:`page_layout`), so the entries point into that block: made local by subtracting its first page."""
+    from kvjax.sharding import device_block
 
-    The pool is split by page into (data, model) blocks that hold exactly one device's rows and KV
-    heads (:func:`page_layout`), so a device's block-table entries point into its own block: they are
-    made local by subtracting the block's first page.
-    """
-    from kvjax.sharding import BY_DEVICE, ROWS_HEADS, device_block
+    block, _, _ = device_block(mesh, *table.shape[:2])  # the device's (data, model) block
+    return table - (block * pool_pages).astype(table.dtype)
+
+
+def sharded_paged_attention(q, state: PagedKV, block_table, lengths, mesh, implementation: str):
+    """The paged-attention kernel per device under ``shard_map`` (``pallas_call`` needs ``check_vma=False``), each
+    device over its block of the pool (:func:`local_block_table`)."""
+    from kvjax.sharding import BY_DEVICE, ROWS_HEADS
     from pallas_kernels import paged_decode_attention
 
     def local(q, k_pages, v_pages, table, lengths):
-        block, _, _ = device_block(mesh, *table.shape[:2])  # the device's (data, model) block
-        table = table - (block * k_pages.shape[0]).astype(table.dtype)
+        table = local_block_table(table, k_pages.shape[0], mesh)
         return paged_decode_attention(q, k_pages, v_pages, table, lengths, implementation=implementation)
 
     return shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, BY_DEVICE, BY_DEVICE, ROWS_HEADS, ROWS_HEADS),

@@ -46,8 +46,8 @@ from kvjax.budgets import budget_fraction, compressed_head_tokens
 from kvjax.cache import Cache, CacheSpec
 from kvjax.methods.recall.base import LeaderFollowerMethod
 from kvjax.methods.recall.layout import Follower, LayerPlan, publish
-from kvjax.methods.recall.scores import (leader_probs, leader_queries, prompt_only, staged_scores, to_stored, top_mask,
-                                         top_slots)
+from kvjax.methods.recall.scores import (leader_probs, leader_queries, prompt_only, seen_limits, staged_scores,
+                                         to_stored, top_mask, top_slots)
 from kvjax.selection import keep_to_indices, keep_top, row_capacities
 from kvjax.sharding import DATA
 
@@ -317,9 +317,8 @@ class HeteroCache(LeaderFollowerMethod):
         scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
                               mesh=mesh)
         sets = top_mask(scores, tr.base)
-        T, S = scores.shape[2:]  # query t saw its pivot's tokens but the last T - 1 - t (leader_probs)
-        lengths = state.paged.lengths[:, jnp.asarray(plan.leaders, jnp.int32)]
-        held = jnp.clip(lengths[..., None] - T + 1 + jnp.arange(T), 0, S)  # = isfinite(scores).sum(-1), no reduction
+        T, S = scores.shape[2:]
+        held = jnp.clip(seen_limits(state.paged, plan.leaders, T), 0, S)  # = isfinite(scores).sum(-1), no reduction
         overlap = (sets & tr.ref[:, :, None]).sum(-1) / jnp.maximum(jnp.minimum(held, tr.base), 1)
         return scores, sets, overlap
 

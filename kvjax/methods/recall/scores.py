@@ -8,9 +8,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from kvjax.attention import MASK_VALUE, resolve_implementation
-from kvjax.paged import PagedKV, shard_map
+from kvjax.paged import PagedKV, local_block_table, shard_map
 from kvjax.selection import gqa_aggregate, pool1d, window_attention
-from kvjax.sharding import BY_DEVICE, ROWS_HEADS, device_block, is_split
+from kvjax.sharding import BY_DEVICE, ROWS_HEADS, is_split
 
 
 def last_query_probs(st, pad, prompt_slots: int):
@@ -78,12 +78,11 @@ def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, imp
     B, T, n, G, D = qg.shape
     M = paged.block_table.shape[-1]
     ps = paged.page_size
-    ids = jnp.asarray(heads, jnp.int32)
     impl = resolve_implementation(implementation)
     if T == 1 and (impl == "pallas_interpret" or (impl == "pallas" and jax.default_backend() == "tpu")):
         s = leader_logits(paged, heads, qg[:, 0], impl, mesh)[:, :, None]  # [B, n, 1, G, S]
     else:
-        pages = paged.k_pages[paged.block_table[:, ids]]  # [B, n, M, ps, D]
+        pages = paged.k_pages[paged.block_table[:, jnp.asarray(heads, jnp.int32)]]  # [B, n, M, ps, D]
         if multiply_reduce is None:
             multiply_reduce = T == 1 and jax.default_backend() == "gpu"
         if multiply_reduce:
@@ -93,13 +92,18 @@ def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, imp
         else:
             s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(pages.dtype), pages.reshape(B, n, M * ps, D),
                            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * D**-0.5
-    lengths = paged.lengths[:, ids]  # [B, n]
-    limit = lengths[..., None] - T + jnp.arange(T) + 1  # [B, n, T]
-    seen = jnp.arange(M * ps)[None, None, None, :] < limit[..., None]  # [B, n, T, S]
+    seen = jnp.arange(M * ps)[None, None, None, :] < seen_limits(paged, heads, T)[..., None]  # [B, n, T, S]
     p = jax.nn.softmax(jnp.where(seen[:, :, :, None], s, MASK_VALUE), axis=-1)  # [B, n, T, G, S]
     p = pool1d(p, seen[:, :, :, None], kernel, "avg")
     agg = p.mean(axis=3) if gqa == "mean" else p.max(axis=3)
     return jnp.where(seen, agg, -jnp.inf)
+
+
+def seen_limits(paged: PagedKV, heads: tuple, T: int):
+    """Held tokens each of the call's ``T`` newest queries saw, per leader ``[B, n, T]``: query ``t`` all but the last
+    ``T - 1 - t`` (appended with it); positions below the limit are the ones :func:`leader_probs` scores."""
+    lengths = paged.lengths[:, jnp.asarray(heads, jnp.int32)]  # [B, n]
+    return lengths[..., None] - T + jnp.arange(T) + 1
 
 
 def leader_logits(paged: PagedKV, heads: tuple, q, implementation: str, mesh=None):
@@ -121,9 +125,8 @@ def leader_logits(paged: PagedKV, heads: tuple, q, implementation: str, mesh=Non
     lengths = jnp.where(leader[None, :], paged.lengths, 0)
 
     def local(q, k_pages, table, lengths):
-        block, _, _ = device_block(mesh, *table.shape[:2])
         b, h = table.shape[:2]
-        table = table - (block * k_pages.shape[0]).astype(table.dtype)
+        table = local_block_table(table, k_pages.shape[0], mesh)
         out = paged_scores(q.reshape(b * h, G, D), k_pages, table.reshape(b * h, M), lengths.reshape(-1),
                            implementation=implementation)
         return out.reshape(b, h, G, -1)
