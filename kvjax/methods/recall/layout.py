@@ -115,7 +115,9 @@ class RecallKV:
     anchor_picks: jax.Array  # int32 [B, n_leaders, K]
     anchor_at: jax.Array  # int32 [B, n_leaders] version of the latest re-anchoring (0: none)
     tracker: object  # the method's per-leader state
-    steps: jax.Array  # int32 [] decode calls with one token
+    # int32 [] decode calls with one token, counted where a leader times its decisions by it (0 in layers without
+    # leaders: a per-layer increment is a kernel launch of its own on a GPU)
+    steps: jax.Array
     recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
     # int32 [] token rows brought from the host, counted when chosen (``"ahead"`` writes them a call later)
     rows_moved: jax.Array
@@ -227,7 +229,7 @@ def append_attend(state: RecallKV, q, k, v, implementation: str, mesh=None):
         out = paged_attention(q[:, 0], paged, implementation=implementation, mesh=mesh)[:, None]
     else:
         out = paged_chunk_attention(q, paged)
-    steps = state.steps + (1 if q.shape[1] == 1 else 0)
+    steps = state.steps + (1 if q.shape[1] == 1 and state.plan.leaders else 0)
     return out.astype(q.dtype), state.replace(paged=paged, steps=steps)
 
 
@@ -346,7 +348,7 @@ def recall_partition(state: RecallKV, tracker) -> RecallKV:
 def recall_stats(states, fetched_per_step: int) -> dict:
     """Kept tokens per head, pools, host copy, recall events, rows moved (concrete values); ``fetched_per_step``:
     host rows one one-token step transfers (its schedule's fixed size, summed over layers and rows)."""
-    steps = max(int(st.steps) for st in states)
+    steps = max(int(st.steps) for st in states)  # counted by the layers with leaders
     followers = sum(len(st.plan.followers) * st.applied.shape[0] for st in states)
     recalls = sum(int(st.recalls) for st in states)
     rows = sum(int(st.rows_moved) for st in states)
