@@ -67,6 +67,21 @@ def pool1d(x, valid, kernel: int, how: str):
     raise ValueError(f"unknown pooling {how!r}; allowed: avg, max")
 
 
+def small_median(x, axis: int = 0):
+    """``jnp.median(x, axis)`` for a short axis, without a sort: an odd count takes the element of middle rank
+    (ranks by comparisons, ties by position: the same value a sort gives), which the compiler fuses with its
+    neighbours where a sort is a kernel of its own on a GPU; an even count is ``jnp.median``."""
+    n = x.shape[axis]
+    if n % 2 == 0:
+        return jnp.median(x, axis=axis)
+    x = jnp.moveaxis(x, axis, 0)
+    i = jnp.arange(n).reshape((n, 1) + (1,) * (x.ndim - 1))
+    j = jnp.arange(n).reshape((1, n) + (1,) * (x.ndim - 1))
+    xi, xj = x[:, None], x[None, :]
+    rank = ((xj < xi) | ((xj == xi) & (j < i))).sum(axis=1)  # [n, ...]
+    return jnp.where(rank == n // 2, x, 0).sum(axis=0)
+
+
 def slot_masks(pad, S: int, prompt_slots: int, protect):
     """(real [B, S], prefix [B, S]): the row's real prompt slots, and those before its last ``protect`` slots.
 

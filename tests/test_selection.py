@@ -7,12 +7,14 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvjax.methods import H2O, HBW, SnapKV, StreamingLLM
 from kvjax.cache import CacheSpec, FinishContext
 from kvjax.methods.hbw import hierarchical_block_keep
-from kvjax.selection import WindowAttentionScores, gqa_aggregate, keep_to_indices, keep_top, pool1d, pyramid_capacities
+from kvjax.selection import (WindowAttentionScores, gqa_aggregate, keep_to_indices, keep_top, pool1d,
+                             pyramid_capacities, small_median)
 from kvjax.staging import Recording, StagedKV
 
 
@@ -240,3 +242,14 @@ def test_per_head_capacities_are_held_and_paid_for():
     assert np.asarray(paged.lengths).tolist() == [[4, 12], [4, 6]]  # row 1 has 6 real tokens
     # pages: per row, ceil((4 + 2) / 4) + ceil((12 + 2) / 4) = 2 + 4
     assert paged.k_pages.shape[0] == 2 * (2 + 4)
+
+
+@pytest.mark.parametrize("n,axis", [(5, 0), (1, 0), (7, 1), (3, -1), (4, 0)])
+def test_small_median_equals_numpy_with_ties(n, axis):
+    """The sort-free median against numpy's, on values with many ties (drawn from 4 levels) and distinct ones."""
+    rng = np.random.default_rng(n)
+    shape = [3, 4, 2]
+    shape[axis] = n
+    for x in (rng.integers(0, 4, shape) / 4, rng.random(shape)):
+        x = x.astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(small_median(jnp.asarray(x), axis=axis)), np.median(x, axis=axis))

@@ -48,7 +48,7 @@ from kvjax.methods.recall.base import LeaderFollowerMethod
 from kvjax.methods.recall.layout import Follower, LayerPlan, publish
 from kvjax.methods.recall.scores import (leader_probs, leader_queries, prompt_only, seen_limits, staged_scores,
                                          to_stored, top_mask, top_slots)
-from kvjax.selection import keep_to_indices, keep_top, row_capacities
+from kvjax.selection import keep_to_indices, keep_top, row_capacities, small_median
 from kvjax.sharding import DATA
 
 ROLES = ("pivot", "satellite", "anchor", "volatile")
@@ -340,7 +340,7 @@ class HeteroCache(LeaderFollowerMethod):
         tr = state.tracker
         window = lax.dynamic_update_index_in_dim(tr.overlap, overlap[..., 0], (state.steps - 1) % self.window, axis=0)
         state = state.replace(tracker=tr.replace(overlap=window))
-        drift = (state.steps % self.window == 0) & (jnp.median(window, axis=0) < self.tau_drift)
+        drift = (state.steps % self.window == 0) & (small_median(window, axis=0) < self.tau_drift)
         return self.publish_drift(state, drift, scores, sets, pad)
 
     def choose_for_question(self, state, q, pad, mesh):
