@@ -68,9 +68,9 @@ def pool1d(x, valid, kernel: int, how: str):
 
 
 def small_median(x, axis: int = 0):
-    """``jnp.median(x, axis)`` for a short axis, without a sort: an odd count takes the element of middle rank
-    (ranks by comparisons, ties by position: the same value a sort gives), which the compiler fuses with its
-    neighbours where a sort is a kernel of its own on a GPU; an even count is ``jnp.median``."""
+    """``jnp.median(x, axis)`` of finite values along a short axis, without a sort: an odd count takes the element
+    of middle rank (ranks by comparisons, ties by position: the value a sort gives), which the compiler fuses with
+    its neighbours where a sort is a kernel of its own on a GPU; an even count is ``jnp.median``."""
     n = x.shape[axis]
     if n % 2 == 0:
         return jnp.median(x, axis=axis)
