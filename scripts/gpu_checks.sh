@@ -56,7 +56,7 @@ kernels)
     ;;
 bench)
     "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
-        --methods "${BENCH_METHODS:-full,heterocache,heterocache:recall_schedule=spread,heterocache:recall_schedule=ahead,heterocache:recall_schedule=pipelined,heterocache:retrieval=false,synckv,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,synckv:recall_schedule=pipelined,synckv:anticipation=false}" \
+        --methods "${BENCH_METHODS:-full,heterocache,heterocache:recall_schedule=spread,heterocache:recall_schedule=ahead,heterocache:recall_schedule=pipelined,heterocache:retrieval=false,synckv,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,synckv:recall_schedule=pipelined,synckv:anticipation=false,heterocache:preset=tuned:recall_schedule=pipelined,heterocache:preset=tuned:retrieval=false,synckv:preset=tuned:recall_schedule=pipelined,synckv:preset=tuned:anticipation=false}" \
         --chunk-size 2048 --new-tokens 64 --repeats "${REPEATS:-3}" --dtype "${DTYPE:-bfloat16}" --out "$out/bench_recall_gpu.md"
     ;;
 bench-xla-default)
