@@ -358,10 +358,12 @@ def main_hcattention(argv) -> int:
             with np.load(checkpoint) as saved:
                 fit_s = float(saved["seconds"])  # over every run of a resumed fit
             stored = cbs.astype(args.storage_dtype).astype(np.float32)
-            train_err = quantization_error(train, stored)
-            held_err = quantization_error(first_held, stored, queries=held_q, tau=HC_TAU) if args.heldout else None
-            held_all = (held_err if args.heldout == 1 else quantization_error(held, stored)) if args.heldout else None
-            f32_err = quantization_error(held if args.heldout else train, cbs)["mean"]
+            train_err = quantization_error(train, stored, progress="error on the training keys")
+            held_err = (quantization_error(first_held, stored, queries=held_q, tau=HC_TAU,
+                                           progress="error and attention on held-out keys") if args.heldout else None)
+            held_all = ((held_err if args.heldout == 1 else quantization_error(held, stored, progress="error on held-out keys"))
+                        if args.heldout else None)
+            f32_err = quantization_error(held if args.heldout else train, cbs, progress="error of the float32 codebooks")["mean"]
             art = hcattention_artifact(
                 cbs, mid, samples=args.samples, tokens=args.tokens, iterations=args.iterations, batch=args.batch,
                 seed=args.seed, relative_error=(held_all or train_err)["relative_error"],

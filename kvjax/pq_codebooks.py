@@ -351,7 +351,7 @@ def collect_keys(model, rows, *, chunk_size: int = 1024, progress: bool = False,
 
 
 # ------------------------------------------------------------------------------------------- errors
-def quantization_error(keys_per_layer, codebooks, *, queries=None, tau: float = 0.9) -> dict:
+def quantization_error(keys_per_layer, codebooks, *, queries=None, tau: float = 0.9, progress: str | None = None) -> dict:
     """How well ``codebooks[L, H_kv, g, c, D // g]`` represent keys ``[L, H_kv, n, D]``.
 
     Returns a dict of lists (JSON-ready):
@@ -369,6 +369,9 @@ def quantization_error(keys_per_layer, codebooks, *, queries=None, tau: float = 
       quantised keys (mean over query heads and queries), and ``top_p_mass`` ``[L]``, the exact
       attention mass of the top-``tau`` set chosen from quantised scores (HCAttention's selection;
       ``>= tau`` is perfect).
+
+    ``progress`` (a label) shows a bar over layers: with thousands of centroids each layer's
+    encoding takes seconds to minutes on a CPU.
     """
     keys = np.asarray(keys_per_layer, np.float32)
     cbs = np.asarray(codebooks, np.float32)
@@ -377,7 +380,12 @@ def quantization_error(keys_per_layer, codebooks, *, queries=None, tau: float = 
         raise ValueError(f"codebooks {cbs.shape} do not match keys {keys.shape}")
     c = cbs.shape[3]
     rel, rel_heads, centred, unused, tv, mass = [], [], [], [], [], []
-    for l in range(L):
+    layers = range(L)
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc=progress, unit="layer")
+    for l in layers:
         codes = encode_keys(jnp.asarray(keys[l][None]), jnp.asarray(cbs[l]))
         kq = np.asarray(decode_keys(codes, jnp.asarray(cbs[l])))[0]  # [H, n, D]
         k64 = keys[l].astype(np.float64)
