@@ -274,3 +274,32 @@ def test_collected_keys_equal_hf_cache_and_fit_end_to_end(tmp_path):
                                seed=0, relative_error=err["relative_error"])
     save_artifact(art, tmp_path / "cb.npz")
     load_artifact(tmp_path / "cb.npz").check("hcattention", model_identity(model.config))
+
+
+def test_calibrate_hcattention_measures_the_training_error_on_the_samples_asked(tiny_chat_model, tmp_path):
+    """``--train-error-samples 1``: the report's training error is the error of the shipped codebooks on the first
+    training sample's keys (collected again here), not on every training sample; out of range is an error."""
+    import json
+
+    import kvjax
+    from kvjax.calibration import calibration_rows
+    from kvjax.make_artifacts import main_hcattention
+    from kvjax.pq_codebooks import quantization_error
+
+    argv = ["--model", tiny_chat_model, "--groups", "4", "--centroids", "8", "--samples", "2", "--heldout", "1",
+            "--tokens", "128", "--iterations", "5", "--batch", "64", "--out-dir", str(tmp_path / "art"),
+            "--report-dir", str(tmp_path / "rep")]
+    with pytest.raises(ValueError, match="--train-error-samples must be between 1 and --samples"):
+        main_hcattention([*argv, "--train-error-samples", "3"])
+    main_hcattention([*argv, "--train-error-samples", "1"])
+    (art_path,) = (tmp_path / "art").glob("*.npz")
+    (report,) = (tmp_path / "rep").iterdir()
+    stats = json.loads((report / "stats.json").read_text())
+    assert "training errors on the first 1 of the 2 training samples" in (report / "summary.md").read_text()
+    model = kvjax.load(tiny_chat_model)
+    rows = calibration_rows(model.tokenizer, 3, 128)
+    codebooks = np.asarray(load_artifact(art_path).arrays["codebooks"])
+    first = quantization_error(collect_keys(model, rows[:1]), codebooks)["relative_error"]
+    both = quantization_error(collect_keys(model, rows[:2]), codebooks)["relative_error"]
+    np.testing.assert_allclose(stats["train"]["relative_error"], first, rtol=1e-6)
+    assert not np.allclose(first, both, rtol=1e-3)
