@@ -467,7 +467,8 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
               "LongBench samples (at most 200 passes over the data, batch 10,000, early stopping) for Llama models "
               "with D = 128, and its best key configuration is g = 32 groups (4 dims) with c = 8192 centroids "
               "(uint16 codes); here the same algorithm runs in JAX with a fixed number of mini-batch steps on "
-              "stdlib docstrings, and c = 256 (uint8 codes) keeps the fit to minutes on a 2-core CPU. g = D/2 "
+              f"stdlib docstrings, this artifact with c = {c} ({dtype} codes) on {args.samples} samples of "
+              f"{args.tokens} tokens ({args.samples * args.tokens / c:.1f} training keys per centroid). g = D/2 "
               "and g = D/4 give the paper's 2 and 4 dims per group (its g = 64 and g = 32 on D = 128)."]
     lines += ["", "Plots: `error.png` (key errors per layer and head; attention errors per layer), `attention.png` "
               f"(HCAttention Fig. 4: attention probabilities of the query at position {HC_FIG_KEYS - 1} of the held-out "
