@@ -206,14 +206,15 @@ def _check_layout(k, codebooks):
         raise ValueError(f"keys {k.shape} do not match codebooks {codebooks.shape}: need H_kv={H} and D={g} x {d}")
 
 
-@functools.partial(jax.jit, static_argnames=("chunk",))
-def encode_keys(k, codebooks, *, chunk: int = 1024):
+@functools.partial(jax.jit, static_argnames=("chunk", "block_bytes"))
+def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int = 512 * 2**20):
     """PQ codes ``[B, H_kv, S, g]`` of keys ``k[B, H_kv, S, D]`` for ``codebooks[H_kv, g, c, D // g]``.
 
     Nearest centroid per group by squared Euclidean distance (argmin of ``||C||^2 - 2 k.C``, f32,
-    HIGHEST; ties go to the lower index), computed over ``S`` in chunks of ``chunk`` tokens (``S``
-    padded), so the distance block is ``4 * B * H_kv * chunk * g * c`` bytes. uint8 codes for
-    ``c <= 256``, else uint16. Jittable.
+    HIGHEST; ties go to the lower index), computed over ``S`` in chunks of at most ``chunk`` tokens
+    (``S`` padded), fewer where the distance block, ``4 * B * H_kv * chunk * g * c`` bytes, would
+    exceed ``block_bytes`` (c = 8192 with 16 groups: 128 tokens of a batch of 4 rows and 2 KV heads,
+    where 1024 would take 4 GiB). uint8 codes for ``c <= 256``, else uint16. Jittable.
     """
     _check_layout(k, codebooks)
     B, H, S, D = k.shape
@@ -221,7 +222,7 @@ def encode_keys(k, codebooks, *, chunk: int = 1024):
     out_dtype = code_dtype(c)
     cb = codebooks.astype(jnp.float32)
     cn = jnp.sum(cb * cb, axis=-1)  # [H, g, c]
-    size = max(1, min(int(chunk), S))
+    size = max(1, min(int(chunk), S, int(block_bytes) // (4 * B * H * g * c)))
     n = -(-S // size)
     kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, 0), (0, n * size - S), (0, 0)))
     kc = kp.reshape(B, H, n, size, g, d).transpose(2, 0, 1, 3, 4, 5)  # [n, B, H, size, g, d]

@@ -131,8 +131,23 @@ def test_encode_matches_numpy_brute_force(c, dtype):
     np.testing.assert_allclose(chosen, dist.min(-1), rtol=1e-5, atol=1e-5)
     assert (got == ref).mean() > 0.99
     np.testing.assert_array_equal(np.asarray(decode_keys(codes, jnp.asarray(cb))), numpy_decode(got, cb))
-    # the chunk does not change the result
+    # the chunk does not change the result, nor does a block budget that cuts it (to 3 tokens here)
     np.testing.assert_array_equal(np.asarray(encode_keys(jnp.asarray(k), jnp.asarray(cb), chunk=1024)), got)
+    per_token = 4 * B * H * g * c
+    np.testing.assert_array_equal(
+        np.asarray(encode_keys(jnp.asarray(k), jnp.asarray(cb), chunk=1024, block_bytes=3 * per_token + 1)), got)
+
+
+def test_encode_keys_bounds_its_distance_block():
+    """c = 8192 with 16 groups over a 4-row, 4K-token batch: 1024-token chunks would need 4 GiB per distance block
+    (12 GiB of temporaries compiled); the default block budget keeps the compiled temporaries to a few of its 512 MiB."""
+    import jax
+
+    k = jax.ShapeDtypeStruct((4, 2, 4096, 64), jnp.float32)
+    cb = jax.ShapeDtypeStruct((2, 16, 8192, 4), jnp.float32)
+    temp = encode_keys.lower(k, cb).compile().memory_analysis().temp_size_in_bytes
+    unbounded = encode_keys.lower(k, cb, block_bytes=2**40).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= 4 * 512 * 2**20 < 8 * 2**30 <= unbounded
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
