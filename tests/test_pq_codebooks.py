@@ -292,7 +292,7 @@ def test_collected_keys_equal_hf_cache_and_fit_end_to_end(tmp_path):
 
 
 def test_calibrate_hcattention_measures_the_training_error_on_the_samples_asked(tiny_chat_model, tmp_path):
-    """``--train-error-samples 1``: the report's training error is the error of the shipped codebooks on the first
+    """``--train-error-samples 1``: the report's training error is the error of the written codebooks on the first
     training sample's keys (collected again here), not on every training sample; out of range is an error."""
     import json
 
