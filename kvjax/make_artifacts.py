@@ -319,9 +319,11 @@ def main_hcattention(argv) -> int:
         raise ValueError(f"need --samples >= 1, --heldout >= 0, --tokens >= {HC_QUERY_WINDOW}; got "
                          f"{args.samples}, {args.heldout}, {args.tokens}")
     centroids = _int_list(args.centroids, "centroids")
-    n_err = args.samples if args.train_error_samples is None else args.train_error_samples
-    if not 1 <= n_err <= args.samples:
-        raise ValueError(f"--train-error-samples must be between 1 and --samples ({args.samples}), got {n_err}")
+    if args.train_error_samples is None:
+        args.train_error_samples = args.samples
+    if not 1 <= args.train_error_samples <= args.samples:
+        raise ValueError(f"--train-error-samples must be between 1 and --samples ({args.samples}), "
+                         f"got {args.train_error_samples}")
     for c in centroids:
         code_dtype(c)
         if c > args.samples * args.tokens:
@@ -364,7 +366,7 @@ def main_hcattention(argv) -> int:
             with np.load(checkpoint) as saved:
                 fit_s = float(saved["seconds"])  # over every run of a resumed fit
             stored = cbs.astype(args.storage_dtype).astype(np.float32)
-            train_err = quantization_error(train[:, :, :n_err * args.tokens], stored,
+            train_err = quantization_error(train[:, :, :args.train_error_samples * args.tokens], stored,
                                            progress="error on the training keys")
             held_err = (quantization_error(first_held, stored, queries=held_q, tau=HC_TAU,
                                            progress="error and attention on held-out keys") if args.heldout else None)
@@ -430,7 +432,7 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
              f"- codes: {code_b} B per token per KV head ({dtype}) vs {4 * D} B for a float32 key "
              f"({code_b / (4 * D):.1%}) and {2 * D} B for bfloat16 ({code_b / (2 * D):.1%})",
              *([f"- training errors on the first {args.train_error_samples} of the {args.samples} training samples"]
-               if (args.train_error_samples or args.samples) < args.samples else []),
+               if args.train_error_samples < args.samples else []),
              f"- mean relative key error ||k - Q(k)||^2 / ||k||^2: training {train_err['mean']:.4f}"
              + (f", held-out {held_all['mean']:.4f}" if held_all else ""),
              f"- mean centred key error ||k - Q(k)||^2 / ||k - mean k||^2 (share of the keys' variance lost; the "
@@ -475,7 +477,8 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
               f"sample over the {HC_FIG_KEYS} keys up to it, exact vs quantized keys, four layers)."]
     (report / "summary.md").write_text("\n".join(lines) + "\n")
     stats = {"model": cfg.name, "groups": g, "centroids": c, "sub_dim": d, "samples": args.samples,
-             "heldout_samples": args.heldout, "tokens": args.tokens, "iterations": args.iterations, "batch": args.batch,
+             "heldout_samples": args.heldout, "train_error_samples": args.train_error_samples, "tokens": args.tokens,
+             "iterations": args.iterations, "batch": args.batch,
              "seed": args.seed, "storage_dtype": args.storage_dtype,
              "times_s": {k: round(v, 1) for k, v in times.items()},
              "artifact_bytes": artifact_path.stat().st_size, "codebook_device_bytes_f32": book_b,

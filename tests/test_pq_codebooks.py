@@ -316,5 +316,6 @@ def test_calibrate_hcattention_measures_the_training_error_on_the_samples_asked(
     codebooks = np.asarray(load_artifact(art_path).arrays["codebooks"])
     first = quantization_error(collect_keys(model, rows[:1]), codebooks)["relative_error"]
     both = quantization_error(collect_keys(model, rows[:2]), codebooks)["relative_error"]
+    assert stats["train_error_samples"] == 1
     np.testing.assert_allclose(stats["train"]["relative_error"], first, rtol=1e-6)
     assert not np.allclose(first, both, rtol=1e-3)
