@@ -36,6 +36,7 @@ from jax import lax
 from kvjax.artifacts import no_artifact
 from kvjax.attention import MASK_VALUE, causal_cache_attention
 from kvjax.cache import Cache, CacheSpec
+from kvjax.methods.base import LayerLocal
 from kvjax.selection import gqa_aggregate, pool1d
 from kvjax.sharding import not_shardable
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, write_slots
@@ -101,7 +102,7 @@ def attended_set(q, k, q_slot, pad, *, topk: int, kernel: int, gqa: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionRecorder:
+class AttentionRecorder(LayerLocal):
     """A full dense cache that records each later query's attended set (:func:`attended_set`).
 
     Used only by calibration: prefill the prompt but its last token, compress, then feed the last
@@ -146,18 +147,6 @@ class AttentionRecorder:
                                      block=self.block, implementation="xla")
         top = attended_set(q[:, 0], k_all, ctx.start, ctx.pad, topk=self.topk, kernel=self.kernel, gqa=self.gqa)
         return out, RecordedKV(k_all, v_all, top)
-
-    def question_passes(self) -> int:
-        """One (the recorder takes one query per call)."""
-        return 1
-
-    def around_layers(self, cache, tokens: int, run):
-        """The layers alone: each does its own work."""
-        return run(cache)
-
-    def finish_question(self, cache):
-        """Nothing: a question leaves no work for other layers."""
-        return cache
 
     def state_partition(self, state, spec: CacheSpec):
         """Calibration runs on one device."""

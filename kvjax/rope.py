@@ -8,7 +8,6 @@ needed.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 
 from kvjax.artifacts import no_artifact
 from kvjax.cache import Cache, CacheSpec, own_arrays
+from kvjax.methods.base import LayerLocal
 from kvjax.staging import Recording, init_staging, restrict, stage_chunk, staged_partition
 
 
 @dataclasses.dataclass(frozen=True)
-class SharedStaging:
+class SharedStaging(LayerLocal):
     """Prefill-only method recording what a set of methods needs; derive their caches with :func:`cache_for`."""
 
     shared: Recording = Recording()
@@ -56,18 +57,6 @@ class SharedStaging:
     def decode_attend(self, state, q, k, v, ctx):
         """Not a method of its own."""
         raise ValueError("a shared staging cache cannot decode; use kvjax.shared_prefill.cache_for(staged, method)")
-
-    def question_passes(self) -> int:
-        """One (a staging never decodes)."""
-        return 1
-
-    def around_layers(self, cache, tokens: int, run):
-        """The layers alone: each does its own work."""
-        return run(cache)
-
-    def finish_question(self, cache):
-        """Nothing: a question leaves no work for other layers."""
-        return cache
 
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs."""

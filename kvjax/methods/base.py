@@ -31,7 +31,8 @@ explicit per-layer lifecycle. Every function is required; nothing is discovered 
     Called once after a multi-token call's last pass on the compressed cache (inside the same jitted call): work
     the call left for layers earlier than the ones that created it (HeteroCache and SyncKV: followers before their
     leader's layer apply its re-anchoring), so that a one-token decode step never has to check for it. Most
-    methods return the cache unchanged.
+    methods return the cache unchanged: :class:`LayerLocal` gives ``around_layers``, ``question_passes`` and
+    ``finish_question`` to a method whose layers each do all their own work.
 ``state_partition(state, spec)``
     Partition specs of one layer's state (either stage) over the mesh ``spec.mesh``, by row on
     ``data`` and by KV head on ``model`` (:mod:`kvjax.sharding`); a state that cannot be split that
@@ -51,6 +52,7 @@ import jax
 
 from kvjax.artifacts import no_artifact
 from kvjax.attention import resolve_implementation
+from kvjax.bounded_prefill import BoundedPrefill, bounded_partition, paged_cache_read_bytes, to_pages
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
 from kvjax.paged import PagedKV, append_and_attend, build_paged, paged_device_bytes, paged_partition, paged_read_bytes
@@ -116,6 +118,50 @@ class Method(Protocol):
         ...
 
 
+class LayerLocal:
+    """The protocol's whole-cache hooks for a method whose layers each do all their own work: a question takes one
+    pass and is appended and attended like any later token, nothing runs around the layers, and a question leaves
+    no work for other layers."""
+
+    def question_passes(self) -> int:
+        """One pass."""
+        return 1
+
+    def around_layers(self, cache: Cache, tokens: int, run) -> tuple[jax.Array, Cache]:
+        """The layers alone."""
+        return run(cache)
+
+    def finish_question(self, cache: Cache) -> Cache:
+        """Nothing."""
+        return cache
+
+
+class BoundedEvictionMethod(LayerLocal):
+    """Base of the methods that evict during a bounded chunked prefill (:mod:`kvjax.bounded_prefill`; frozen
+    dataclasses with ``page_size`` and ``implementation`` fields): their own prefill (no shared staging), the
+    survivors into page pools, decoding that appends without eviction."""
+
+    def recording(self) -> None:
+        """Own prefill (eviction during prefill): no shared staging."""
+        return None
+
+    def finish_prefill(self, state: BoundedPrefill, ctx: FinishContext):
+        """The survivors into page pools with room for later tokens."""
+        return to_pages(state, ctx.spec.room, self.page_size)
+
+    def decode_attend(self, state: PagedKV, q, k, v, ctx: AttendContext):
+        """Append without eviction and attend."""
+        return append_and_attend(state, q, k, v, self.implementation, ctx.mesh)
+
+    def state_partition(self, state, spec: CacheSpec):
+        """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
+        return bounded_partition(state)
+
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """Every held token of every head (0 before compression)."""
+        return paged_cache_read_bytes(cache)
+
+
 def round_up(x: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``x``."""
     return -(-x // multiple) * multiple
@@ -162,7 +208,7 @@ class PagedAppend:
 
 # ------------------------------------------------------------------------------- the composition
 @dataclasses.dataclass(frozen=True)
-class PromptCompression:
+class PromptCompression(LayerLocal):
     """Evict once after prefill: scorer + allocator + selector + layout (see :mod:`kvjax.selection`).
 
     The lifecycle is fixed: prefill into a dense staging (recording what the scorer needs), then per
@@ -240,18 +286,6 @@ class PromptCompression:
     def decode_attend(self, state, q, k, v, ctx):
         """The layout's decode path."""
         return self.components()[3].decode_attend(state, q, k, v, ctx)
-
-    def question_passes(self) -> int:
-        """One pass: a question is appended and attended like any later token."""
-        return 1
-
-    def around_layers(self, cache, tokens: int, run):
-        """The layers alone: each does its own work."""
-        return run(cache)
-
-    def finish_question(self, cache):
-        """Nothing: a question leaves no work for other layers."""
-        return cache
 
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs before compression, the layout's after."""

@@ -33,11 +33,11 @@ import jax.numpy as jnp
 
 from kvjax.artifacts import no_artifact
 from kvjax.attention import resolve_implementation
-from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_sizes, check_schedule, init_bounded, paged_cache_read_bytes,
-                                   paged_facts, prefill_in_pieces, to_pages)
+from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, check_schedule, init_bounded, paged_facts,
+                                   prefill_in_pieces)
 from kvjax.budgets import budget_facts, check_budget
-from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
-from kvjax.paged import PagedKV, append_and_attend
+from kvjax.cache import AttendContext, Cache, CacheSpec
+from kvjax.methods.base import BoundedEvictionMethod
 from kvjax.selection import AccumulatedAttentionScores, RecencyScores, WindowAttentionScores
 
 SCORERS = ("snapkv", "h2o", "streaming_llm")
@@ -45,7 +45,7 @@ DEFAULT_STABILIZERS = {"h2o": 0.5, "streaming_llm": 0}
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkedEviction:
+class ChunkedEviction(BoundedEvictionMethod):
     """A baseline's scores under Locret's bounded chunked prefill (see module docstring).
 
     Args:
@@ -104,10 +104,6 @@ class ChunkedEviction:
         return self.scores().held_scores(buf.scores, probs, buf.slots)
 
     # -- protocol
-    def recording(self) -> None:
-        """Own prefill (eviction during prefill)."""
-        return None
-
     def artifact_for(self, spec: CacheSpec, artifact: Any = None) -> None:
         """No artifact."""
         no_artifact(artifact, self.name)
@@ -124,37 +120,9 @@ class ChunkedEviction:
         zeros = jnp.zeros((*k.shape[:3],), jnp.float32)
         return prefill_in_pieces(state, q, k, v, ctx, zeros, self.rescore, needs_probs=self.scores().needs_probs)
 
-    def finish_prefill(self, state: BoundedPrefill, ctx: FinishContext) -> PagedKV:
-        """The survivors into page pools with room for later tokens."""
-        return to_pages(state, ctx.spec.room, self.page_size)
-
-    def decode_attend(self, state: PagedKV, q, k, v, ctx: AttendContext):
-        """Append without eviction and attend."""
-        return append_and_attend(state, q, k, v, self.implementation, ctx.mesh)
-
-    def question_passes(self) -> int:
-        """One pass: a question is appended and attended like any later token."""
-        return 1
-
-    def around_layers(self, cache, tokens: int, run):
-        """The layers alone: each does its own work."""
-        return run(cache)
-
-    def finish_question(self, cache):
-        """Nothing: a question leaves no work for other layers."""
-        return cache
-
-    def state_partition(self, state, spec: CacheSpec):
-        """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
-        return bounded_partition(state)
-
     def stats(self, cache: Cache) -> dict:
         """Sizes, the prefill buffer bound, kept tokens per head and the page pools' bytes."""
         b, n_s = bounded_sizes(self.name, self.budget, self.local, self.n_stabilizers, cache.spec)
         facts = {"scorer": self.scorer, "b": b, "stabilizers": n_s, "local": self.local, "chunk": self.chunk,
                  "prefill_buffer_tokens_per_head": b + self.local + self.chunk}
         return {**facts, **paged_facts(cache), **budget_facts(self.budget, cache.spec.longest_row)}
-
-    def bytes_read_per_step(self, cache: Cache) -> int:
-        """Every held token of every head (0 before compression)."""
-        return paged_cache_read_bytes(cache)

@@ -11,6 +11,7 @@ from kvjax.artifacts import no_artifact
 from kvjax.attention import (causal_cache_attention, contiguous_decode_attention, kernel_reads_contiguous,
                              resolve_implementation)
 from kvjax.cache import Cache, CacheSpec
+from kvjax.methods.base import LayerLocal
 from kvjax.sharding import ROWS_HEADS
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition, write_slots
 
@@ -24,7 +25,7 @@ class DenseKV:
 
 
 @dataclasses.dataclass(frozen=True)
-class FullCache:
+class FullCache(LayerLocal):
     """Keep every token of the prompt and of the answer on the device.
 
     Args:
@@ -77,18 +78,6 @@ class FullCache:
             out = causal_cache_attention(q, k_new, v_new, q_start=ctx.start, pad=ctx.pad, scale=D**-0.5,
                                          block=self.block, implementation=self.implementation)
         return out, DenseKV(k=k_new, v=v_new)
-
-    def question_passes(self) -> int:
-        """One pass: a question is appended and attended like any later token."""
-        return 1
-
-    def around_layers(self, cache, tokens: int, run):
-        """The layers alone: each does its own work."""
-        return run(cache)
-
-    def finish_question(self, cache):
-        """Nothing: a question leaves no work for other layers."""
-        return cache
 
     def state_partition(self, state, spec: CacheSpec):
         """K/V by (row, KV head) in both stages."""

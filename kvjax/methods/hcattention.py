@@ -86,6 +86,7 @@ from kvjax.artifacts import Artifact, installed_artifact, no_artifact, require_a
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host, weighted_union_on_host
+from kvjax.methods.base import LayerLocal
 from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
 from kvjax.paged import shard_map
 from kvjax.selection import top_p_select
@@ -163,7 +164,7 @@ def kernel_scores(q, codebooks, codes, implementation: str, mesh=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class HCAttention:
+class HCAttention(LayerLocal):
     """HCAttention (see the module docstring).
 
     Args:
@@ -430,18 +431,6 @@ class HCAttention:
             calls=state.calls + 1, moved=state.moved + jnp.asarray(moved, jnp.float32),
             truncated=state.truncated + (in_union > cap).sum().astype(jnp.int32))
         return out, state
-
-    def question_passes(self) -> int:
-        """One pass: a question is appended and attended like any later token."""
-        return 1
-
-    def around_layers(self, cache, tokens: int, run):
-        """The layers alone: each does its own work."""
-        return run(cache)
-
-    def finish_question(self, cache):
-        """Nothing: a question leaves no work for other layers."""
-        return cache
 
     # -- reporting
     def state_partition(self, state, spec: CacheSpec):

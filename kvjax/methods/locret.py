@@ -59,11 +59,11 @@ import jax.numpy as jnp
 
 from kvjax.artifacts import installed_artifact, load_artifact, require_artifact
 from kvjax.attention import resolve_implementation
-from kvjax.bounded_prefill import (BoundedPrefill, bounded_partition, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
-                                   init_bounded, paged_cache_read_bytes, paged_facts, prefill_in_pieces, to_pages)
+from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
+                                   init_bounded, paged_facts, prefill_in_pieces)
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
-from kvjax.paged import PagedKV, append_and_attend
+from kvjax.methods.base import BoundedEvictionMethod
 from kvjax.retaining_heads import KIND, apply_head, check_heads, head_features, random_heads_artifact
 from kvjax.selection import pool1d
 
@@ -89,7 +89,7 @@ def pool_within_pieces(scores, real, chunk: int, kernel: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class Locret:
+class Locret(BoundedEvictionMethod):
     """Locret: retaining-head scores, eviction during chunked prefill, bounded memory (see module docstring).
 
     Args:
@@ -142,10 +142,6 @@ class Locret:
         return bounded_sizes(self.name, self.budget, self.local, self.stabilizers, spec)
 
     # -- protocol
-    def recording(self) -> None:
-        """Own prefill (eviction during prefill): no shared staging."""
-        return None
-
     def artifact_for(self, spec: CacheSpec, artifact: Any = None):
         """The retaining heads: given, else shipped for the model; "random": untrained heads of the shipped size; or a file's."""
         if self.heads == "random":
@@ -196,7 +192,7 @@ class Locret:
         """The survivors into page pools with room for later tokens (the buffer itself when decoding evicts)."""
         if self.evict_during_decode:
             return state
-        return to_pages(state, ctx.spec.room, self.page_size)
+        return super().finish_prefill(state, ctx)
 
     def decode_attend(self, state, q, k, v, ctx: AttendContext):
         """Append without eviction (the paper's decoding; paged kernel on accelerators), or evict to the budget."""
@@ -205,23 +201,7 @@ class Locret:
                 raise ValueError(f"locret with evict_during_decode: {q.shape[1]} tokens after the prompt in one call "
                                  f"exceed the buffer's chunk of {self.chunk}")
             return evict_decoding(state, q, k, v, ctx, self.token_scores(v, ctx))
-        return append_and_attend(state, q, k, v, self.implementation, ctx.mesh)
-
-    def question_passes(self) -> int:
-        """One pass: a question is appended and attended like any later token."""
-        return 1
-
-    def around_layers(self, cache, tokens: int, run):
-        """The layers alone: each does its own work."""
-        return run(cache)
-
-    def finish_question(self, cache):
-        """Nothing: a question leaves no work for other layers."""
-        return cache
-
-    def state_partition(self, state, spec: CacheSpec):
-        """The working buffer by (row, KV head), then the pages (:func:`kvjax.bounded_prefill.bounded_partition`)."""
-        return bounded_partition(state)
+        return super().decode_attend(state, q, k, v, ctx)
 
     def stats(self, cache: Cache) -> dict:
         """Sizes (b, n_s, n_loc, B), the prefill buffer bound, kept tokens per head and the page pools' bytes."""
@@ -240,4 +220,4 @@ class Locret:
         """Every held token of every head (0 before compression); the whole buffer when decoding evicts."""
         if self.evict_during_decode:
             return buffer_read_bytes(cache) if cache.stage == "compressed" else 0
-        return paged_cache_read_bytes(cache)
+        return super().bytes_read_per_step(cache)

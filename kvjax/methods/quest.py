@@ -22,7 +22,7 @@ from jax import lax
 from kvjax.artifacts import no_artifact
 from kvjax.budgets import budget_facts, check_budget, tokens_per_head
 from kvjax.cache import Cache, CacheSpec
-from kvjax.methods.base import check_common
+from kvjax.methods.base import LayerLocal, check_common
 from kvjax.paged import (
     PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes, paged_partition,
 )
@@ -82,7 +82,7 @@ def select_pages(q, st: QuestKV, gqa: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest:
+class Quest(LayerLocal):
     """Quest: full cache, per-step top pages by key bounds.
 
     Args:
@@ -163,18 +163,6 @@ class Quest:
             out = paged_attention(q[:, 0], state.paged, block_table=table, lengths=lengths, implementation=self.implementation,
                                   mesh=ctx.mesh)
         return out[:, None].astype(q.dtype), state
-
-    def question_passes(self) -> int:
-        """One pass: a question is appended and attended like any later token."""
-        return 1
-
-    def around_layers(self, cache, tokens: int, run):
-        """The layers alone: each does its own work."""
-        return run(cache)
-
-    def finish_question(self, cache):
-        """Nothing: a question leaves no work for other layers."""
-        return cache
 
     def state_partition(self, state, spec: CacheSpec):
         """The staging's specs, then pages as any paged layer with each page's bounds beside it."""
