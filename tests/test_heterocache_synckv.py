@@ -472,6 +472,68 @@ def test_pipelined_moves_of_every_layer_at_once_equal_each_layers_own(tiny):
     assert moved_any > 0
 
 
+# Leaders in both layers, two in layer 0 and one in layer 1, each publishing for followers of different widths.
+def hc_two_layer_artifact(model):
+    roles = (("pivot", "pivot"), ("pivot", "satellite"))
+    pivot_of = (((-1, -1), (-1, -1)), ((-1, -1), (0, 1)))
+    meta = (("roles", roles), ("pivot_of", pivot_of), ("stability", ((0.9, 0.5), (0.4, 0.8))), ("group_layers", 2))
+    return Artifact(arrays={}, kind="heterocache", model_id=model_identity(model.config), meta=meta)
+
+
+def sk_two_layer_artifact(model):
+    lead = (((-1, -1), (-1, -1)), ((-1, -1), (0, 1)))
+    clusters = ((1, (("R", "R"), ("R", "NR")), lead),)
+    return Artifact(arrays={}, kind="synckv", model_id=model_identity(model.config),
+                    meta=(("clusters", clusters), ("group_layers", 2)))
+
+
+@pytest.mark.parametrize("which", ["heterocache", "synckv"])
+def test_pipelined_decisions_after_the_layers_equal_each_layers_own(tiny, monkeypatch, which):
+    """``recall_schedule="pipelined"`` lets the leaders of every layer decide after the layers, side by side (two
+    leaders in layer 0, one in layer 1, picks of different widths): the same tokens, versions, picks, trackers and
+    follower slots, step by step, as each layer deciding in its own call (the schedule told to decide in the
+    layers), with decisions published in both layers."""
+    if which == "heterocache":
+        method = HeteroCache(budget=0.85, block=16, window=2, tau_drift=0.9, recall_schedule="pipelined")
+        art = hc_two_layer_artifact(tiny)
+    else:
+        method = SyncKV(budget=0.85, block=16, stride=2, num_representatives=1, recall_schedule="pipelined")
+        art = sk_two_layer_artifact(tiny)
+    tokens = np.random.default_rng(21).integers(0, 97, size=(2, L)).astype(np.int32)
+    key = jax.random.PRNGKey(0)
+
+    def run():
+        cache = _prefilled(tiny, method, tokens, art)
+        assert [len(st.plan.leaders) for st in cache.layers] == [2, 1]
+        out, states, nxt = [], [], jnp.asarray(tokens[:, -1])
+        for _ in range(6):
+            nxt, _, cache = decode_step(tiny.graphdef, tiny.params, nxt, cache, key)
+            out.append(np.asarray(nxt))
+            states.append([{f: np.asarray(x) for f, x in (("version", st.version), ("picks", st.picks),
+                                                           ("held", st.held), ("applied", st.applied))}
+                           | {f"tracker.{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(st.tracker))}
+                           for st in cache.layers])
+        return out, states
+
+    after, after_states = run()
+    from kvjax.methods.recall.schedules import PipelinedRecall
+
+    monkeypatch.setattr(PipelinedRecall, "decides_after_layers", False)
+    jax.clear_caches()  # the jitted calls read the schedule when traced: trace them again, and after the test
+    try:
+        inside, inside_states = run()
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    np.testing.assert_array_equal(np.stack(after), np.stack(inside))
+    for step, (a, b) in enumerate(zip(after_states, inside_states)):
+        for layer, (x, y) in enumerate(zip(a, b)):
+            assert x.keys() == y.keys()
+            for f in x:
+                np.testing.assert_array_equal(x[f], y[f], err_msg=f"step {step}, layer {layer}, {f}")
+    assert all((layer["version"] > 0).any() for layer in after_states[-1])  # both layers' leaders published
+
+
 def test_reanchoring_cancels_the_moves_in_flight(tiny):
     """``recall_schedule="ahead"``: a re-anchoring applied while moves chosen from the old set are in flight
     (gathered, not yet written) cancels them, and the next spread step moves nothing (the region holds the anchor's

@@ -4,7 +4,9 @@ schedule (:mod:`kvjax.methods.recall.schedules`). A method supplies its plans, i
 decision (HeteroCache: the drift check; SyncKV: anticipation) and its re-anchoring on a question.
 
 A one-token decode step holds no data-dependent conditional: the leaders decide every step, with the decision
-predicated on the step count, and the schedule's transfer has a fixed size. Re-anchorings happen in multi-token calls
+predicated on the step count, and the schedule's transfer has a fixed size. Where the schedule's recall reads the
+decisions only in later calls (``pipelined``), the leaders of every layer decide after the layers, side by side
+(:meth:`LeaderFollowerMethod.lead_layers`). Re-anchorings happen in multi-token calls
 only; those a question's last pass publishes for followers in layers before their leader's are applied by
 :meth:`LeaderFollowerMethod.finish_question`, right after that pass.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+import jax.numpy as jnp
+
 from kvjax.artifacts import Artifact
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import Cache, CacheSpec
@@ -21,6 +25,7 @@ from kvjax.methods.base import check_common
 from kvjax.methods.recall.layout import (RecallKV, append_attend, attention_read_bytes, build_layer,
                                          recall_partition, recall_stats)
 from kvjax.methods.recall.schedules import RecallSchedule, apply_anchors, make_schedule, refresh_all
+from kvjax.methods.recall.scores import leader_queries, leader_query_logits, probs_from_logits, seen_limits
 from kvjax.paged import append, paged_chunk_attention
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 
@@ -149,11 +154,55 @@ class LeaderFollowerMethod(abc.ABC):
         in-flight buffers."""
         layer = build_layer(state, idx, lengths, ctx.pad, ctx.spec, plans[ctx.layer], page_size=self.page_size,
                             region_start=region_start, region_count=region_count, picks=picks, tracker=tracker)
+        if self.schedule.decides_after_layers and layer.plan.leaders:
+            B, H, D = state.k.shape[0], ctx.spec.num_heads, state.k.shape[-1]
+            layer = layer.replace(query=jnp.zeros((B, 1, H, D), state.k.dtype))
         return self.schedule.with_room(layer, plans)
 
     def around_layers(self, cache: Cache, tokens: int, run):
-        """The layers inside the recall schedule's whole-cache work (:meth:`RecallSchedule.around_layers`)."""
+        """The layers inside the recall schedule's whole-cache work (:meth:`RecallSchedule.around_layers`); in a
+        one-token call of a schedule that lets them, the leaders decide after the layers (:meth:`lead_layers`)."""
+        if tokens == 1 and self.schedule.decides_after_layers:
+            run_layers = run
+
+            def run(c: Cache):
+                out, c = run_layers(c)
+                return out, c.replace(layers=self.lead_layers(c.layers, c.pad, c.spec.mesh))
+
         return self.schedule.around_layers(cache, tokens, run)
+
+    def lead_layers(self, layers: tuple, pad, mesh) -> tuple:
+        """Every layer's leaders decide on the query their layer kept from this one-token call (``query``), for a
+        schedule whose recall reads the decisions only in later calls: the same decisions as :meth:`lead` in each
+        layer. Each layer scores its leaders' query over their own pages; the rest (softmax, pooling, the method's
+        decision) runs once for the leaders of every layer side by side (:meth:`decide_at_once`), a few kernels
+        instead of a few per layer."""
+        at = [i for i, st in enumerate(layers) if st.plan.leaders]
+        if not at:
+            return layers
+        if len({layers[i].paged.block_table.shape[-1] * layers[i].paged.page_size for i in at}) > 1:
+            return tuple(self.lead(st, st.query, pad, mesh) if st.plan.leaders else st for st in layers)
+        sts = [layers[i] for i in at]
+        logits, limits = [], []
+        for st in sts:
+            qg = leader_queries(st.query, st.plan.leaders, len(st.plan.capacities))
+            logits.append(leader_query_logits(st.paged, st.plan.leaders, qg, implementation=self.implementation,
+                                              mesh=mesh))
+            limits.append(seen_limits(st.paged, st.plan.leaders, 1))
+        limits = jnp.concatenate(limits, axis=1)
+        scores = probs_from_logits(jnp.concatenate(logits, axis=1), limits, self.kernel, "max")
+        layers = list(layers)
+        for i, st in zip(at, self.decide_at_once(sts, scores, limits, pad)):
+            layers[i] = st
+        return tuple(layers)
+
+    @abc.abstractmethod
+    def decide_at_once(self, states: list, scores, limits, pad) -> list:
+        """:meth:`lead`'s one-token decision for the leaders of several layers (``states``, each with leaders and as
+        many stored positions), from their scores side by side, in the layers' order: ``scores[B, N, 1,
+        positions]`` and the held tokens they saw ``limits[B, N, 1]`` (:func:`kvjax.methods.recall.scores.
+        seen_limits`), ``N`` the layers' leaders. Returns the states after it. Every layer with leaders counts the same
+        one-token calls (``steps``)."""
 
     def decode_attend(self, state: RecallKV, q, k, v, ctx):
         """Attend over every head's held tokens, let the leaders decide, recall by the schedule. A multi-token call
@@ -167,7 +216,9 @@ class LeaderFollowerMethod(abc.ABC):
         out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if not self.recalls:
             return out, state
-        if state.plan.leaders:
+        if state.plan.leaders and not multi and schedule.decides_after_layers:
+            state = state.replace(query=q.astype(state.query.dtype))  # decided after the layers (lead_layers)
+        elif state.plan.leaders:
             state = self.lead(state, q, ctx.pad, ctx.mesh)
         if multi:
             return out, refresh_all(state, ctx.layers, ctx.layer, ctx.mesh)
@@ -214,3 +265,12 @@ class LeaderFollowerMethod(abc.ABC):
                     held = int(st.paged.lengths[:, list(st.plan.leaders)].sum())
                     scoring += held * st.paged.k_pages.shape[-1] * st.paged.k_pages.dtype.itemsize
         return attention_read_bytes(cache.layers) + scoring
+
+
+def leader_slices(states: list):
+    """Each state's range along the leader axis of its leaders side by side (:meth:`LeaderFollowerMethod.
+    decide_at_once`)."""
+    start = 0
+    for st in states:
+        yield slice(start, start + len(st.plan.leaders))
+        start += len(st.plan.leaders)

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec
 from kvjax.artifacts import Artifact
 from kvjax.budgets import budget_fraction, compressed_head_tokens
 from kvjax.cache import Cache, CacheSpec
-from kvjax.methods.recall.base import LeaderFollowerMethod
+from kvjax.methods.recall.base import LeaderFollowerMethod, leader_slices
 from kvjax.methods.recall.layout import Follower, LayerPlan, publish
 from kvjax.methods.recall.scores import (leader_probs, leader_queries, prompt_only, seen_limits, staged_scores,
                                          to_stored, top_mask, top_slots)
@@ -312,15 +312,20 @@ class HeteroCache(LeaderFollowerMethod):
     def scored(self, state, q, mesh):
         """The pivots' scores of the call's last ``min(T, window)`` queries ``[B, n, T', positions]``, their
         top-``base`` sets, and each set's overlap with the reference set ``[B, n, T']`` (Eq. 9)."""
-        plan, tr = state.plan, state.tracker
+        plan = state.plan
         qg = leader_queries(q, plan.leaders, len(plan.capacities))[:, -min(q.shape[1], self.window):]
         scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
                               mesh=mesh)
-        sets = top_mask(scores, tr.base)
-        T, S = scores.shape[2:]
-        held = jnp.clip(seen_limits(state.paged, plan.leaders, T), 0, S)  # = isfinite(scores).sum(-1), no reduction
-        overlap = (sets & tr.ref[:, :, None]).sum(-1) / jnp.maximum(jnp.minimum(held, tr.base), 1)
-        return scores, sets, overlap
+        limits = seen_limits(state.paged, plan.leaders, qg.shape[1])
+        return (scores, *self.overlaps(scores, limits, state.tracker.ref, state.tracker.base))
+
+    @staticmethod
+    def overlaps(scores, limits, ref, base: int):
+        """Top-``base`` sets of ``scores[B, n, T, positions]`` and their overlaps with the reference sets ``ref[B, n,
+        positions]`` ``[B, n, T]`` (``limits``: the held tokens each query saw, :func:`seen_limits`)."""
+        sets = top_mask(scores, base)
+        held = jnp.clip(limits, 0, scores.shape[-1])  # = isfinite(scores).sum(-1), no reduction
+        return sets, (sets & ref[:, :, None]).sum(-1) / jnp.maximum(jnp.minimum(held, base), 1)
 
     def publish_drift(self, state, drift, scores, sets, pad):
         """Pivots with ``drift[B, n]`` take the last query's set as their reference and publish its top prompt
@@ -330,18 +335,42 @@ class HeteroCache(LeaderFollowerMethod):
         state = state.replace(tracker=tr.replace(ref=jnp.where(drift[..., None], sets[:, :, -1], tr.ref)))
         return publish(state, drift, picks)
 
+    def recorded(self, window, overlap, steps):
+        """The window of overlaps ``[W, B, n]`` with a one-token call's overlaps ``[B, n]`` at the call's step."""
+        return lax.dynamic_update_index_in_dim(window, overlap, (steps - 1) % self.window, axis=0)
+
+    def drifted(self, window, steps):
+        """The drift decision after a one-token call (predicated: no conditional): at the window's last step, the
+        median overlap below ``tau_drift``."""
+        return (steps % self.window == 0) & (small_median(window, axis=0) < self.tau_drift)
+
     def lead(self, state, q, pad, mesh):
         """The drift check. One token: score it, record its overlap, and at the window's last step decide on the
-        median of the window's overlaps (predicated: no conditional). A multi-token call: its last ``min(T,
-        window)`` queries decide at once."""
+        median of the window's overlaps. A multi-token call: its last ``min(T, window)`` queries decide at once."""
         scores, sets, overlap = self.scored(state, q, mesh)
         if q.shape[1] > 1:
             return self.publish_drift(state, jnp.median(overlap, axis=-1) < self.tau_drift, scores, sets, pad)
-        tr = state.tracker
-        window = lax.dynamic_update_index_in_dim(tr.overlap, overlap[..., 0], (state.steps - 1) % self.window, axis=0)
-        state = state.replace(tracker=tr.replace(overlap=window))
-        drift = (state.steps % self.window == 0) & (small_median(window, axis=0) < self.tau_drift)
-        return self.publish_drift(state, drift, scores, sets, pad)
+        window = self.recorded(state.tracker.overlap, overlap[..., 0], state.steps)
+        state = state.replace(tracker=state.tracker.replace(overlap=window))
+        return self.publish_drift(state, self.drifted(window, state.steps), scores, sets, pad)
+
+    def decide_at_once(self, states, scores, limits, pad):
+        """The one-token drift check of the pivots of several layers side by side (:meth:`lead`'s). Each layer's
+        tracker is updated from its own arrays, so the update is in place."""
+        steps = states[0].steps
+        sets, overlap = self.overlaps(scores, limits, jnp.concatenate([st.tracker.ref for st in states], axis=1),
+                                      states[0].tracker.base)
+        drift = self.drifted(self.recorded(jnp.concatenate([st.tracker.overlap for st in states], axis=2),
+                                           overlap[..., 0], steps), steps)
+        width = max(st.picks.shape[-1] for st in states)  # a narrower top is a prefix of the widest
+        picks = top_slots(prompt_only(scores[:, :, -1], states[0].prompt_len), pad, width)
+        decided = []
+        for st, n in zip(states, leader_slices(states)):
+            tr = st.tracker
+            tracker = tr.replace(ref=jnp.where(drift[:, n, None], sets[:, n, -1], tr.ref),
+                                 overlap=self.recorded(tr.overlap, overlap[:, n, 0], steps))
+            decided.append(publish(st.replace(tracker=tracker), drift[:, n], picks[:, n, :st.picks.shape[-1]]))
+        return decided
 
     def choose_for_question(self, state, q, pad, mesh):
         """Every pivot publishes its choice for the question's last query, whatever the drift."""

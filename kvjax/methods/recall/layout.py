@@ -122,6 +122,9 @@ class RecallKV:
     # int32 [] token rows brought from the host, counted when chosen (``"ahead"`` writes them a call later)
     rows_moved: jax.Array
     pending: PendingRecall | None = None  # rows in flight between calls (``recall_schedule="ahead"`` only)
+    # [B, 1, Hq, D] the query of the layer's last one-token call, where its leaders decide after every layer has run
+    # (``recall_schedule="pipelined"``: :meth:`LeaderFollowerMethod.lead_layers`); None elsewhere
+    query: jax.Array | None = None
     plan: LayerPlan = struct.field(pytree_node=False, default=None)
     slots: tuple = struct.field(pytree_node=False, default=())  # follower index of each slot, -1: padding
 
@@ -339,7 +342,9 @@ def recall_partition(state: RecallKV, tracker) -> RecallKV:
     if state.pending is not None:
         pending = PendingRecall(fetched=FETCHED_BY_DEVICE, dst=BY_DEVICE)
     rows = jax.sharding.PartitionSpec(DATA)
-    return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, region_start=ROWS_HEADS,
+    query = None if state.query is None else jax.sharding.PartitionSpec(DATA, None, MODEL)  # [B, 1, Hq, D]
+    return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, query=query,
+                         region_start=ROWS_HEADS,
                          region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS, prompt_len=rows, picks=rows,
                          version=rows, anchor_picks=rows, anchor_at=rows,
                          tracker=tracker, steps=REPLICATED, recalls=REPLICATED, rows_moved=REPLICATED)

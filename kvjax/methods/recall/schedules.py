@@ -188,6 +188,9 @@ class RecallSchedule:
 
     every: int = 1
     implementation: str = "auto"
+    # whether a one-token call's recall reads the leaders' choices only in later calls, so the leaders may decide
+    # after every layer has run (:meth:`kvjax.methods.recall.base.LeaderFollowerMethod.lead_layers`)
+    decides_after_layers = False
 
     def room(self, plans: tuple, plan: LayerPlan) -> int:
         """Rows per follower kept in flight between calls (0: none)."""
@@ -297,7 +300,10 @@ class PipelinedRecall(SpreadRecall):
     the previous call left them (the loop carry), gathered for every layer in one host computation while the layers
     run, and written after them, so the next call attends them. A multi-token call writes them before its layers (its
     whole-region refreshes follow). A follower after its leader's layer moves as under :class:`SpreadRecall`, one
-    call later; one before it sees its leader's choice one call sooner than a layer-by-layer schedule would."""
+    call later; one before it sees its leader's choice one call sooner than a layer-by-layer schedule would. The
+    leaders' one-token decisions, read only by the next call, are made after the layers, all at once."""
+
+    decides_after_layers = True
 
     def step(self, state, layers, layer, mesh):
         return state  # the next call chooses the moves (:meth:`around_layers`)

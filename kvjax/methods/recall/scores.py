@@ -67,7 +67,17 @@ def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, imp
 
     Returns ``[B, n, T, positions]`` (f32): softmax per query head over the tokens each query saw
     (the ``T`` queries are the newest tokens, already appended: query ``t`` saw all but the last
-    ``T - 1 - t``), average pooling (``kernel``), aggregation over the group (``gqa``); -inf where unseen.
+    ``T - 1 - t``), average pooling (``kernel``), aggregation over the group (``gqa``); -inf where unseen:
+    :func:`probs_from_logits` of :func:`leader_query_logits`.
+    """
+    s = leader_query_logits(paged, heads, qg, implementation=implementation, mesh=mesh, multiply_reduce=multiply_reduce)
+    return probs_from_logits(s, seen_limits(paged, heads, qg.shape[1]), kernel, gqa)
+
+
+def leader_query_logits(paged: PagedKV, heads: tuple, qg, *, implementation: str = "xla", mesh=None,
+                        multiply_reduce: bool | None = None):
+    """Logits ``[B, n, T, G, positions]`` (f32, scaled) of the queries ``qg[B, T, n, G, D]`` over the leader heads'
+    stored positions (past what a query saw: anything; :func:`probs_from_logits` masks it).
 
     The logits of one query come from :func:`leader_logits` where the paged-scores kernel has a form (a TPU, by
     the method's ``implementation``; per device on a ``mesh``). Otherwise ``multiply_reduce`` (default: one query,
@@ -80,19 +90,24 @@ def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, imp
     ps = paged.page_size
     impl = resolve_implementation(implementation)
     if T == 1 and (impl == "pallas_interpret" or (impl == "pallas" and jax.default_backend() == "tpu")):
-        s = leader_logits(paged, heads, qg[:, 0], impl, mesh)[:, :, None]  # [B, n, 1, G, S]
-    else:
-        pages = paged.k_pages[paged.block_table[:, jnp.asarray(heads, jnp.int32)]]  # [B, n, M, ps, D]
-        if multiply_reduce is None:
-            multiply_reduce = T == 1 and jax.default_backend() == "gpu"
-        if multiply_reduce:
-            k = pages.reshape(B, n, 1, M * ps, 1, D).astype(jnp.float32)
-            q = qg.transpose(0, 2, 1, 3, 4)[:, :, :, None].astype(pages.dtype).astype(jnp.float32)  # [B, n, T, 1, G, D]
-            s = jnp.swapaxes((k * q).sum(-1), -1, -2) * D**-0.5  # exact products, as the matmul's below
-        else:
-            s = jnp.einsum("btngd,bnsd->bntgs", qg.astype(pages.dtype), pages.reshape(B, n, M * ps, D),
-                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * D**-0.5
-    seen = jnp.arange(M * ps)[None, None, None, :] < seen_limits(paged, heads, T)[..., None]  # [B, n, T, S]
+        return leader_logits(paged, heads, qg[:, 0], impl, mesh)[:, :, None]  # [B, n, 1, G, S]
+    pages = paged.k_pages[paged.block_table[:, jnp.asarray(heads, jnp.int32)]]  # [B, n, M, ps, D]
+    if multiply_reduce is None:
+        multiply_reduce = T == 1 and jax.default_backend() == "gpu"
+    if multiply_reduce:
+        k = pages.reshape(B, n, 1, M * ps, 1, D).astype(jnp.float32)
+        q = qg.transpose(0, 2, 1, 3, 4)[:, :, :, None].astype(pages.dtype).astype(jnp.float32)  # [B, n, T, 1, G, D]
+        return jnp.swapaxes((k * q).sum(-1), -1, -2) * D**-0.5  # exact products, as the matmul's below
+    return jnp.einsum("btngd,bnsd->bntgs", qg.astype(pages.dtype), pages.reshape(B, n, M * ps, D),
+                      precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * D**-0.5
+
+
+def probs_from_logits(s, limits, kernel: int, gqa: str):
+    """:func:`leader_probs` from the logits ``s[B, n, T, G, positions]`` and the held tokens each query saw
+    ``limits[B, n, T]`` (:func:`seen_limits`): softmax per query head over the seen positions, pooling, aggregation
+    over the group; ``[B, n, T, positions]``, -inf where unseen. Leaders are independent: the logits of leaders of
+    several layers, concatenated along ``n``, give those layers' scores concatenated."""
+    seen = jnp.arange(s.shape[-1])[None, None, None, :] < limits[..., None]  # [B, n, T, S]
     p = jax.nn.softmax(jnp.where(seen[:, :, :, None], s, MASK_VALUE), axis=-1)  # [B, n, T, G, S]
     p = pool1d(p, seen[:, :, :, None], kernel, "avg")
     agg = p.mean(axis=3) if gqa == "mean" else p.max(axis=3)

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec
 from kvjax.artifacts import Artifact
 from kvjax.budgets import budget_fraction, compressed_head_tokens
 from kvjax.cache import Cache, CacheSpec
-from kvjax.methods.recall.base import LeaderFollowerMethod
+from kvjax.methods.recall.base import LeaderFollowerMethod, leader_slices
 from kvjax.methods.recall.layout import Follower, LayerPlan, publish, publish_anchor
 from kvjax.methods.recall.scores import (leader_probs, leader_queries, prompt_only, staged_scores, to_stored,
                                          top_slots)
@@ -324,10 +324,24 @@ class SyncKV(LeaderFollowerMethod):
         qg = leader_queries(q, plan.leaders, len(plan.capacities))[:, -1:]
         scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
                               mesh=mesh)[:, :, -1]  # [B, n, positions]
-        scores = jnp.where(state.tracker.static, -jnp.inf, prompt_only(scores, state.prompt_len))
-        picks = top_slots(scores, pad, state.picks.shape[-1])
+        picks = self.anticipated(scores, state.tracker.static, state.prompt_len, pad, state.picks.shape[-1])
         due = state.steps % self.stride == 0 if q.shape[1] == 1 else True
         return publish(state, jnp.full(state.version.shape, due, bool), picks)
+
+    @staticmethod
+    def anticipated(scores, static, prompt_len, pad, width: int):
+        """The best ``width`` prompt slots outside the static sets ``static[B, n, positions]`` by ``scores[B, n,
+        positions]``, best first."""
+        return top_slots(jnp.where(static, -jnp.inf, prompt_only(scores, prompt_len)), pad, width)
+
+    def decide_at_once(self, states, scores, limits, pad):
+        """The one-token anticipation of the R-heads of several layers side by side (:meth:`lead`'s)."""
+        width = max(st.picks.shape[-1] for st in states)  # a narrower top is a prefix of the widest
+        static = jnp.concatenate([st.tracker.static for st in states], axis=1)
+        picks = self.anticipated(scores[:, :, -1], static, states[0].prompt_len, pad, width)
+        due = states[0].steps % self.stride == 0
+        return [publish(st, jnp.full(st.version.shape, due, bool), picks[:, n, :st.picks.shape[-1]])
+                for st, n in zip(states, leader_slices(states))]
 
     def choose_for_question(self, state, q, pad, mesh):
         """A question asked after compression: the R-heads redo Eq. 3-4 for its last query, or the sum over its last
