@@ -344,9 +344,8 @@ def recall_partition(state: RecallKV, tracker) -> RecallKV:
     rows = jax.sharding.PartitionSpec(DATA)
     query = None if state.query is None else jax.sharding.PartitionSpec(DATA, None, MODEL)  # [B, 1, Hq, D]
     return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, query=query,
-                         region_start=ROWS_HEADS,
-                         region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS, prompt_len=rows, picks=rows,
-                         version=rows, anchor_picks=rows, anchor_at=rows,
+                         region_start=ROWS_HEADS, region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS,
+                         prompt_len=rows, picks=rows, version=rows, anchor_picks=rows, anchor_at=rows,
                          tracker=tracker, steps=REPLICATED, recalls=REPLICATED, rows_moved=REPLICATED)
 
 
