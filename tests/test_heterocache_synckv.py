@@ -924,13 +924,17 @@ def test_heterocache_drift_rule_fires_where_the_median_overlap_crosses_the_thres
 
     versions = []
     for step, direction in enumerate([u, w, u, w, w, u], start=1):
-        st = method.lead(st.replace(steps=jnp.asarray(step, jnp.int32)), query(direction), cache.pad, None)
+        st, = method.lead_one_token([st.replace(steps=jnp.asarray(step, jnp.int32))], [query(direction)], cache.pad,
+                                    None)
         versions.append(int(st.version[0, 0]))
     assert versions == [0, 0, 0, 0, 0, 1]
     picks = np.asarray(st.picks)[0, 0]
     want = np.argsort(-np.arange(n), kind="stable")[:len(picks)]  # along u: the latest prompt tokens first
     np.testing.assert_array_equal(picks, want + int(cache.pad[0]))
     np.testing.assert_array_equal(np.asarray(st.tracker.ref)[0, 0], ref_mask[0, 0])  # the u set again
+    wider = st.replace(paged=st.paged.replace(block_table=jnp.pad(st.paged.block_table, ((0, 0), (0, 0), (0, 1)))))
+    with pytest.raises(ValueError, match="stored positions"):  # leaders side by side need as many positions
+        method.lead_one_token([st, wider], [query(u), query(u)], cache.pad, None)
 
 
 @pytest.mark.parametrize("rehearsals", [0, 2])

@@ -100,8 +100,8 @@ class LeaderFollowerMethod(abc.ABC):
 
     @abc.abstractmethod
     def lead(self, state: RecallKV, q, pad, mesh) -> RecallKV:
-        """The leaders' decision after the call's tokens are appended and attended (``q[B, T, Hq, D]``; ``mesh``: the
-        cache's, for scoring per device)."""
+        """The leaders' decision after a multi-token call's tokens are appended and attended (``q[B, T, Hq, D]``,
+        ``T > 1``; ``mesh``: the cache's, for scoring per device). A one-token call's is :meth:`lead_one_token`'s."""
 
     @abc.abstractmethod
     def choose_for_question(self, state: RecallKV, q, pad, mesh) -> RecallKV:
@@ -173,33 +173,40 @@ class LeaderFollowerMethod(abc.ABC):
 
     def lead_layers(self, layers: tuple, pad, mesh) -> tuple:
         """Every layer's leaders decide on the query their layer kept from this one-token call (``query``), for a
-        schedule whose recall reads the decisions only in later calls: the same decisions as :meth:`lead` in each
-        layer. Each layer scores its leaders' query over their own pages; the rest (softmax, pooling, the method's
-        decision) runs once for the leaders of every layer side by side (:meth:`decide_at_once`), a few kernels
-        instead of a few per layer."""
+        schedule whose recall reads the decisions only in later calls: :meth:`lead_one_token` for the leaders of
+        every layer at once, a few kernels instead of a few per layer."""
         at = [i for i, st in enumerate(layers) if st.plan.leaders]
         if not at:
             return layers
-        if len({layers[i].paged.block_table.shape[-1] * layers[i].paged.page_size for i in at}) > 1:
-            return tuple(self.lead(st, st.query, pad, mesh) if st.plan.leaders else st for st in layers)
-        sts = [layers[i] for i in at]
+        layers = list(layers)
+        decided = self.lead_one_token([layers[i] for i in at], [layers[i].query for i in at], pad, mesh)
+        for i, st in zip(at, decided):
+            layers[i] = st
+        return tuple(layers)
+
+    def lead_one_token(self, states: list, queries: list, pad, mesh) -> list:
+        """The leaders' decision after a one-token call, for the leaders of one or several layers (``states``, each
+        with leaders), each on its layer's query ``q[B, 1, Hq, D]``: each layer scores its leaders' query over its
+        own pages; softmax, pooling and the method's decision (:meth:`decide_at_once`) run once, side by side.
+        Returns the states after it, in order."""
+        positions = {st.paged.block_table.shape[-1] * st.paged.page_size for st in states}
+        if len(positions) > 1:
+            raise ValueError(f"the leaders decide side by side only over as many stored positions in every layer "
+                             f"(leaders are full heads), got {sorted(positions)}")
         logits, limits = [], []
-        for st in sts:
-            qg = leader_queries(st.query, st.plan.leaders, len(st.plan.capacities))
+        for st, q in zip(states, queries, strict=True):
+            qg = leader_queries(q, st.plan.leaders, len(st.plan.capacities))
             logits.append(leader_query_logits(st.paged, st.plan.leaders, qg, implementation=self.implementation,
                                               mesh=mesh))
             limits.append(seen_limits(st.paged, st.plan.leaders, 1))
         limits = jnp.concatenate(limits, axis=1)
         scores = probs_from_logits(jnp.concatenate(logits, axis=1), limits, self.kernel, "max")
-        layers = list(layers)
-        for i, st in zip(at, self.decide_at_once(sts, scores, limits, pad)):
-            layers[i] = st
-        return tuple(layers)
+        return self.decide_at_once(states, scores, limits, pad)
 
     @abc.abstractmethod
     def decide_at_once(self, states: list, scores, limits, pad) -> list:
-        """:meth:`lead`'s one-token decision for the leaders of several layers (``states``, each with leaders and as
-        many stored positions), from their scores side by side, in the layers' order: ``scores[B, N, 1,
+        """The one-token decision (:meth:`lead_one_token`) of the leaders of one or several layers (``states``, each
+        with leaders and as many stored positions), from their scores side by side, in order: ``scores[B, N, 1,
         positions]`` and the held tokens they saw ``limits[B, N, 1]`` (:func:`kvjax.methods.recall.scores.
         seen_limits`), ``N`` the layers' leaders. Returns the states after it. Every layer with leaders counts the same
         one-token calls (``steps``)."""
@@ -216,10 +223,12 @@ class LeaderFollowerMethod(abc.ABC):
         out, state = append_attend(state, q, k, v, self.implementation, ctx.mesh)
         if not self.recalls:
             return out, state
-        if state.plan.leaders and not multi and schedule.decides_after_layers:
+        if state.plan.leaders and multi:
+            state = self.lead(state, q, ctx.pad, ctx.mesh)
+        elif state.plan.leaders and schedule.decides_after_layers:
             state = state.replace(query=q.astype(state.query.dtype))  # decided after the layers (lead_layers)
         elif state.plan.leaders:
-            state = self.lead(state, q, ctx.pad, ctx.mesh)
+            state = self.lead_one_token([state], [q], ctx.pad, ctx.mesh)[0]
         if multi:
             return out, refresh_all(state, ctx.layers, ctx.layer, ctx.mesh)
         return out, schedule.step(state, ctx.layers, ctx.layer, ctx.mesh)

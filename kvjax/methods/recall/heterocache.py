@@ -345,18 +345,15 @@ class HeteroCache(LeaderFollowerMethod):
         return (steps % self.window == 0) & (small_median(window, axis=0) < self.tau_drift)
 
     def lead(self, state, q, pad, mesh):
-        """The drift check. One token: score it, record its overlap, and at the window's last step decide on the
-        median of the window's overlaps. A multi-token call: its last ``min(T, window)`` queries decide at once."""
+        """The drift check of a multi-token call: its last ``min(T, window)`` queries decide at once, on the median
+        of their overlaps."""
         scores, sets, overlap = self.scored(state, q, mesh)
-        if q.shape[1] > 1:
-            return self.publish_drift(state, jnp.median(overlap, axis=-1) < self.tau_drift, scores, sets, pad)
-        window = self.recorded(state.tracker.overlap, overlap[..., 0], state.steps)
-        state = state.replace(tracker=state.tracker.replace(overlap=window))
-        return self.publish_drift(state, self.drifted(window, state.steps), scores, sets, pad)
+        return self.publish_drift(state, jnp.median(overlap, axis=-1) < self.tau_drift, scores, sets, pad)
 
     def decide_at_once(self, states, scores, limits, pad):
-        """The one-token drift check of the pivots of several layers side by side (:meth:`lead`'s). Each layer's
-        tracker is updated from its own arrays, so the update is in place."""
+        """The one-token drift check of the pivots of one or several layers side by side: record each pivot's
+        overlap, and at the window's last step decide on the median of the window's overlaps. Each layer's tracker
+        is updated from its own arrays, so the update is in place."""
         steps = states[0].steps
         sets, overlap = self.overlaps(scores, limits, jnp.concatenate([st.tracker.ref for st in states], axis=1),
                                       states[0].tracker.base)

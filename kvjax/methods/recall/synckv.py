@@ -317,16 +317,14 @@ class SyncKV(LeaderFollowerMethod):
         return layer.replace(tracker=RepresentativeTracker(static=static, static_rows=static_rows, keep_rows=k_rows))
 
     def lead(self, state, q, pad, mesh):
-        """Anticipation: the R-heads pick the best ``k_dyn`` prompt tokens outside their static sets for the call's
-        last query. A one-token call scores every step and publishes on every ``stride``-th (predicated); a
-        multi-token call publishes."""
+        """Anticipation after a multi-token call: the R-heads pick the best ``k_dyn`` prompt tokens outside their
+        static sets for the call's last query, and publish."""
         plan = state.plan
         qg = leader_queries(q, plan.leaders, len(plan.capacities))[:, -1:]
         scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
                               mesh=mesh)[:, :, -1]  # [B, n, positions]
         picks = self.anticipated(scores, state.tracker.static, state.prompt_len, pad, state.picks.shape[-1])
-        due = state.steps % self.stride == 0 if q.shape[1] == 1 else True
-        return publish(state, jnp.full(state.version.shape, due, bool), picks)
+        return publish(state, jnp.ones(state.version.shape, bool), picks)
 
     @staticmethod
     def anticipated(scores, static, prompt_len, pad, width: int):
@@ -335,7 +333,8 @@ class SyncKV(LeaderFollowerMethod):
         return top_slots(jnp.where(static, -jnp.inf, prompt_only(scores, prompt_len)), pad, width)
 
     def decide_at_once(self, states, scores, limits, pad):
-        """The one-token anticipation of the R-heads of several layers side by side (:meth:`lead`'s)."""
+        """The one-token anticipation of the R-heads of one or several layers side by side: scored every step,
+        published on every ``stride``-th (predicated)."""
         width = max(st.picks.shape[-1] for st in states)  # a narrower top is a prefix of the widest
         static = jnp.concatenate([st.tracker.static for st in states], axis=1)
         picks = self.anticipated(scores[:, :, -1], static, states[0].prompt_len, pad, width)
