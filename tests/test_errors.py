@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -127,6 +129,21 @@ def test_missing_model_package(monkeypatch):
 def test_unknown_method():
     with pytest.raises(ValueError, match="unknown method 'nope'; available: chunked_eviction, full"):
         kvjax.get_method("nope")
+
+
+def _methods_with(field: str) -> list[str]:
+    return sorted(n for n, cls in kvjax.methods.METHODS.items() if field in {f.name for f in dataclasses.fields(cls)})
+
+
+@pytest.mark.parametrize("name, option, message",
+                         [(n, {"page_size": 0}, r"page_size( and block)? must be positive, got 0")
+                          for n in _methods_with("page_size")]
+                         + [(n, {"implementation": "cuda"}, "unknown attention implementation 'cuda'")
+                            for n in _methods_with("implementation")])
+def test_every_method_rejects_a_bad_page_size_or_implementation(name, option, message):
+    budget = {"budget": 0.25} if name in _methods_with("budget") else {}
+    with pytest.raises(ValueError, match=message):
+        kvjax.get_method(name, **budget, **option)
 
 
 def test_every_subcommand_answers_help(capsys):

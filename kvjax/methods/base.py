@@ -141,6 +141,12 @@ class BoundedEvictionMethod(LayerLocal):
     dataclasses with ``page_size`` and ``implementation`` fields): their own prefill (no shared staging), the
     survivors into page pools, decoding that appends without eviction."""
 
+    def check_paging(self) -> None:
+        """Validate ``page_size`` and ``implementation`` (call from ``__post_init__``)."""
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        resolve_implementation(self.implementation)
+
     def recording(self) -> None:
         """Own prefill (eviction during prefill): no shared staging."""
         return None

@@ -32,7 +32,6 @@ from typing import Any
 import jax.numpy as jnp
 
 from kvjax.artifacts import no_artifact
-from kvjax.attention import resolve_implementation
 from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, check_schedule, init_bounded, paged_facts,
                                    prefill_in_pieces)
 from kvjax.budgets import budget_facts, check_budget
@@ -81,9 +80,7 @@ class ChunkedEviction(BoundedEvictionMethod):
         if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0 or self.sinks < 0:
             raise ValueError(f"chunked_eviction: need window >= 1, an odd kernel >= 1 and sinks >= 0, got "
                              f"{self.window}, {self.kernel}, {self.sinks}")
-        if self.page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {self.page_size}")
-        resolve_implementation(self.implementation)
+        self.check_paging()
 
     @property
     def n_stabilizers(self) -> int | float:

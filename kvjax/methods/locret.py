@@ -58,7 +58,6 @@ from typing import Any
 import jax.numpy as jnp
 
 from kvjax.artifacts import installed_artifact, load_artifact, require_artifact
-from kvjax.attention import resolve_implementation
 from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
                                    init_bounded, paged_facts, prefill_in_pieces)
 from kvjax.budgets import budget_facts, check_budget
@@ -132,9 +131,7 @@ class Locret(BoundedEvictionMethod):
             raise ValueError(f"locret: heads must be one of {', '.join(HEADS)} or a heads .npz file, got {self.heads!r}")
         if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"locret: pool must be an odd int >= 1 (1: no pooling), got {self.pool!r}")
-        if self.page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {self.page_size}")
-        resolve_implementation(self.implementation)
+        self.check_paging()
 
     # -- sizes
     def sizes(self, spec: CacheSpec) -> tuple[int, int]:
