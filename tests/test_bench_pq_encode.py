@@ -1,0 +1,36 @@
+"""`python -m evals.bench_pq_encode`: both encoding forms against a numpy nearest-centroid search, and the report."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+
+from evals import bench_pq_encode
+from kvjax.pq_codebooks import encode_keys
+
+
+def test_both_forms_give_numpys_nearest_centroids():
+    """Keys and centroids on a grid of 1/8 (every distance exact in f32, no near-ties): both forms, at a block that
+    splits the tokens and at one that does not, pick numpy's nearest centroid (the first of equals)."""
+    rng = np.random.default_rng(0)
+    B, H, S, D, g, c = 2, 2, 40, 8, 4, 16
+    k = rng.integers(-16, 16, (B, H, S, D)).astype(np.float32) / 8
+    cb = rng.integers(-16, 16, (H, g, c, D // g)).astype(np.float32) / 8
+    d2 = ((k.reshape(B, H, S, g, 1, D // g) - cb[None, :, None]) ** 2).sum(-1)  # [B, H, S, g, c]
+    want = d2.argmin(-1)
+    for block in (4 * B * H * 8 * g * c, 2**20):  # 8 tokens per block, or all of them
+        np.testing.assert_array_equal(np.asarray(encode_keys(k, cb, block_bytes=block)), want)
+        np.testing.assert_array_equal(np.asarray(bench_pq_encode.encode_with_dot(k, cb, block_bytes=block)), want)
+
+
+def test_report_rows(tmp_path):
+    out = tmp_path / "e.md"
+    assert bench_pq_encode.main(["--tokens", "32", "--groups", "16", "--centroids", "64", "--block-mib", "1,4",
+                                 "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert [(r["form"], r["block_mib"]) for r in report["rows"]] == [("dot", 4), ("dot", 1), ("sum", 4), ("sum", 1)]
+    assert report["rows"][0]["codes_differing"] == 0 and all(r["codes"] == 4 * 2 * 32 * 16 for r in report["rows"])
+    assert report["jax"] == jax.__version__
+    assert out.read_text().count("\n| ") == 5  # the header and four rows
