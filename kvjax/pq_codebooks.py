@@ -59,10 +59,10 @@ from kvjax.selection import top_p_select
 KIND = "hcattention"
 HIGHEST = lax.Precision.HIGHEST
 SCORE_CHUNK = 256  # K-means batch points scored per chunk (bounds the [N, chunk, c] distance block)
-# encoding's distance block per platform: on a CPU one that stays in its caches (8 MiB encodes 15x faster than
-# 256 MiB); elsewhere few large blocks (each block is one step of a sequential loop)
-ENCODE_BLOCK_BYTES = {"cpu": 8 * 2**20}
-ENCODE_BLOCK_BYTES_ELSEWHERE = 512 * 2**20
+# encoding's distance block: on a CPU one that stays in its caches (8 MiB encodes 2-3x faster than 512 MiB:
+# evals.bench_pq_encode); elsewhere few large blocks (each block is one step of a sequential loop)
+ENCODE_BLOCK_BYTES_CPU = 8 * 2**20
+ENCODE_BLOCK_BYTES = 512 * 2**20
 
 
 def code_dtype(num_centroids: int):
@@ -93,7 +93,7 @@ def _first_argmin(s):
 def _dots(x, cents):
     """``x . C`` over the last axis (``d``, a few dims) of ``x[..., 1, d]`` and ``cents[..., c, d]``, f32: the ``d``
     products summed in order, as elementwise work XLA fuses with what follows (a dot of 2-4 terms per output, as
-    ``einsum``, runs 10-15x slower on a CPU)."""
+    ``einsum``, runs 2-5x slower on a CPU: :mod:`evals.bench_pq_encode`)."""
     out = x[..., 0] * cents[..., 0]
     for i in range(1, x.shape[-1]):
         out = out + x[..., i] * cents[..., i]
@@ -228,9 +228,9 @@ def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = No
     Nearest centroid per group by squared Euclidean distance (argmin of ``||C||^2 - 2 k.C``, f32, the
     ``d`` products summed elementwise: :func:`_dots`; ties go to the lower index), computed over ``S``
     in chunks of at most ``chunk`` tokens (``S`` padded), fewer where the distance block,
-    ``4 * B * H_kv * chunk * g * c`` bytes, would exceed ``block_bytes`` (default: the default
-    backend's :data:`ENCODE_BLOCK_BYTES`, else ``ENCODE_BLOCK_BYTES_ELSEWHERE``). uint8 codes for
-    ``c <= 256``, else uint16. Jittable.
+    ``4 * B * H_kv * chunk * g * c`` bytes, would exceed ``block_bytes`` (default:
+    :data:`ENCODE_BLOCK_BYTES_CPU` where the default backend is a CPU, else :data:`ENCODE_BLOCK_BYTES`).
+    uint8 codes for ``c <= 256``, else uint16. Jittable.
     """
     _check_layout(k, codebooks)
     B, H, S, D = k.shape
@@ -239,7 +239,7 @@ def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = No
     cb = codebooks.astype(jnp.float32)
     cn = jnp.sum(cb * cb, axis=-1)  # [H, g, c]
     if block_bytes is None:
-        block_bytes = ENCODE_BLOCK_BYTES.get(jax.default_backend(), ENCODE_BLOCK_BYTES_ELSEWHERE)
+        block_bytes = ENCODE_BLOCK_BYTES_CPU if jax.default_backend() == "cpu" else ENCODE_BLOCK_BYTES
     size = max(1, min(int(chunk), S, int(block_bytes) // (4 * B * H * g * c)))
     n = -(-S // size)
     kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, 0), (0, n * size - S), (0, 0)))
