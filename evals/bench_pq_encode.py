@@ -5,8 +5,9 @@ with ``k.C`` the ``d = D / g`` products summed elementwise (``_dots``), over blo
 stays under ``block_bytes``. This benchmark times one layer's encoding of random keys ``[rows, H_kv, tokens, D]``
 (``D / g`` dims per group, ``c`` centroids per group, both from a seed) in two forms:
 
-* ``dot``: the same argmin with ``k.C`` as ``einsum(..., precision=HIGHEST)`` (a dot of ``d`` terms per output);
-* ``sum``: ``encode_keys`` itself;
+* ``dot``: ``encode_keys(..., products="dot")``, ``k.C`` as ``einsum(..., precision=HIGHEST)`` (a dot of ``d``
+  terms per output);
+* ``sum``: ``encode_keys`` as it encodes by default;
 
 for each ``--block-mib``, best of ``--repeats`` runs after a compiling one, and counts the codes that differ from
 the dot form at the largest block (the two forms round ``k.C`` differently in the last bit, which moves near-ties).
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import platform
@@ -29,33 +29,9 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 DEFAULT_OUT = "docs/results/hcattention_encode/encode_cpu.md"
-
-
-@functools.partial(jax.jit, static_argnames=("block_bytes",))
-def encode_with_dot(k, codebooks, *, block_bytes: int):
-    """``encode_keys`` with ``k.C`` as a dot (``einsum``, HIGHEST precision; ties to the lower index, as
-    ``jnp.argmin``): the form this benchmark compares."""
-    from kvjax.pq_codebooks import code_dtype
-
-    B, H, S, D = k.shape
-    _, g, c, d = codebooks.shape
-    cb = codebooks.astype(jnp.float32)
-    cn = jnp.sum(cb * cb, axis=-1)
-    size = max(1, min(1024, S, int(block_bytes) // (4 * B * H * g * c)))
-    n = -(-S // size)
-    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, 0), (0, n * size - S), (0, 0)))
-    kc = kp.reshape(B, H, n, size, g, d).transpose(2, 0, 1, 3, 4, 5)
-
-    def one(x):
-        dots = jnp.einsum("bhsgd,hgcd->bhsgc", x, cb, precision=lax.Precision.HIGHEST)
-        return jnp.argmin(cn[None, :, None] - 2.0 * dots, axis=-1).astype(code_dtype(c))
-
-    return lax.map(one, kc).transpose(1, 2, 0, 3, 4).reshape(B, H, n * size, g)[:, :, :S]
 
 
 def best_seconds(fn, repeats: int) -> tuple[float, np.ndarray]:
@@ -100,8 +76,8 @@ def main(argv=None) -> int:
     rows, reference = [], None
     for form in ("dot", "sum"):
         for mib in blocks:
-            fn = encode_with_dot if form == "dot" else encode_keys
-            sec, codes = best_seconds(lambda: fn(k, cb, block_bytes=mib * 2**20), args.repeats)
+            sec, codes = best_seconds(lambda: encode_keys(k, cb, block_bytes=mib * 2**20, products=form),
+                                      args.repeats)
             if reference is None:
                 reference = codes
             rows.append({"form": form, "block_mib": mib, "seconds": sec,

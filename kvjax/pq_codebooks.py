@@ -59,7 +59,7 @@ from kvjax.selection import top_p_select
 KIND = "hcattention"
 HIGHEST = lax.Precision.HIGHEST
 SCORE_CHUNK = 256  # K-means batch points scored per chunk (bounds the [N, chunk, c] distance block)
-# encoding's distance block: on a CPU one that stays in its caches (8 MiB encodes 2-3x faster than 512 MiB:
+# encoding's distance block: on a CPU one that stays in its caches (8 MiB encodes 1.6-2.5x faster than 512 MiB:
 # evals.bench_pq_encode); elsewhere few large blocks (each block is one step of a sequential loop)
 ENCODE_BLOCK_BYTES_CPU = 8 * 2**20
 ENCODE_BLOCK_BYTES = 512 * 2**20
@@ -93,7 +93,7 @@ def _first_argmin(s):
 def _dots(x, cents):
     """``x . C`` over the last axis (``d``, a few dims) of ``x[..., 1, d]`` and ``cents[..., c, d]``, f32: the ``d``
     products summed in order, as elementwise work XLA fuses with what follows (a dot of 2-4 terms per output, as
-    ``einsum``, runs 2-5x slower on a CPU: :mod:`evals.bench_pq_encode`)."""
+    ``einsum``, runs 2-8x slower on a CPU: :mod:`evals.bench_pq_encode`)."""
     out = x[..., 0] * cents[..., 0]
     for i in range(1, x.shape[-1]):
         out = out + x[..., i] * cents[..., i]
@@ -221,17 +221,23 @@ def _check_layout(k, codebooks):
         raise ValueError(f"keys {k.shape} do not match codebooks {codebooks.shape}: need H_kv={H} and D={g} x {d}")
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_bytes"))
-def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = None):
+PRODUCT_FORMS = ("sum", "dot")
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "block_bytes", "products"))
+def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = None, products: str = "sum"):
     """PQ codes ``[B, H_kv, S, g]`` of keys ``k[B, H_kv, S, D]`` for ``codebooks[H_kv, g, c, D // g]``.
 
-    Nearest centroid per group by squared Euclidean distance (argmin of ``||C||^2 - 2 k.C``, f32, the
-    ``d`` products summed elementwise: :func:`_dots`; ties go to the lower index), computed over ``S``
-    in chunks of at most ``chunk`` tokens (``S`` padded), fewer where the distance block,
-    ``4 * B * H_kv * chunk * g * c`` bytes, would exceed ``block_bytes`` (default:
-    :data:`ENCODE_BLOCK_BYTES_CPU` where the default backend is a CPU, else :data:`ENCODE_BLOCK_BYTES`).
-    uint8 codes for ``c <= 256``, else uint16. Jittable.
+    Nearest centroid per group by squared Euclidean distance (argmin of ``||C||^2 - 2 k.C``, f32; ties go
+    to the lower index), computed over ``S`` in chunks of at most ``chunk`` tokens (``S`` padded), fewer
+    where the distance block, ``4 * B * H_kv * chunk * g * c`` bytes, would exceed ``block_bytes``
+    (default: :data:`ENCODE_BLOCK_BYTES_CPU` where the default backend is a CPU, else
+    :data:`ENCODE_BLOCK_BYTES`). ``products``: ``k.C`` as the ``d`` products summed elementwise
+    (``"sum"``, :func:`_dots`) or as a dot (``"dot"``: ``einsum``, HIGHEST precision, as the K-means
+    fit; :mod:`evals.bench_pq_encode` compares them). uint8 codes for ``c <= 256``, else uint16. Jittable.
     """
+    if products not in PRODUCT_FORMS:
+        raise ValueError(f"products must be one of {', '.join(PRODUCT_FORMS)}, got {products!r}")
     _check_layout(k, codebooks)
     B, H, S, D = k.shape
     _, g, c, d = codebooks.shape
@@ -246,7 +252,10 @@ def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = No
     kc = kp.reshape(B, H, n, size, g, d).transpose(2, 0, 1, 3, 4, 5)  # [n, B, H, size, g, d]
 
     def one(x):  # [B, H, size, g, d]
-        dots = _dots(x[..., None, :], cb[None, :, None])  # [B, H, size, g, c]
+        if products == "dot":
+            dots = jnp.einsum("bhsgd,hgcd->bhsgc", x, cb, precision=HIGHEST)
+        else:
+            dots = _dots(x[..., None, :], cb[None, :, None])  # [B, H, size, g, c]
         return _first_argmin(cn[None, :, None] - 2.0 * dots).astype(out_dtype)
 
     codes = lax.map(one, kc)  # [n, B, H, size, g]

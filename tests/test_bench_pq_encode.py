@@ -1,4 +1,5 @@
-"""`python -m evals.bench_pq_encode`: both encoding forms against a numpy nearest-centroid search, and the report."""
+"""`python -m evals.bench_pq_encode`: both forms of ``encode_keys`` against a numpy nearest-centroid search, and the
+report."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from evals import bench_pq_encode
 from kvjax.pq_codebooks import encode_keys
@@ -21,8 +23,13 @@ def test_both_forms_give_numpys_nearest_centroids():
     d2 = ((k.reshape(B, H, S, g, 1, D // g) - cb[None, :, None]) ** 2).sum(-1)  # [B, H, S, g, c]
     want = d2.argmin(-1)
     for block in (4 * B * H * 8 * g * c, 2**20):  # 8 tokens per block, or all of them
-        np.testing.assert_array_equal(np.asarray(encode_keys(k, cb, block_bytes=block)), want)
-        np.testing.assert_array_equal(np.asarray(bench_pq_encode.encode_with_dot(k, cb, block_bytes=block)), want)
+        for products in ("sum", "dot"):
+            np.testing.assert_array_equal(np.asarray(encode_keys(k, cb, block_bytes=block, products=products)), want)
+
+
+def test_an_unknown_product_form_is_refused():
+    with pytest.raises(ValueError, match="products must be one of sum, dot, got 'matmul'"):
+        encode_keys(np.zeros((1, 1, 4, 4), np.float32), np.zeros((1, 2, 4, 2), np.float32), products="matmul")
 
 
 def test_report_rows(tmp_path):
