@@ -31,8 +31,9 @@ over many independent problems (every (KV head, group) of a layer at once):
   centroids no key uses, so the cost of this choice is measured rather than assumed.
 
 Cost per layer and step: ``H_kv * g * batch * c`` distances of ``d`` dims (the assignments), i.e.
-proportional to ``layers * iterations * batch * H_kv * g * c``; memory per step
-``4 * H_kv * g * min(batch, 256) * c`` bytes (the batch is scored in chunks of 256). Measured on
+proportional to ``layers * iterations * batch * H_kv * g * c``; the batch is scored in chunks whose distance
+block ``4 * H_kv * g * chunk * c`` bytes stays within :func:`distance_block_bytes` (at most 256 points; the
+assignments do not depend on the chunk). Measured on
 qwen2.5-coder-0.5b (2 KV heads, D = 64, c = 256, 12,288 training keys, 2-core CPU): about 13 s per
 layer for g = 32 and 6 s for g = 16 at 100 steps of 4096; the held-out key error is already flat
 after 25 such steps, and 100 steps of 1024 reach the same error (layers 0, 12, 23 checked).
@@ -58,11 +59,18 @@ from kvjax.selection import top_p_select
 
 KIND = "hcattention"
 HIGHEST = lax.Precision.HIGHEST
-SCORE_CHUNK = 256  # K-means batch points scored per chunk (bounds the [N, chunk, c] distance block)
-# encoding's distance block: on a CPU one that stays in its caches (8 MiB encodes 1.6-2.5x faster than 512 MiB:
-# evals.bench_pq_encode); elsewhere few large blocks (each block is one step of a sequential loop)
+SCORE_CHUNK = 256  # most K-means batch points scored per chunk
+# the distance block of encoding and of the K-means assignments: on a CPU one that stays in its caches (8 MiB
+# encodes 1.6-2.5x faster than 512 MiB: evals.bench_pq_encode; the c = 8192 fit's steps 1.8x faster than its
+# earlier 256-point chunks, 256 MiB); elsewhere few large blocks (each block is one step of a sequential loop)
 ENCODE_BLOCK_BYTES_CPU = 8 * 2**20
 ENCODE_BLOCK_BYTES = 512 * 2**20
+
+
+def distance_block_bytes() -> int:
+    """Bytes of one ``[..., c]`` distance block on the default backend (:data:`ENCODE_BLOCK_BYTES_CPU` on a CPU,
+    else :data:`ENCODE_BLOCK_BYTES`)."""
+    return ENCODE_BLOCK_BYTES_CPU if jax.default_backend() == "cpu" else ENCODE_BLOCK_BYTES
 
 
 def code_dtype(num_centroids: int):
@@ -112,13 +120,15 @@ def _nearest(x, cents):
 
 
 def _nearest_chunked(x, cents, chunk: int):
-    """:func:`_nearest` over ``x``'s points in chunks of ``chunk`` (``m`` a multiple of ``chunk``)."""
+    """:func:`_nearest` over ``x``'s points in chunks of ``chunk`` (the last padded; its extra points dropped)."""
     N, m, d = x.shape
     if m <= chunk:
         return _nearest(x, cents)
-    xs = x.reshape(N, m // chunk, chunk, d).transpose(1, 0, 2, 3)
-    out = lax.map(lambda xc: _nearest(xc, cents), xs)  # [m // chunk, N, chunk]
-    return out.transpose(1, 0, 2).reshape(N, m)
+    n = -(-m // chunk)
+    xp = jnp.pad(x, ((0, 0), (0, n * chunk - m), (0, 0)))
+    xs = xp.reshape(N, n, chunk, d).transpose(1, 0, 2, 3)
+    out = lax.map(lambda xc: _nearest(xc, cents), xs)  # [n, N, chunk]
+    return out.transpose(1, 0, 2).reshape(N, n * chunk)[:, :m]
 
 
 def _kmeanspp(x, key, c: int):
@@ -151,8 +161,8 @@ def _kmeanspp(x, key, c: int):
     return cents
 
 
-@functools.partial(jax.jit, static_argnames=("c", "iterations", "batch", "init_size"))
-def _kmeans(x, key, *, c: int, iterations: int, batch: int, init_size: int):
+@functools.partial(jax.jit, static_argnames=("c", "iterations", "batch", "init_size", "chunk"))
+def _kmeans(x, key, *, c: int, iterations: int, batch: int, init_size: int, chunk: int):
     N, n, d = x.shape
     rows = jnp.arange(N)[:, None]
     key, k_init, k_sub = jax.random.split(key, 3)
@@ -162,17 +172,15 @@ def _kmeans(x, key, *, c: int, iterations: int, batch: int, init_size: int):
     else:
         seeds_from = x
     cents = _kmeanspp(seeds_from, k_init, c)
-    chunk = min(batch, SCORE_CHUNK)
-    padded = -(-batch // chunk) * chunk  # score a whole number of chunks; the extra points are dropped
     seg = (jnp.arange(N)[:, None] * c)  # [N, 1] offset of each problem's centres
 
     def step(t, carry):
         cents, counts = carry
-        idx = jax.random.randint(jax.random.fold_in(key, t), (N, padded), 0, n)
-        xb = x[rows, idx]  # [N, padded, d]
-        assign = _nearest_chunked(xb, cents, chunk)[:, :batch]
+        idx = jax.random.randint(jax.random.fold_in(key, t), (N, batch), 0, n)
+        xb = x[rows, idx]  # [N, batch, d]
+        assign = _nearest_chunked(xb, cents, chunk)
         ids = (seg + assign).reshape(-1)
-        sums = jax.ops.segment_sum(xb[:, :batch].reshape(-1, d), ids, num_segments=N * c).reshape(N, c, d)
+        sums = jax.ops.segment_sum(xb.reshape(-1, d), ids, num_segments=N * c).reshape(N, c, d)
         got = jax.ops.segment_sum(jnp.ones_like(ids, jnp.float32), ids, num_segments=N * c).reshape(N, c)
         total = counts + got
         # running mean of every point ever assigned (per-point learning rate 1 / count)
@@ -206,8 +214,9 @@ def kmeans_minibatch(points, num_centroids: int, *, iterations: int = 100, batch
     if iterations < 0 or batch < 1:
         raise ValueError(f"need iterations >= 0 and batch >= 1, got iterations={iterations}, batch={batch}")
     init_size = min(n, max(3 * batch, 3 * c))
+    chunk = max(1, min(int(batch), SCORE_CHUNK, distance_block_bytes() // (4 * N * c)))
     return _kmeans(x, jax.random.PRNGKey(seed), c=c, iterations=int(iterations), batch=int(batch),
-                   init_size=init_size)
+                   init_size=init_size, chunk=chunk)
 
 
 # --------------------------------------------------------------------------------- encode / decode
@@ -231,8 +240,7 @@ def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = No
     Nearest centroid per group by squared Euclidean distance (argmin of ``||C||^2 - 2 k.C``, f32; ties go
     to the lower index), computed over ``S`` in chunks of at most ``chunk`` tokens (``S`` padded), fewer
     where the distance block, ``4 * B * H_kv * chunk * g * c`` bytes, would exceed ``block_bytes``
-    (default: :data:`ENCODE_BLOCK_BYTES_CPU` where the default backend is a CPU, else
-    :data:`ENCODE_BLOCK_BYTES`). ``products``: ``k.C`` as the ``d`` products summed elementwise
+    (default: :func:`distance_block_bytes`). ``products``: ``k.C`` as the ``d`` products summed elementwise
     (``"sum"``, :func:`_dots`) or as a dot (``"dot"``: ``einsum``, HIGHEST precision, as the K-means
     fit; :mod:`evals.bench_pq_encode` compares them). uint8 codes for ``c <= 256``, else uint16. Jittable.
     """
@@ -245,7 +253,7 @@ def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = No
     cb = codebooks.astype(jnp.float32)
     cn = jnp.sum(cb * cb, axis=-1)  # [H, g, c]
     if block_bytes is None:
-        block_bytes = ENCODE_BLOCK_BYTES_CPU if jax.default_backend() == "cpu" else ENCODE_BLOCK_BYTES
+        block_bytes = distance_block_bytes()
     size = max(1, min(int(chunk), S, int(block_bytes) // (4 * B * H * g * c)))
     n = -(-S // size)
     kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, 0), (0, n * size - S), (0, 0)))

@@ -54,6 +54,21 @@ def test_kmeans_with_batch_of_everything_is_the_running_mean():
     np.testing.assert_allclose(got[:, 0], pts.mean(axis=1), atol=0.1)  # 40 * 256 draws with replacement
 
 
+
+def test_kmeans_does_not_depend_on_the_scoring_chunk(monkeypatch):
+    """The batch's points are scored in chunks sized by the distance block: chunks of 7 points (250 = 35 * 7 + 5,
+    the last padded) give the same centres as one unpadded chunk of the whole batch, so the padding joins no
+    centre's mean and the assignments do not depend on the chunk."""
+    import kvjax.pq_codebooks as pq
+
+    pts = 10.0 + np.random.default_rng(5).standard_normal((2, 900, 3)).astype(np.float32)  # far from the zero pad
+    whole = np.asarray(kmeans_minibatch(pts, 5, iterations=20, batch=250, seed=1))
+    for name in ("ENCODE_BLOCK_BYTES_CPU", "ENCODE_BLOCK_BYTES"):
+        monkeypatch.setattr(pq, name, 4 * 2 * 7 * 5)  # 4 bytes * 2 problems * 7 points * 5 centres
+    chunked = np.asarray(kmeans_minibatch(pts, 5, iterations=20, batch=250, seed=1))
+    np.testing.assert_array_equal(whole, chunked)
+
+
 def test_interrupted_fit_resumes_from_its_checkpoint(tmp_path):
     """A fit stopped after its first layer resumes at the second and equals an uninterrupted fit; a checkpoint of
     another fit (another seed) is ignored."""
