@@ -9,8 +9,9 @@ Budgets are fractions of the prompt's KV kept on the device (:mod:`kvjax.budgets
 row's own prompt length (never to the left padding up to a multiple of the prefill chunk).
 
 Outputs in ``<out_root>/<run_name>/``:
-* ``samples.jsonl``: one record per (sample, method, budget), appended and flushed per batch, so an
-  interrupted run resumes where it stopped (records already present are skipped). A record's
+* ``samples.jsonl``: one record per (sample, method, budget), appended and flushed per method and budget of
+  each batch, so an interrupted run resumes where it stopped (records already present are skipped; the batch's
+  shared prefill runs again). A record's
   ``device_bytes`` is its share of the batch's cache plus the whole artifact (codebooks, trained
   heads: held once whatever the batch; also ``artifact_device_bytes``). Records written before
   this rule divided the artifact by the batch's rows;
@@ -231,7 +232,6 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 first.block_until_ready()
             prefill_s = time.perf_counter() - t0
-            records = []
             for name, blabel, method in missing:
                 if bar is not None:
                     bar.set_postfix_str(f"{task} {length} {name} {blabel}")
@@ -255,6 +255,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 selection = {k: v for k, v in final_stats.items() if k in SELECTION_STATS}
                 gen, count = np.asarray(gen), np.asarray(count)
                 elapsed = time.perf_counter() - t0
+                records = []
                 for b, s in enumerate(batch):
                     if (task, length, s.index, name, blabel) in done:
                         continue
@@ -272,6 +273,10 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                             "bytes_recalled": recalls["bytes_recalled"] // len(rows)} if recalls else {}),
                         **selection,
                     })
+                for r in records:
+                    out.write(json.dumps(r) + "\n")
+                out.flush()
+                written += len(records)
                 if bar is not None:
                     bar.update()
                 # A batch's longest row is part of the cache spec (static), so every batch compiles each method
@@ -279,10 +284,6 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 del cache, final
                 jax.clear_caches()
             del staged
-            for r in records:
-                out.write(json.dumps(r) + "\n")
-            out.flush()
-            written += len(records)
     if bar is not None:
         bar.close()
     return written

@@ -61,6 +61,34 @@ def test_kvjax_eval_writes_every_output_and_resumes(tiny_chat_model, tmp_path):
     assert all(by_key[(r["task"], r["index"], r["method"], r["budget"])] == r["output"] for r in again)
 
 
+def test_a_run_interrupted_inside_a_batch_keeps_its_finished_configurations(tiny_chat_model, tmp_path, monkeypatch):
+    """Records are flushed per method and budget: a run stopped while decoding a batch's second configuration keeps
+    the first one's records, and resuming computes only the rest."""
+    import kvjax.decoding
+
+    argv = ["eval", "--model", tiny_chat_model, "--methods", "snapkv", "--budgets", "0.5", "--tasks", "passkey",
+            "--lengths", "384", "--samples", "2", "--batch-size", "2", "--chunk-size", "128", "--out-root",
+            str(tmp_path), "--run-name", "t", "--fidelity-texts", "0", "--no-progress"]
+    real, calls = kvjax.decoding.decode_loop, []
+
+    def stopped_on_the_second_configuration(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kvjax.decoding, "decode_loop", stopped_on_the_second_configuration)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(argv)
+    first = _lines(tmp_path / "t" / "samples.jsonl")
+    assert sorted((r["method"], r["index"]) for r in first) == [("full", 0), ("full", 1)]
+    monkeypatch.setattr(kvjax.decoding, "decode_loop", real)
+    assert cli_main(argv) == 0
+    records = _lines(tmp_path / "t" / "samples.jsonl")
+    assert sorted((r["method"], r["index"]) for r in records) == [("full", 0), ("full", 1), ("snapkv", 0), ("snapkv", 1)]
+    assert records[:2] == first
+
+
 def test_eval_bad_input(tiny_chat_model, tmp_path):
     assert cli_main(["eval", "--model", tiny_chat_model, "--methods", "nope", "--out-root", str(tmp_path)]) == 2
     assert cli_main(["eval", "--model", tiny_chat_model, "--tasks", "sudoku", "--out-root", str(tmp_path)]) == 2
