@@ -61,7 +61,7 @@ KIND = "hcattention"
 HIGHEST = lax.Precision.HIGHEST
 SCORE_CHUNK = 256  # most K-means batch points scored per chunk
 # the distance block of encoding and of the K-means assignments: on a CPU one that stays in its caches (8 MiB
-# encodes 1.6-2.5x faster than 512 MiB: evals.bench_pq_encode; the c = 8192 fit's steps 1.8x faster than its
+# encodes 1.6-2.5x faster than 512 MiB: evals.bench_pq_encode; the c = 8192 fit's steps 1.6x faster than its
 # earlier 256-point chunks, 256 MiB); elsewhere few large blocks (each block is one step of a sequential loop)
 ENCODE_BLOCK_BYTES_CPU = 8 * 2**20
 ENCODE_BLOCK_BYTES = 512 * 2**20
