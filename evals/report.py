@@ -64,15 +64,18 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
     configs = sorted(by_config, key=lambda k: _config_key(k[0], k[1], methods_order))
     tasks = sorted({k[2] for k in cells}, key=lambda t: list(config.get("tasks", [])).index(t) if t in config.get("tasks", []) else 99)
     lengths = sorted({k[3] for k in cells})
+    # the mean of each row is over the (task, length) cells every row has, so the rows of an unfinished run compare
+    common = [(t, n) for t in tasks for n in lengths if all(cells.get((m, b, t, n)) for m, b in configs)]
     rows = []
     for m, b in configs:
+        scores = [s for t, n in common for s in cells[(m, b, t, n)]] or by_config[(m, b)]  # no common cell: its own
         full_bytes = [np.mean(bytes_[("full", "full", n)]) for n in lengths if bytes_.get(("full", "full", n))]
         my_bytes = [np.mean(bytes_[(m, b, n)]) for n in lengths if bytes_.get((m, b, n))]
         row = {
             "method": m, "budget": b,
             "accuracy": {f"{t}@{n}": 100 * float(np.mean(cells[(m, b, t, n)])) for t in tasks for n in lengths if cells.get((m, b, t, n))},
             "samples": {f"{t}@{n}": len(cells[(m, b, t, n)]) for t in tasks for n in lengths if cells.get((m, b, t, n))},
-            "mean_accuracy": 100 * float(np.mean(by_config[(m, b)])),
+            "mean_accuracy": 100 * float(np.mean(scores)),
             "device_bytes": {str(n): float(np.mean(bytes_[(m, b, n)])) for n in lengths if bytes_.get((m, b, n))},
             "host_bytes": {str(n): float(np.mean(host[(m, b, n)])) for n in lengths if host.get((m, b, n))},
             "device_bytes_vs_full": float(np.mean(my_bytes) / np.mean(full_bytes)) if my_bytes and full_bytes and len(my_bytes) == len(full_bytes) else None,
@@ -91,7 +94,8 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
                     grid[i, j] = 100 * float(np.mean(s))
         heat[f"{m}@{b}"] = grid.tolist()
     fid = sorted(fidelity, key=lambda r: (r["prefix_tokens"], _config_key(r["method"], r["budget"], methods_order)))
-    return {"tasks": tasks, "lengths": lengths, "rows": rows, "depth_heatmap": heat, "depth_bins": DEPTH_BINS,
+    return {"tasks": tasks, "lengths": lengths, "mean_over": [f"{t}@{n}" for t, n in common], "rows": rows,
+            "depth_heatmap": heat, "depth_bins": DEPTH_BINS,
             "fidelity": fid, "num_records": len(records)}
 
 
@@ -162,6 +166,10 @@ def render_markdown(summary: dict, config: dict) -> str:
             ratio = r["device_bytes_vs_full"]
             cells += [f"{ratio:.3f}" if ratio is not None else "—"]
             lines.append("| " + " | ".join(cells) + " |")
+        if len(summary["mean_over"]) < len(cols):
+            lines += ["", (f"Mean over the {len(summary['mean_over'])} of {len(cols)} task columns every row has: "
+                           + ", ".join(c.replace("@", " @ ") for c in summary["mean_over"]) + "."
+                           if summary["mean_over"] else "No task column is in every row: each mean is over its row's own.")]
         n_per = sorted({v for r in summary["rows"] for v in r["samples"].values()})
         lines += ["", f"Samples per cell: {', '.join(map(str, n_per))}. KV MiB = device bytes of one sample's cache after "
                   "compression (including the pre-allocated room for the answer). Quest keeps the whole prompt on the "

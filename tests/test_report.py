@@ -160,3 +160,28 @@ def test_report_of_a_run_with_budgets_inside_specs_and_recall_stats_hand_made():
     text = render_markdown(summary, config)
     assert "6 of 10 task records written" in text
     assert "| synckv:stride=1 | 0.25 | 0.750 | 3.0 | 1.0 |" in text
+
+
+def test_an_unfinished_run_averages_every_row_over_the_tasks_all_rows_have():
+    """The full cache has finished tasks a and b, the method only a: both means are over a (hand-computed), and the
+    report says which columns the mean covers."""
+    from evals.report import render_markdown, summarize
+
+    config = {"run_name": "r", "methods": ["snapkv"], "budgets": [0.1], "tasks": ["a", "b"], "lengths": [128],
+              "samples": 2}
+    base = dict(length=128, depth=0.0, host_bytes=0)
+    recs = [dict(base, task="a", index=i, method="full", budget="full", score=s, device_bytes=100)
+            for i, s in enumerate((1.0, 0.5))]
+    recs += [dict(base, task="b", index=i, method="full", budget="full", score=0.0, device_bytes=100) for i in range(2)]
+    recs += [dict(base, task="a", index=i, method="snapkv", budget="0.1", score=s, device_bytes=10)
+             for i, s in enumerate((0.0, 0.5))]
+    summary = summarize(recs, [], config)
+    assert summary["mean_over"] == ["a@128"]
+    means = {r["method"]: r["mean_accuracy"] for r in summary["rows"]}
+    assert means == {"full": 75.0, "snapkv": 25.0}  # not full's 37.5 over a and b
+    assert summary["rows"][0]["accuracy"] == {"a@128": 75.0, "b@128": 0.0}  # the table still shows every task
+    assert "Mean over the 1 of 2 task columns every row has: a @ 128." in render_markdown(summary, config)
+    recs += [dict(base, task="b", index=i, method="snapkv", budget="0.1", score=1.0, device_bytes=10) for i in range(2)]
+    finished = summarize(recs, [], config)
+    assert {r["method"]: r["mean_accuracy"] for r in finished["rows"]} == {"full": 37.5, "snapkv": 62.5}
+    assert "task columns every row has" not in render_markdown(finished, config)
