@@ -54,7 +54,6 @@ def test_kmeans_with_batch_of_everything_is_the_running_mean():
     np.testing.assert_allclose(got[:, 0], pts.mean(axis=1), atol=0.1)  # 40 * 256 draws with replacement
 
 
-
 def test_kmeans_does_not_depend_on_the_scoring_chunk(monkeypatch):
     """The batch's points are scored in chunks sized by the distance block: chunks of 7 points (250 = 35 * 7 + 5,
     the last padded) give the same centres as one unpadded chunk of the whole batch, so the padding joins no
