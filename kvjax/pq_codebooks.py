@@ -63,14 +63,31 @@ SCORE_CHUNK = 256  # most K-means batch points scored per chunk
 # the distance block of encoding and of the K-means assignments: on a CPU one that stays in its caches (8 MiB
 # encodes 1.6-2.5x faster than 512 MiB: evals.bench_pq_encode; the c = 8192 fit's steps 1.6x faster than its
 # earlier 256-point chunks, 256 MiB); elsewhere few large blocks (each block is one step of a sequential loop)
-ENCODE_BLOCK_BYTES_CPU = 8 * 2**20
-ENCODE_BLOCK_BYTES = 512 * 2**20
+DISTANCE_BLOCK_BYTES_CPU = 8 * 2**20
+DISTANCE_BLOCK_BYTES = 512 * 2**20
 
 
 def distance_block_bytes() -> int:
-    """Bytes of one ``[..., c]`` distance block on the default backend (:data:`ENCODE_BLOCK_BYTES_CPU` on a CPU,
-    else :data:`ENCODE_BLOCK_BYTES`)."""
-    return ENCODE_BLOCK_BYTES_CPU if jax.default_backend() == "cpu" else ENCODE_BLOCK_BYTES
+    """Bytes of one ``[..., c]`` distance block on the default backend (:data:`DISTANCE_BLOCK_BYTES_CPU` on a CPU,
+    else :data:`DISTANCE_BLOCK_BYTES`)."""
+    return DISTANCE_BLOCK_BYTES_CPU if jax.default_backend() == "cpu" else DISTANCE_BLOCK_BYTES
+
+
+def _map_chunks(fn, x, axis: int, size: int):
+    """``fn`` over ``x`` in chunks of ``size`` along ``axis``, one after another (``lax.map``), the outputs joined
+    along the same axis. The last chunk is padded with zeros and its extra outputs dropped; ``fn`` maps a chunk to
+    an output with the chunk's axes up to ``axis`` in place. One chunk that covers ``axis`` is ``fn(x)``."""
+    m = x.shape[axis]
+    if m <= size:
+        return fn(x)
+    n = -(-m // size)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n * size - m)
+    xp = jnp.pad(x, pad)
+    chunks = jnp.moveaxis(xp.reshape(x.shape[:axis] + (n, size) + x.shape[axis + 1:]), axis, 0)
+    out = jnp.moveaxis(lax.map(fn, chunks), 0, axis)  # [..., n, size, ...]
+    out = out.reshape(out.shape[:axis] + (n * size,) + out.shape[axis + 2:])
+    return lax.slice_in_dim(out, 0, m, axis=axis)
 
 
 def code_dtype(num_centroids: int):
@@ -117,18 +134,6 @@ def _nearest(x, cents):
     cn = jnp.sum(cents * cents, axis=-1)  # [N, c]
     dots = jnp.einsum("nmd,ncd->nmc", x, cents, precision=HIGHEST)
     return _first_argmin(cn[:, None, :] - 2.0 * dots)
-
-
-def _nearest_chunked(x, cents, chunk: int):
-    """:func:`_nearest` over ``x``'s points in chunks of ``chunk`` (the last padded; its extra points dropped)."""
-    N, m, d = x.shape
-    if m <= chunk:
-        return _nearest(x, cents)
-    n = -(-m // chunk)
-    xp = jnp.pad(x, ((0, 0), (0, n * chunk - m), (0, 0)))
-    xs = xp.reshape(N, n, chunk, d).transpose(1, 0, 2, 3)
-    out = lax.map(lambda xc: _nearest(xc, cents), xs)  # [n, N, chunk]
-    return out.transpose(1, 0, 2).reshape(N, n * chunk)[:, :m]
 
 
 def _kmeanspp(x, key, c: int):
@@ -178,7 +183,7 @@ def _kmeans(x, key, *, c: int, iterations: int, batch: int, init_size: int, chun
         cents, counts = carry
         idx = jax.random.randint(jax.random.fold_in(key, t), (N, batch), 0, n)
         xb = x[rows, idx]  # [N, batch, d]
-        assign = _nearest_chunked(xb, cents, chunk)
+        assign = _map_chunks(lambda xc: _nearest(xc, cents), xb, 1, chunk)
         ids = (seg + assign).reshape(-1)
         sums = jax.ops.segment_sum(xb.reshape(-1, d), ids, num_segments=N * c).reshape(N, c, d)
         got = jax.ops.segment_sum(jnp.ones_like(ids, jnp.float32), ids, num_segments=N * c).reshape(N, c)
@@ -255,9 +260,6 @@ def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = No
     if block_bytes is None:
         block_bytes = distance_block_bytes()
     size = max(1, min(int(chunk), S, int(block_bytes) // (4 * B * H * g * c)))
-    n = -(-S // size)
-    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, 0), (0, n * size - S), (0, 0)))
-    kc = kp.reshape(B, H, n, size, g, d).transpose(2, 0, 1, 3, 4, 5)  # [n, B, H, size, g, d]
 
     def one(x):  # [B, H, size, g, d]
         if products == "dot":
@@ -266,8 +268,7 @@ def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = No
             dots = _dots(x[..., None, :], cb[None, :, None])  # [B, H, size, g, c]
         return _first_argmin(cn[None, :, None] - 2.0 * dots).astype(out_dtype)
 
-    codes = lax.map(one, kc)  # [n, B, H, size, g]
-    return codes.transpose(1, 2, 0, 3, 4).reshape(B, H, n * size, g)[:, :, :S]
+    return _map_chunks(one, k.astype(jnp.float32).reshape(B, H, S, g, d), 2, size)  # [B, H, S, g]
 
 
 @jax.jit

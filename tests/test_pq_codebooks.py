@@ -62,7 +62,7 @@ def test_kmeans_does_not_depend_on_the_scoring_chunk(monkeypatch):
 
     pts = 10.0 + np.random.default_rng(5).standard_normal((2, 900, 3)).astype(np.float32)  # far from the zero pad
     whole = np.asarray(kmeans_minibatch(pts, 5, iterations=20, batch=250, seed=1))
-    for name in ("ENCODE_BLOCK_BYTES_CPU", "ENCODE_BLOCK_BYTES"):
+    for name in ("DISTANCE_BLOCK_BYTES_CPU", "DISTANCE_BLOCK_BYTES"):
         monkeypatch.setattr(pq, name, 4 * 2 * 7 * 5)  # 4 bytes * 2 problems * 7 points * 5 centres
     chunked = np.asarray(kmeans_minibatch(pts, 5, iterations=20, batch=250, seed=1))
     np.testing.assert_array_equal(whole, chunked)
