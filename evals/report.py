@@ -46,6 +46,7 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
     """Aggregate per-sample records into accuracy and byte tables (plain dicts, JSON-ready)."""
     methods_order = method_names(config)
     cells = collections.defaultdict(list)  # (method, budget, task, length) -> scores
+    indices = collections.defaultdict(set)  # (method, budget, task, length) -> sample indices
     by_config = collections.defaultdict(list)
     bytes_ = collections.defaultdict(list)  # (method, budget, length) -> device bytes per sample
     host = collections.defaultdict(list)
@@ -56,6 +57,7 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
         if "recall_trigger_rate" in r:
             recall[key].append((r["recall_trigger_rate"], r["bytes_recalled"]))
         cells[key + (r["task"], r["length"])].append(r["score"])
+        indices[key + (r["task"], r["length"])].add(r["index"])
         by_config[key].append(r["score"])
         bytes_[key + (r["length"],)].append(r["device_bytes"])
         host[key + (r["length"],)].append(r["host_bytes"])
@@ -64,8 +66,10 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
     configs = sorted(by_config, key=lambda k: _config_key(k[0], k[1], methods_order))
     tasks = sorted({k[2] for k in cells}, key=lambda t: list(config.get("tasks", [])).index(t) if t in config.get("tasks", []) else 99)
     lengths = sorted({k[3] for k in cells})
-    # the mean of each row is over the (task, length) cells every row has, so the rows of an unfinished run compare
-    common = [(t, n) for t in tasks for n in lengths if all(cells.get((m, b, t, n)) for m, b in configs)]
+    # the mean of each row is over the (task, length) cells every row has with the same samples, so the rows of an
+    # unfinished run compare (a batch stopped part-way leaves some rows with samples that others lack)
+    common = [(t, n) for t in tasks for n in lengths
+              if cells.get(configs[0] + (t, n)) and all(indices[(m, b, t, n)] == indices[configs[0] + (t, n)] for m, b in configs)]
     rows = []
     for m, b in configs:
         scores = [s for t, n in common for s in cells[(m, b, t, n)]] or by_config[(m, b)]  # no common cell: its own
@@ -167,7 +171,7 @@ def render_markdown(summary: dict, config: dict) -> str:
             cells += [f"{ratio:.3f}" if ratio is not None else "—"]
             lines.append("| " + " | ".join(cells) + " |")
         if len(summary["mean_over"]) < len(cols):
-            lines += ["", (f"Mean over the {len(summary['mean_over'])} of {len(cols)} task columns every row has: "
+            lines += ["", (f"Mean over the {len(summary['mean_over'])} of {len(cols)} task columns every row has for the same samples: "
                            + ", ".join(c.replace("@", " @ ") for c in summary["mean_over"]) + "."
                            if summary["mean_over"] else "No task column is in every row: each mean is over its row's own.")]
         n_per = sorted({v for r in summary["rows"] for v in r["samples"].values()})

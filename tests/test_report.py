@@ -164,7 +164,7 @@ def test_report_of_a_run_with_budgets_inside_specs_and_recall_stats_hand_made():
 
 def test_an_unfinished_run_averages_every_row_over_the_tasks_all_rows_have():
     """The full cache has finished tasks a and b, the method only a: both means are over a (hand-computed), and the
-    report says which columns the mean covers."""
+    report says which columns the mean covers. A task the method has for fewer samples is left out as well."""
     from evals.report import render_markdown, summarize
 
     config = {"run_name": "r", "methods": ["snapkv"], "budgets": [0.1], "tasks": ["a", "b"], "lengths": [128],
@@ -180,7 +180,11 @@ def test_an_unfinished_run_averages_every_row_over_the_tasks_all_rows_have():
     means = {r["method"]: r["mean_accuracy"] for r in summary["rows"]}
     assert means == {"full": 75.0, "snapkv": 25.0}  # not full's 37.5 over a and b
     assert summary["rows"][0]["accuracy"] == {"a@128": 75.0, "b@128": 0.0}  # the table still shows every task
-    assert "Mean over the 1 of 2 task columns every row has: a @ 128." in render_markdown(summary, config)
+    assert "Mean over the 1 of 2 task columns every row has for the same samples: a @ 128." in render_markdown(summary, config)
+    part = summarize(recs + [dict(base, task="b", index=0, method="snapkv", budget="0.1", score=1.0, device_bytes=10)],
+                     [], config)  # b: the full cache has samples 0 and 1, the method only 0
+    assert part["mean_over"] == ["a@128"]
+    assert {r["method"]: r["mean_accuracy"] for r in part["rows"]} == {"full": 75.0, "snapkv": 25.0}
     recs += [dict(base, task="b", index=i, method="snapkv", budget="0.1", score=1.0, device_bytes=10) for i in range(2)]
     finished = summarize(recs, [], config)
     assert {r["method"]: r["mean_accuracy"] for r in finished["rows"]} == {"full": 37.5, "snapkv": 62.5}
