@@ -68,8 +68,11 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
     lengths = sorted({k[3] for k in cells})
     # the mean of each row is over the (task, length) cells every row has with the same samples, so the rows of an
     # unfinished run compare (a batch stopped part-way leaves some rows with samples that others lack)
-    common = [(t, n) for t in tasks for n in lengths
-              if cells.get(configs[0] + (t, n)) and all(indices[(m, b, t, n)] == indices[configs[0] + (t, n)] for m, b in configs)]
+    def same_samples(t, n):
+        first = indices[configs[0] + (t, n)]
+        return bool(first) and all(indices[(m, b, t, n)] == first for m, b in configs)
+
+    common = [(t, n) for t in tasks for n in lengths if same_samples(t, n)]
     rows = []
     for m, b in configs:
         scores = [s for t, n in common for s in cells[(m, b, t, n)]] or by_config[(m, b)]  # no common cell: its own
@@ -173,7 +176,7 @@ def render_markdown(summary: dict, config: dict) -> str:
         if len(summary["mean_over"]) < len(cols):
             lines += ["", (f"Mean over the {len(summary['mean_over'])} of {len(cols)} task columns every row has for the same samples: "
                            + ", ".join(c.replace("@", " @ ") for c in summary["mean_over"]) + "."
-                           if summary["mean_over"] else "No task column is in every row: each mean is over its row's own.")]
+                           if summary["mean_over"] else "No task column is in every row for the same samples: each mean is over its row's own.")]
         n_per = sorted({v for r in summary["rows"] for v in r["samples"].values()})
         lines += ["", f"Samples per cell: {', '.join(map(str, n_per))}. KV MiB = device bytes of one sample's cache after "
                   "compression (including the pre-allocated room for the answer). Quest keeps the whole prompt on the "
