@@ -206,6 +206,9 @@ def render_markdown(summary: dict, config: dict) -> str:
                   f"{summary['fidelity'][0]['texts']} texts.", ""]
     short = shortfalls(summary)
     lines += ["## Where methods fall short of the full cache", ""]
+    if short:
+        lines += [f"Configurations whose mean, or any one task, is {SHORTFALL_POINTS:.0f}+ points below the full cache "
+                  "(worst: the task furthest below it):", ""]
     lines += [f"- {s}" for s in short] if short else [f"- no method is {SHORTFALL_POINTS:.0f}+ points below the full cache on mean accuracy or on any task."]
     lines += ["", "## Plots", ""]
     for name, caption in (("accuracy_vs_budget.png", "accuracy vs budget per method"),
