@@ -204,6 +204,8 @@ def render_markdown(summary: dict, config: dict) -> str:
                   "method's loss on the true next token (the full cache's row is the reference). KV MiB includes the room "
                   "for the teacher-forced continuation, so a budget's bytes exceed the task table's. Averaged over "
                   f"{summary['fidelity'][0]['texts']} texts.", ""]
+    if not summary["rows"]:  # no record yet: nothing to compare or plot
+        return "\n".join(lines + [""])
     short = shortfalls(summary)
     lines += ["## Where methods fall short of the full cache", ""]
     if short:

@@ -189,3 +189,13 @@ def test_an_unfinished_run_averages_every_row_over_the_tasks_all_rows_have():
     finished = summarize(recs, [], config)
     assert {r["method"]: r["mean_accuracy"] for r in finished["rows"]} == {"full": 37.5, "snapkv": 62.5}
     assert "task columns every row has" not in render_markdown(finished, config)
+
+
+def test_a_run_with_no_record_yet_claims_no_comparison_and_links_no_plot():
+    """Before its first record a run's README says how many are pending, not that no method falls short."""
+    from evals.report import render_markdown, summarize
+
+    config = {"run_name": "r", "methods": ["snapkv"], "budgets": [0.1], "tasks": ["a"], "lengths": [128], "samples": 2}
+    text = render_markdown(summarize([], [], config), config)
+    assert "0 of 4 task records written" in text
+    assert "fall short" not in text and "no method is" not in text and ".png" not in text
