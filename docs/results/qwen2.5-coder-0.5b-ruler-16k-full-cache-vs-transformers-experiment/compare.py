@@ -13,21 +13,18 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-import kvjax
 from evals import ruler
+from evals.records import read_jsonl
+from models import resolve_model_path
+from models.tokenizer import load_tokenizer
 
 RUN = "docs/results/qwen2.5-coder-0.5b-ruler-16k-test-query-aware/samples.jsonl"
 LENGTH, SAMPLES = 16384, 4  # the run's length and samples per task (RULER generates a set whole)
 
 wanted = [(a.split(":")[0], int(a.split(":")[1])) for a in sys.argv[1:]]
-model = kvjax.load("qwen2.5-coder-0.5b")
-path, tokenizer = model.path, model.tokenizer
-del model
-recorded = {}
-for line in open(RUN):
-    r = json.loads(line)
-    if r["method"] == "full":
-        recorded[(r["task"], r["index"])] = r
+path = resolve_model_path("qwen2.5-coder-0.5b")
+tokenizer = load_tokenizer(path)
+recorded = {(r["task"], r["index"]): r for r in read_jsonl(RUN) if r["method"] == "full"}
 hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                           dtype=torch.float32, attn_implementation="sdpa").eval()
 for task, n in wanted:
