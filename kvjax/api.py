@@ -112,14 +112,30 @@ def batch_for(model, token_rows: Sequence[Sequence[int]], *, max_new_tokens: int
     return tokens, pad, question, spec
 
 
-def timed_prefill(model, tokens: np.ndarray, cache, *, chunk_size: int | None, progress: bool):
-    """``(logits, cache, {"prefill_s": ...})``: the prompt prefilled into ``cache`` (placed on the model's mesh)."""
+def timed_prefill(model, tokens: np.ndarray, cache, *, chunk_size: int | None, progress: bool, reconstruction=None):
+    """``(logits, cache, {"prefill_s": ...})``: the prompt prefilled into ``cache`` (placed on the model's mesh).
+
+    For a method that re-reads the context before compression (KVzip) its passes run too, timed apart
+    (``reconstruct_s``); ``reconstruction`` is their prompt (``models.tokenizer.reconstruction_prompt``).
+    """
+    host_tokens = np.asarray(tokens)
     tokens = place_rows(jnp.asarray(tokens), model.mesh)
     t0 = time.perf_counter()
     logits, cache = prefill_prompt(model.graphdef, model.params, tokens, place_cache(cache), chunk_size=chunk_size,
                                    progress=progress)
     jax.block_until_ready(logits)
-    return logits, cache, {"prefill_s": time.perf_counter() - t0}
+    timings = {"prefill_s": time.perf_counter() - t0}
+    if cache.method.rereads_context():
+        if reconstruction is None:
+            raise ValueError(f"{cache.method.name} re-reads the context before compression: pass reconstruction="
+                             "models.tokenizer.reconstruction_prompt(tokenizer, chat) for prompts given as tokens")
+        from kvjax.methods.kvzip import score_context
+
+        t0 = time.perf_counter()
+        cache = score_context(model.graphdef, model.params, cache, host_tokens, reconstruction)
+        jax.block_until_ready(cache)
+        timings["reconstruct_s"] = time.perf_counter() - t0
+    return logits, cache, timings
 
 
 def compress_and_decode(model, logits, cache, question, timings: dict, *, max_new_tokens: int, sampling: Sampling,
@@ -182,7 +198,7 @@ def generate_tokens(
     model, token_rows: Sequence[Sequence[int]], *, method=None, max_new_tokens: int = 64,
     sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
     eos_ids: Sequence[int] = (), pad_id: int = 0, on_token: Callable[[np.ndarray], None] | None = None,
-    progress: bool = False, question_rows: Sequence[Sequence[int]] | None = None, artifact=None,
+    progress: bool = False, question_rows: Sequence[Sequence[int]] | None = None, artifact=None, reconstruction=None,
 ):
     """Generate from token-id prompts; returns (tokens [B, n], num_generated [B], cache, timings).
 
@@ -190,13 +206,15 @@ def generate_tokens(
     compressed alone, and the questions are then prefilled onto the compressed cache uncompressed
     (the query-agnostic setting). ``on_token`` switches to the per-step jitted function and is
     called with each step's tokens [B] (streaming); otherwise the whole decode runs in one jitted
-    ``while_loop``.
+    ``while_loop``. ``reconstruction``: the reconstruction prompt of a method that re-reads the context (KVzip;
+    ``models.tokenizer.reconstruction_prompt``).
     """
     method = _resolve_method(method)
     tokens, pad, question, spec = batch_for(model, token_rows, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                                             pad_id=pad_id, question_rows=question_rows)
     cache = method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad))
-    logits, cache, timings = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress)
+    logits, cache, timings = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress,
+                                           reconstruction=reconstruction)
     return compress_and_decode(model, logits, cache, question, timings, max_new_tokens=max_new_tokens,
                                sampling=sampling, seed=seed, eos_ids=eos_ids, on_token=on_token)
 
@@ -205,7 +223,7 @@ def compare_tokens(
     model, token_rows: Sequence[Sequence[int]], methods: Sequence, *, artifacts: Sequence | None = None,
     max_new_tokens: int = 64, sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
     eos_ids: Sequence[int] = (), pad_id: int = 0, progress: bool = False,
-    question_rows: Sequence[Sequence[int]] | None = None,
+    question_rows: Sequence[Sequence[int]] | None = None, reconstruction=None,
 ) -> list[tuple]:
     """:func:`generate_tokens` for each of ``methods`` on the same rows, one result per method, with **one**
     prefill for every method that can share it (:mod:`kvjax.shared_prefill`: the full cache and the
@@ -238,7 +256,8 @@ def compare_tokens(
     for i, m in enumerate(methods):
         if results[i] is None:
             cache = m.init_cache(spec, artifacts[i]).replace(pad=jnp.asarray(pad))
-            logits, cache, timings = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress)
+            logits, cache, timings = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress,
+                                                   reconstruction=reconstruction)
             results[i] = compress_and_decode(model, logits, cache, question, timings, **decode)
     return results
 
@@ -298,7 +317,7 @@ def generate(
     out, count, cache, timings = generate_tokens(
         model, rows, method=method, max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p),
         seed=seed, chunk_size=chunk_size, eos_ids=eos, pad_id=pad_id, on_token=on_token, progress=progress,
-        question_rows=question_rows, artifact=artifact,
+        question_rows=question_rows, artifact=artifact, reconstruction=reconstruction_prompt(tok, chat),
     )
     return text_result(tok, out, count, cache, timings, rows, question_rows, eos)
 
@@ -318,9 +337,16 @@ def compare(
     rows, question_rows, eos, pad_id = text_batch(tok, prompt, question, chat)
     outputs = compare_tokens(model, rows, methods, artifacts=artifacts, max_new_tokens=max_new_tokens,
                              chunk_size=chunk_size, eos_ids=eos, pad_id=pad_id, progress=progress,
-                             question_rows=question_rows)
+                             question_rows=question_rows, reconstruction=reconstruction_prompt(tok, chat))
     return [text_result(tok, out, count, cache, timings, rows, question_rows, eos)
             for out, count, cache, timings in outputs]
+
+
+def reconstruction_prompt(tok, chat: bool):
+    """The reconstruction passes' prompt for text formatted with ``chat`` (``models.tokenizer.reconstruction_prompt``)."""
+    from models.tokenizer import reconstruction_prompt as make
+
+    return make(tok, chat)
 
 
 def text_batch(tok, prompt: str | Sequence[str], question: str | Sequence[str] | None, chat: bool):
@@ -383,7 +409,8 @@ def ask(
     spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], longest_q + max_new_tokens, model.dtype,
                                longest_row=len(context_ids), mesh=model.mesh)
     cache = method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad))
-    _, cache, shared = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress)
+    _, cache, shared = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress,
+                                     reconstruction=reconstruction_prompt(tok, chat))
     t0 = time.perf_counter()
     cache = compress(cache)
     jax.block_until_ready(cache)

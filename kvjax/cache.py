@@ -14,6 +14,10 @@ cache was allocated for, and the ``stage``:
 * ``"compressed"``: after ``kvjax.decoding.compress`` ran ``method.finish_prefill`` on every layer;
   every later token (a question of any length, a second turn, one decoded token per step) goes to
   ``method.decode_attend``, which appends it uncompressed and attends;
+* ``"reconstruction"``: a prefilled cache during a scoring pass over extra tokens before compression (KVzip's
+  context reconstruction, :func:`kvjax.methods.kvzip.score_context`, for a method whose ``rereads_context()`` is
+  True): ``prefill_chunk`` gets ``ctx.reconstruction`` set, attends the prompt and the pass, and returns its state
+  without the pass's tokens;
 * ``"rehearsal"``: a compressed cache during a rehearsal of a question, every pass but the last (only
   inside ``kvjax.decoding.prefill``, for a method whose ``question_passes()`` is above 1):
   ``decode_attend`` gets ``ctx.rehearsal`` set and returns its state without the call's tokens.
@@ -107,6 +111,8 @@ class AttendContext:
         call, later ones as of the previous call (set by :meth:`Cache.attend`; heads that follow
         another layer's heads read it).
       mesh: the cache's device mesh (static; None for one device): kernels run per device under it.
+      reconstruction: (static) this call is a scoring pass over the prefilled prompt (stage ``"reconstruction"``):
+        the method attends the prompt and the call's tokens and returns its state without them.
       rehearsal: (static) this call is a rehearsal of a question (stage ``"rehearsal"``, every pass but the last): the
         method may change what it holds (recall, re-anchoring) but returns its state without the tokens.
     """
@@ -122,6 +128,7 @@ class AttendContext:
     layer: int = struct.field(pytree_node=False, default=0)
     mesh: Any = struct.field(pytree_node=False, default=None)
     rehearsal: bool = struct.field(pytree_node=False, default=False)
+    reconstruction: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -176,8 +183,8 @@ class Cache:
         """
         state = self.layers[ctx.layer]
         ctx = ctx.replace(artifact=self.artifact, layers=self.layers, mesh=self.spec.mesh if self.spec else None)
-        if self.stage == "prefill":
-            return self.method.prefill_chunk(state, q, k, v, ctx)
+        if self.stage in ("prefill", "reconstruction"):
+            return self.method.prefill_chunk(state, q, k, v, ctx.replace(reconstruction=self.stage == "reconstruction"))
         return self.method.decode_attend(state, q, k, v, ctx.replace(rehearsal=self.stage == "rehearsal"))
 
     def device_bytes(self) -> int:

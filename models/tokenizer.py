@@ -33,3 +33,29 @@ def format_prompt(tokenizer, prompt: str, chat: bool) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("--chat needs a tokenizer with a chat template; this model has none")
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+
+
+def reconstruction_prompt(tokenizer, chat: bool):
+    """KVzip's reconstruction passes for prompts formatted with ``chat`` (:class:`kvjax.methods.kvzip.ReconstructionPrompt`).
+
+    As NVIDIA kvpress ``KVzipPress``: the chat template is applied to a dummy user turn and split there, giving the
+    tokens before the context (``prefix``: counted as a formatted prompt is tokenized, special tokens added only
+    without ``chat``, as ``evals.tasks.tokenize_prompt`` does) and after it
+    (``suffix``: end of turn and assistant header). Without ``chat`` the prefix is empty and the suffix ``"\\n"``.
+    """
+    from kvjax.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, ReconstructionPrompt
+
+    if chat:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = format_prompt(tokenizer, dummy + separator, True)
+        before, suffix_text = text.split(separator)
+        prefix_text = before.split(dummy)[0]
+    else:
+        prefix_text, suffix_text = "", "\n"
+    prefix = len(tokenizer(prefix_text, add_special_tokens=not chat)["input_ids"])
+
+    def ids(text):
+        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return ReconstructionPrompt(prefix=prefix, first=ids(FIRST_PROMPT), later=ids(LATER_PROMPT), suffix=ids(suffix_text))

@@ -11,6 +11,7 @@ from kvjax.methods.h2o import H2O
 from kvjax.methods.hbw import HBW
 from kvjax.methods.hcattention import HCAttention
 from kvjax.methods.hcattention import PRESETS as HCATTENTION_PRESETS
+from kvjax.methods.kvzip import KVzip
 from kvjax.methods.locret import Locret
 from kvjax.methods.recall import HeteroCache, SyncKV
 from kvjax.methods.recall.heterocache import PRESETS as HETEROCACHE_PRESETS
@@ -33,6 +34,7 @@ METHODS: dict[str, type] = {
     "hcattention": HCAttention,
     "locret": Locret,
     "chunked_eviction": ChunkedEviction,
+    "kvzip": KVzip,
 }
 
 # Named configurations per method (``name:preset=P``): hyper-parameters chosen on the dev split. The defaults
@@ -99,5 +101,5 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), kwargs
 
 
-__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV", "HCAttention", "Locret", "ChunkedEviction",
+__all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV", "HCAttention", "Locret", "ChunkedEviction", "KVzip",
            "METHODS", "PRESETS", "get_method", "parse_method_spec", "preset_options"]

@@ -17,6 +17,10 @@ explicit per-layer lifecycle. Every function is required; nothing is discovered 
 ``prefill_chunk(state, q, k, v, ctx)``
     One layer, one prompt chunk (``q[B,T,Hq,D]``, ``k, v[B,T,Hkv,D]`` post-RoPE at slots
     ``ctx.start..``): store, attend causally, record, possibly evict. Returns ``(output, state)``.
+``rereads_context()``
+    True for a method scored by extra forward passes over the prefilled prompt before compression (KVzip's
+    reconstruction: :func:`kvjax.methods.kvzip.score_context`, which the API and the evaluation run between
+    prefill and :func:`kvjax.decoding.compress`); False for every other method.
 ``finish_prefill(state, ctx)``
     One layer, after the whole prompt: selection and layout (pages, host tier, codes).
 ``decode_attend(state, q, k, v, ctx)``
@@ -82,6 +86,10 @@ class Method(Protocol):
         """Store one layer's prompt chunk and attend; may record and evict."""
         ...
 
+    def rereads_context(self) -> bool:
+        """True when the prompt is scored by extra passes before compression (KVzip)."""
+        ...
+
     def finish_prefill(self, state: Any, ctx: FinishContext) -> Any:
         """Selection and layout of one layer after the prompt."""
         ...
@@ -126,6 +134,10 @@ class LayerLocal:
     def question_passes(self) -> int:
         """One pass."""
         return 1
+
+    def rereads_context(self) -> bool:
+        """Compressed from what the prefill recorded alone."""
+        return False
 
     def around_layers(self, cache: Cache, tokens: int, run) -> tuple[jax.Array, Cache]:
         """The layers alone."""

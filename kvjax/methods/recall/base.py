@@ -233,6 +233,10 @@ class LeaderFollowerMethod(abc.ABC):
             return out, refresh_all(state, ctx.layers, ctx.layer, ctx.mesh)
         return out, schedule.step(state, ctx.layers, ctx.layer, ctx.mesh)
 
+    def rereads_context(self) -> bool:
+        """Compressed from what the prefill recorded alone."""
+        return False
+
     def question_passes(self) -> int:
         """``1 + rehearsals`` with re-anchoring: each rehearsal lets every leader publish its question choice, so
         followers in layers before their leader's hold it too when the question attends; else one."""

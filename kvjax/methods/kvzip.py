@@ -1,0 +1,390 @@
+"""KVzip (Kim et al., 2025): query-agnostic eviction scored by context reconstruction.
+
+After the context is prefilled, the model re-reads it: for each chunk of the context a second forward pass runs
+"Repeat the previous context exactly." (later chunks: "Repeat the part of the previous context exactly, starting
+with" + the previous chunk's last ``carry`` tokens), the chat template's end of turn, then the chunk itself, on top of
+the prefilled cache. A context KV pair's score is the largest attention any query of that pass gives it, over the
+queries and the KV head's query group; the softmax of that score is taken over the ``sinks`` first tokens, the
+chunk and the pass's own tokens (NVIDIA kvpress ``KVzipPress``, the reference this module follows; the public code
+is snu-mllab/KVzip). The pass's own output attends the whole context as a normal forward does; its tokens are then
+dropped. The chat template before the context (system prompt, user header) is never scored: its first ``sinks``
+tokens score 1 (kept), the rest 0 (evicted first); a context token among the first ``sinks`` keeps its own score.
+
+Head budgets (``allocation``):
+
+* ``global`` (the paper's and kvpress' default): one threshold over every layer's and head's scores of a row;
+  kvpress: ``n = max(int(N * (1 - budget)) - 1, 0)``, pairs scoring at or below the ``n``-th smallest score are
+  evicted (ties at the threshold go too), so layers and heads keep different counts;
+* ``layer`` (kvpress ``layerwise=True``): each layer evicts ``int(Hkv * n * (1 - budget))`` pairs, heads of a
+  layer still compete;
+* ``head``: every KV head keeps the same number of pairs (``floor(budget * n)``).
+
+Memory: the kept counts are data. :func:`score_context` runs the passes, selects, reads the kept count of every
+(layer, KV head) to the host (the largest over the batch's rows) and fixes them as the method's static
+``allocated`` capacities, so the page pools hold exactly that (``kvjax.paged``): the device bytes are the
+budget's, not a masked full cache. A batch compiles its compression once for its counts (the evaluation compiles
+each batch anyway).
+
+Cost: one extra forward pass per chunk over ``chunk`` + ~25 tokens, attending the whole context: ~2x the prefill's
+attention and MLP work for a context of one chunk (``cache_stats``: ``reconstruction_s``, ``reconstruction_tokens``).
+A left-padded batch works: each row's chunks start at its own context, shorter rows' last passes are padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax import lax
+
+from kvjax.artifacts import no_artifact
+from kvjax.attention import MASK_VALUE, resolve_implementation
+from kvjax.budgets import budget_facts, check_budget
+from kvjax.cache import Cache, CacheSpec
+from kvjax.methods.base import LayerLocal, PagedAppend
+from kvjax.selection import keep_to_indices
+from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
+
+ALLOCATIONS = ("global", "layer", "head")
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconstructionPrompt:
+    """Token ids of the reconstruction passes, from the model's tokenizer and chat template
+    (``models.tokenizer.reconstruction_prompt``).
+
+    Attributes:
+      prefix: template tokens before the context in every row (system prompt, user header): never scored.
+      first: the first chunk's request (:data:`FIRST_PROMPT`).
+      later: a later chunk's request (:data:`LATER_PROMPT`), followed by the previous chunk's last tokens.
+      suffix: the template's end of the user turn and the assistant header (``"\\n"`` without a template).
+    """
+
+    prefix: int
+    first: tuple[int, ...]
+    later: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+
+@struct.dataclass
+class KVzipPrefill:
+    """One layer before compression: the dense staging, the reconstruction scores ``[B, Hkv, S]`` (f32), the
+    chunk each row is scoring now (``span[B, 2]``: slots ``[lo, hi)``), each row's padding at the start of the
+    current pass (``call_pad[B]``) and the keep mask the selection wrote (``keep[B, Hkv, S]``)."""
+
+    staged: StagedKV
+    scores: jax.Array
+    span: jax.Array
+    call_pad: jax.Array
+    keep: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class KVzip(LayerLocal):
+    """Keep each KV head's pairs that the model's reconstruction of the context attends most.
+
+    Args:
+      budget: :mod:`kvjax.budgets` (default 0.25); over all layers and heads with ``allocation="global"``.
+      allocation: global | layer | head (module docstring).
+      sinks: first tokens of each row always kept (kvpress ``n_sink``, 4).
+      chunk: context tokens per reconstruction pass (2048, kvpress).
+      carry: tokens of the previous chunk quoted in a later pass's request (8, kvpress).
+      page_size, block, implementation: page pool, prefill attention block, decode attention implementation.
+      query_block: reconstruction queries scored at once (memory ``B * Hq * query_block * (S + pass)`` floats).
+      allocated: per layer, the prompt tokens each KV head keeps; set by :func:`score_context`, not by users.
+    """
+
+    budget: int | float = 0.25
+    allocation: str = "global"
+    sinks: int = 4
+    chunk: int = 2048
+    carry: int = 8
+    page_size: int = 16
+    block: int = 256
+    implementation: str = "auto"
+    query_block: int = 128
+    allocated: tuple = ()
+    name = "kvzip"
+
+    def __post_init__(self):
+        check_budget(self.budget)
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"unknown allocation {self.allocation!r}; allowed: {', '.join(ALLOCATIONS)}")
+        for field in ("sinks", "carry"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+        for field in ("chunk", "page_size", "block", "query_block"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        resolve_implementation(self.implementation)
+
+    # -- protocol
+    def rereads_context(self) -> bool:
+        """Scored by reconstruction passes (:func:`score_context`) between prefill and compression."""
+        return True
+
+    def recording(self) -> None:
+        """Its own prefill (its state carries the scores)."""
+        return None
+
+    def artifact_for(self, spec: CacheSpec, artifact=None) -> None:
+        """No artifact (a given one is an error)."""
+        no_artifact(artifact, self.name)
+
+    def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
+        """The dense staging plus zero scores per layer."""
+        self.artifact_for(spec, artifact)
+        if isinstance(self.budget, float) and math.floor(self.budget * spec.longest_row) <= 0:
+            raise ValueError(f"budget {self.budget} of a {spec.longest_row}-token prompt keeps no token")
+        staging = init_staging(spec, Recording(block=self.block))
+        B, Hkv, S = spec.batch, spec.num_kv_heads, spec.prompt_slots
+        layers = tuple(KVzipPrefill(st, jnp.zeros((B, Hkv, S), jnp.float32), jnp.zeros((B, 2), jnp.int32),
+                                    jnp.zeros((B,), jnp.int32), jnp.zeros((B, Hkv, S), bool)) for st in staging)
+        return Cache.create(layers, self, spec)
+
+    def prefill_chunk(self, state: KVzipPrefill, q, k, v, ctx):
+        """A prompt chunk into the staging; during a reconstruction pass (``ctx.reconstruction``) attend the
+        context and the pass, record the scores of the chunk being scored, and keep the staging as it was."""
+        if not ctx.reconstruction:
+            out, staged = stage_chunk(state.staged, q, k, v, ctx)
+            return out, state.replace(staged=staged)
+        out, scores = reconstruction_attention(q, k, v, state, prompt_slots=ctx.start, pad=ctx.pad, sinks=self.sinks,
+                                               query_block=self.query_block)
+        lo, hi = state.span[:, 0], state.span[:, 1]
+        slots = jnp.arange(state.scores.shape[-1])[None, None, :]
+        in_span = (slots >= lo[:, None, None]) & (slots < hi[:, None, None])
+        return out, state.replace(scores=jnp.where(in_span, scores, state.scores))
+
+    def finish_prefill(self, state: KVzipPrefill, ctx):
+        """The kept pairs (:func:`score_context`'s selection) into page pools of the allocated capacities."""
+        if not self.allocated:
+            raise ValueError("KVzip scores the context by reconstruction before compression: run "
+                             "kvjax.methods.kvzip.score_context on the prefilled cache first (kvjax.generate, ask, "
+                             "compare and kvjax eval do)")
+        caps = self.allocated[ctx.layer]
+        idx, lengths = keep_to_indices(state.keep, max(caps))
+        return self.layout().build(state.staged, idx, lengths, caps, None, ctx.spec)
+
+    def layout(self) -> PagedAppend:
+        """Pages with room, appended after compression."""
+        return PagedAppend(self.page_size, self.implementation)
+
+    def decode_attend(self, state, q, k, v, ctx):
+        """Append and attend (paged)."""
+        return self.layout().decode_attend(state, q, k, v, ctx)
+
+    def state_partition(self, state, spec: CacheSpec):
+        """The staging by (row, head) and the scores likewise before compression; the pages after."""
+        if isinstance(state, KVzipPrefill):
+            from kvjax.sharding import ROWS_HEADS
+
+            return state.replace(staged=staged_partition(state.staged), scores=ROWS_HEADS, keep=ROWS_HEADS,
+                                 span=None, call_pad=None)
+        return self.layout().partition(state)
+
+    def stats(self, cache: Cache) -> dict:
+        """The pools' facts and the budget's note (nothing before compression)."""
+        if cache.stage != "compressed":
+            return {}
+        return {**self.layout().stats(cache.layers), **budget_facts(self.budget, cache.spec.longest_row)}
+
+    def bytes_read_per_step(self, cache: Cache) -> int:
+        """Every held pair of every head (0 before compression)."""
+        return self.layout().read_bytes(cache.layers) if cache.stage == "compressed" else 0
+
+
+# ------------------------------------------------------------------------------------ reconstruction attention
+def reconstruction_attention(q, k, v, state: KVzipPrefill, *, prompt_slots, pad, sinks: int, query_block: int):
+    """One layer of a reconstruction pass: ``(output [B, T, Hq, D], scores [B, Hkv, S])``.
+
+    The output is the pass's real attention: each real query of the pass (``call_pad`` on) sees every real context
+    slot and the pass's real tokens up to itself. The scores follow kvpress: a softmax (f32) over the row's first
+    ``sinks`` context slots, the span being scored and the pass's tokens; per context slot of the span the largest
+    probability over the real queries and the query group (other slots: 0).
+    """
+    B, T, Hq, D = q.shape
+    st = state.staged
+    Hkv, S = st.k.shape[1], state.scores.shape[-1]
+    G = Hq // Hkv
+    k_ctx, v_ctx = st.k[:, :, :S].astype(jnp.float32), st.v[:, :, :S].astype(jnp.float32)
+    k_call = k.transpose(0, 2, 1, 3).astype(jnp.float32)  # [B, Hkv, T, D]
+    v_call = v.transpose(0, 2, 1, 3).astype(jnp.float32)
+    slots = jnp.arange(S)[None, :]
+    ctx_real = (slots >= pad[:, None]) & (slots < prompt_slots)  # [B, S]
+    lo, hi = state.span[:, :1], state.span[:, 1:]
+    n_sink = jnp.minimum(sinks, lo - pad[:, None])
+    in_span = (slots >= lo) & (slots < hi)
+    ctx_scored = ((slots >= pad[:, None]) & (slots < pad[:, None] + n_sink)) | in_span
+    call_real = jnp.arange(T)[None, :] >= state.call_pad[:, None]  # [B, T]
+    scale = D ** -0.5
+    Tb = min(query_block, T)
+    nb = -(-T // Tb)
+    qf = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, nb * Tb - T), (0, 0), (0, 0)))
+    qf = qf.reshape(B, nb, Tb, Hkv, G, D)
+
+    def block(carry, i):
+        qi = qf[:, i]  # [B, Tb, Hkv, G, D]
+        rows = i * Tb + jnp.arange(Tb)  # query indices in the pass
+        s_ctx = jnp.einsum("bthgd,bhsd->bhgts", qi, k_ctx, precision=lax.Precision.HIGHEST) * scale
+        s_call = jnp.einsum("bthgd,bhjd->bhgtj", qi, k_call, precision=lax.Precision.HIGHEST) * scale
+        causal = (jnp.arange(T)[None, :] <= rows[:, None])[None] & call_real[:, None, :]  # [B, Tb, T]
+        q_real = ((rows[None, :] >= state.call_pad[:, None]) & (rows[None, :] < T))  # [B, Tb]
+        see_ctx = ctx_real[:, None, None, None, :]
+        see_call = causal[:, None, None]
+        # the pass's own output: every real context slot and the pass's causal prefix
+        logits = jnp.concatenate([jnp.where(see_ctx, s_ctx, MASK_VALUE), jnp.where(see_call, s_call, MASK_VALUE)], -1)
+        p = jax.nn.softmax(logits, axis=-1)
+        out = jnp.einsum("bhgts,bhsd->bthgd", p[..., :S], v_ctx, precision=lax.Precision.HIGHEST)
+        out = out + jnp.einsum("bhgtj,bhjd->bthgd", p[..., S:], v_call, precision=lax.Precision.HIGHEST)
+        # the score: softmax over the sinks, the span and the pass only
+        sub = jnp.concatenate([jnp.where(ctx_scored[:, None, None, None, :], s_ctx, MASK_VALUE),
+                               jnp.where(see_call, s_call, MASK_VALUE)], -1)
+        ps = jax.nn.softmax(sub, axis=-1)[..., :S]
+        ps = jnp.where(q_real[:, None, None, :, None] & in_span[:, None, None, None, :], ps, 0.0)
+        return jnp.maximum(carry, ps.max(axis=(2, 3))), out
+
+    init = jnp.zeros((B, Hkv, S), jnp.float32)
+    scores, outs = lax.scan(block, init, jnp.arange(nb))
+    out = outs.transpose(1, 0, 2, 3, 4, 5).reshape(B, nb * Tb, Hq, D)[:, :T]
+    return out.astype(q.dtype), scores
+
+
+# ------------------------------------------------------------------------------------------------- selection
+def pruned_counts(method: KVzip, row_lengths: np.ndarray, num_layers: int, num_kv_heads: int) -> np.ndarray:
+    """Pairs each row evicts (host integers, kvpress's arithmetic): ``[B]`` over the whole model (``global``),
+    per layer (``layer``) or per KV head (``head``); -1 when a budget at or above the row keeps all of it."""
+    out = []
+    for n in row_lengths.tolist():
+        kept_fraction = min(1.0, method.budget / n) if isinstance(method.budget, int) else float(method.budget)
+        ratio = 1.0 - kept_fraction
+        if ratio <= 0:
+            out.append(-1)
+            continue
+        units = {"global": num_layers * num_kv_heads * n, "layer": num_kv_heads * n, "head": n}[method.allocation]
+        if isinstance(method.budget, int):
+            out.append(units - {"global": num_layers * num_kv_heads, "layer": num_kv_heads, "head": 1}[method.allocation]
+                       * min(method.budget, n))
+        else:
+            out.append(int(units * ratio))
+    return np.asarray(out, np.int64)
+
+
+def select(scores, pad, prompt_slots: int, prefix: int, sinks: int, pruned, allocation: str):
+    """Keep masks ``[L, B, Hkv, S]`` from every layer's scores ``[L, B, Hkv, S]``: the row's ``prefix`` template
+    slots were never scored, its first ``sinks`` real slots among them score 1 and the others 0 (kvpress: a sink
+    inside the context keeps its reconstruction score), padding is never kept, and ``pruned[b]`` pairs of the lowest scores are evicted per row over the
+    model (``global``: every pair at or below the ``max(pruned - 1, 0)``-th smallest score, ties included, kvpress),
+    per layer or per head (lowest first, ties by position); ``pruned[b] < 0`` keeps the whole row."""
+    L, B, Hkv, S = scores.shape
+    slots = jnp.arange(S)
+    real = (slots[None, :] >= pad[:, None]) & (slots[None, :] < prompt_slots)  # [B, S]
+    template = slots[None, :] < pad[:, None] + prefix
+    sink = slots[None, :] < pad[:, None] + min(sinks, prefix)
+    s = jnp.where(template[None, :, None], jnp.where(sink, 1.0, 0.0)[None, :, None], scores)
+    pruned = jnp.asarray(pruned, jnp.int32)
+    real_b = jnp.broadcast_to(real[None, :, None], s.shape)
+    if allocation == "global":
+        flat = jnp.where(real_b, s, jnp.inf).transpose(1, 0, 2, 3).reshape(B, -1)
+        ordered = jnp.sort(flat, axis=-1)
+        thr = jnp.take_along_axis(ordered, jnp.maximum(pruned - 1, 0)[:, None], axis=-1)[:, 0]  # [B]
+        keep = s > thr[None, :, None, None]
+        return jnp.where((pruned >= 0)[None, :, None, None], keep, True) & real_b
+    if allocation == "layer":
+        x = jnp.where(real_b, s, jnp.inf).reshape(L, B, Hkv * S)
+    else:
+        x = jnp.where(real_b, s, jnp.inf)
+    order = jnp.argsort(x, axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1, stable=True)  # 0 = lowest score
+    keep = (rank >= jnp.maximum(pruned, 0).reshape((1, B) + (1,) * (x.ndim - 2))).reshape(L, B, Hkv, S)
+    return keep & real_b
+
+
+@functools.partial(jax.jit, static_argnames=("prompt_slots", "prefix", "sinks", "allocation"), donate_argnames=("cache",))
+def _select_jit(cache: Cache, pruned, *, prompt_slots: int, prefix: int, sinks: int, allocation: str):
+    scores = jnp.stack([st.scores for st in cache.layers])
+    keep = select(scores, cache.pad, prompt_slots, prefix, sinks, pruned, allocation)
+    layers = tuple(st.replace(keep=keep[i]) for i, st in enumerate(cache.layers))
+    return cache.replace(layers=layers), keep.sum(-1).max(axis=1)  # kept per (layer, head), largest row
+
+
+# ------------------------------------------------------------------------------------------------ the passes
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _reconstruct_jit(graphdef, params, tokens, positions, span, call_pad, cache: Cache) -> Cache:
+    layers = tuple(st.replace(span=span, call_pad=call_pad) for st in cache.layers)
+    model = nnx.merge(graphdef, params)
+    _, new = model(tokens, positions, cache.replace(layers=layers, stage="reconstruction"), last_only=True)
+    return new.replace(stage="prefill", length=cache.length)
+
+
+def reconstruction_passes(tokens: np.ndarray, pad: np.ndarray, prompt: ReconstructionPrompt, chunk: int, carry: int):
+    """The passes of a left-padded batch ``tokens[B, P]``: a list of ``(pass tokens [B, T], span [B, 2],
+    call_pad [B])``, every pass left-padded to one length ``T`` (one compilation). Row ``b``'s context is
+    ``tokens[b, pad[b] + prompt.prefix:]``, cut into chunks of ``chunk`` from its start (kvpress)."""
+    B, P = tokens.shape
+    T = len(prompt.later) + carry + len(prompt.suffix) + chunk
+    T = max(T, len(prompt.first) + len(prompt.suffix) + chunk)
+    starts = pad + prompt.prefix
+    if np.any(starts >= P):
+        raise ValueError(f"KVzip needs context after the template's {prompt.prefix} prefix tokens; a row of "
+                         f"{int(P - pad.max())} tokens has none")
+    counts = -(-(P - starts) // chunk)
+    passes = []
+    for i in range(int(counts.max())):
+        rows = np.zeros((B, T), np.int32)
+        span = np.zeros((B, 2), np.int32)
+        call_pad = np.full((B,), T, np.int32)
+        for b in range(B):
+            if i >= counts[b]:
+                continue
+            lo = int(starts[b]) + i * chunk
+            hi = min(lo + chunk, P)
+            request = list(prompt.first) if i == 0 else list(prompt.later) + tokens[b, max(lo - carry, starts[b]):lo].tolist()
+            ids = request + list(prompt.suffix) + tokens[b, lo:hi].tolist()
+            rows[b, T - len(ids):] = ids
+            span[b] = (lo, hi)
+            call_pad[b] = T - len(ids)
+        passes.append((rows, span, call_pad))
+    return passes
+
+
+def score_context(graphdef, params, cache: Cache, tokens, prompt: ReconstructionPrompt) -> Cache:
+    """Run KVzip's reconstruction passes on a prefilled cache, select the kept pairs and fix the allocation.
+
+    ``tokens[B, P]``: the prompt the cache was prefilled with (left-padded as ``cache.pad`` says). Returns the
+    prefill-stage cache whose method carries the ``allocated`` capacities; compress it next
+    (``kvjax.decoding.compress``). The cache is donated.
+    """
+    method = cache.method
+    if not isinstance(method, KVzip):
+        raise ValueError(f"score_context needs a KVzip cache, got one of method {getattr(method, 'name', method)!r}")
+    if cache.stage != "prefill" or int(cache.length) != cache.spec.prompt_slots:
+        raise ValueError("score_context runs after the whole prompt is prefilled and before compression")
+    tokens = np.asarray(tokens, np.int32)
+    pad = np.asarray(cache.pad, np.int32)
+    P = cache.spec.prompt_slots
+    if tokens.shape != (cache.spec.batch, P):
+        raise ValueError(f"tokens of shape {tokens.shape} are not the cache's prompt ({cache.spec.batch}, {P})")
+    passes = reconstruction_passes(tokens, pad, prompt, method.chunk, method.carry)
+    n_real = P - pad
+    for rows, span, call_pad in passes:
+        T = rows.shape[1]
+        offset = np.arange(T)[None, :] - call_pad[:, None]
+        positions = np.maximum(n_real[:, None] + offset, 0).astype(np.int32)
+        cache = _reconstruct_jit(graphdef, params, jnp.asarray(rows), jnp.asarray(positions), jnp.asarray(span),
+                                 jnp.asarray(call_pad), cache)
+    spec = cache.spec
+    pruned = pruned_counts(method, n_real, spec.num_layers, spec.num_kv_heads)
+    cache, kept = _select_jit(cache, jnp.asarray(pruned, jnp.int32), prompt_slots=P, prefix=prompt.prefix,
+                              sinks=method.sinks, allocation=method.allocation)
+    kept = np.asarray(kept)
+    allocated = tuple(tuple(max(1, int(c)) for c in layer) for layer in kept)
+    scored = dataclasses.replace(method, allocated=allocated)
+    cache = cache.replace(method=scored)
+    return cache
