@@ -226,3 +226,28 @@ def test_decode_with_the_gpu_options_generates_the_same_tokens(tiny, monkeypatch
     assert len(asked) == 1 + 5  # and each of the 5 streaming steps
     np.testing.assert_array_equal(gpu_loop, loop)
     np.testing.assert_array_equal(gpu_streamed, streamed)
+
+
+def test_ask_with_kvzip_compresses_once_and_answers_as_separate_calls(tiny_chat_model):
+    """KVzip's use: the context is scored by reconstruction and compressed once, then every question is answered
+    from that cache; each answer equals a separate generate() that compresses the same context for its question."""
+    import kvjax
+    from kvjax.methods import KVzip
+
+    model = load_model(tiny_chat_model, "float32")
+    context = ("Ada keeps three cats named Pixel, Byte and Nibble. Her brother Alan keeps a parrot called Turing. "
+               "The cats sleep in the kitchen and the parrot sleeps in the study. ") * 3
+    questions = ["How many cats does Ada keep?", "What is the parrot called?", "Where do the cats sleep?"]
+    method = KVzip(budget=0.3, chunk=64)
+    answers = kvjax.ask(model, context, questions, method=method, chat=True, max_new_tokens=10)
+    for q, got in zip(questions, answers):
+        ref = kvjax.generate(model, context, question=q, method=method, chat=True, max_new_tokens=10)
+        assert got.tokens == ref.tokens, q
+        assert got.cache_stats["kept_tokens_per_head"] == ref.cache_stats["kept_tokens_per_head"]
+        assert got.timings["reconstruct_s"] > 0
+    from kvjax.api import split_at_question
+
+    n = len(split_at_question(model.tokenizer, context, questions[0], True)[0])  # the context's tokens
+    kept = sum(sum(layer) for layer in answers[0].cache_stats["kept_tokens_per_head"])
+    heads = model.config.num_layers * model.config.num_kv_heads
+    assert heads * n - int(heads * n * 0.7) - 2 <= kept <= heads * n - int(heads * n * 0.7)  # ties may evict more

@@ -181,8 +181,11 @@ def test_parity_fails_when_the_score_or_the_aggregation_changes(tiny):
 
 # ----------------------------------------------------------------------------------------------- hand-made
 def test_reconstruction_attention_on_a_hand_made_case():
-    """One KV head, two query heads, a 6-slot prompt (one padding slot), a 3-token pass with one padding token:
-    the output and the scores against float64 numpy written from the definition."""
+    """One KV head, two query heads, a 6-slot prompt (one padding slot), a 3-token pass whose last token is
+    padding: the output and the scores against float64 numpy written from the definition."""
+    from kvjax.methods.kvzip import KVzipPrefill
+    from kvjax.staging import StagedKV
+
     rng = np.random.default_rng(0)
     B, S, T, Hkv, G, D = 1, 6, 3, 1, 2, 4
     k_ctx = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
@@ -190,33 +193,29 @@ def test_reconstruction_attention_on_a_hand_made_case():
     q = rng.normal(size=(B, T, Hkv * G, D)).astype(np.float32)
     k = rng.normal(size=(B, T, Hkv, D)).astype(np.float32)
     v = rng.normal(size=(B, T, Hkv, D)).astype(np.float32)
-    pad, call_pad, span, sinks = 1, 1, (4, 6), 2  # real prompt slots 1..5; sinks 1, 2; the span scores slots 4, 5
-    from kvjax.methods.kvzip import KVzipPrefill
-    from kvjax.staging import StagedKV
-
+    pad, call_len, span, sinks, chunk = 1, 2, (4, 6), 2, 3  # real slots 1..5; sinks 1, 2; the span scores 4, 5
     state = KVzipPrefill(StagedKV(jnp.asarray(k_ctx), jnp.asarray(v_ctx), None, None), jnp.zeros((B, Hkv, S)),
-                         jnp.asarray([span], jnp.int32), jnp.asarray([call_pad], jnp.int32), jnp.zeros((B, Hkv, S), bool))
-    out, scores = reconstruction_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), state, prompt_slots=S,
-                                           pad=jnp.asarray([pad]), sinks=sinks, query_block=2)
+                         jnp.asarray([span], jnp.int32), jnp.asarray([call_len], jnp.int32), jnp.zeros((B, Hkv, S), bool))
+    out, scores = reconstruction_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), state, pad=jnp.asarray([pad]),
+                                           sinks=sinks, chunk=chunk, query_block=2, block=4)
     out, scores = np.asarray(out), np.asarray(scores)
-    want_scores = np.zeros((Hkv, S))
-    for t in range(call_pad, T):  # real queries only
+    want_scores = np.zeros((Hkv, chunk))
+    for t in range(call_len):  # real queries only
         for g in range(G):
             qv = q[0, t, g].astype(np.float64)
-            ctx_keys = list(range(pad, S))
-            call_keys = list(range(call_pad, t + 1))
+            ctx_keys, call_keys = list(range(pad, S)), list(range(t + 1))
             logits = [qv @ k_ctx[0, 0, s] / 2.0 for s in ctx_keys] + [qv @ k[0, j, 0] / 2.0 for j in call_keys]
             p = np.exp(np.array(logits) - max(logits))
             p /= p.sum()
             values = [v_ctx[0, 0, s] for s in ctx_keys] + [v[0, j, 0] for j in call_keys]
             np.testing.assert_allclose(out[0, t, g], (p[:, None] * np.array(values)).sum(0), atol=1e-5)
-            scored = [pad, pad + 1, 4, 5]  # sinks and span
+            scored = [pad, pad + 1, 4, 5]  # the sinks and the span
             logits = [qv @ k_ctx[0, 0, s] / 2.0 for s in scored] + [qv @ k[0, j, 0] / 2.0 for j in call_keys]
             p = np.exp(np.array(logits) - max(logits))
             p /= p.sum()
-            for s, ps in zip(scored[2:], p[2:4]):
-                want_scores[0, s] = max(want_scores[0, s], ps)
-    np.testing.assert_allclose(scores[0], want_scores, atol=1e-6)
+            for j, ps in enumerate(p[2:4]):
+                want_scores[0, j] = max(want_scores[0, j], ps)
+    np.testing.assert_allclose(scores[0], want_scores, atol=1e-6)  # the span's third entry (past hi) is 0
 
 
 def test_selection_by_hand():
@@ -300,13 +299,12 @@ def test_passes_quote_the_previous_chunk_and_pad_short_rows():
     pad = np.asarray([0, 5], np.int32)
     passes = reconstruction_passes(tokens, pad, PROMPT, chunk=4, carry=2)
     assert len(passes) == 3  # row 0: 9 context tokens after the 3-token prefix = 3 chunks; row 1: 4 = 1 chunk
-    rows, span, call_pad = passes[1]
-    T = rows.shape[1]
-    assert rows[0, call_pad[0]:].tolist() == [21, 22, 23, 105, 106, 31, 32, 107, 108, 109, 110]
-    assert span[0].tolist() == [7, 11] and call_pad[1] == T and span[1].tolist() == [0, 0]
-    rows, span, call_pad = passes[0]
-    assert rows[1, call_pad[1]:].tolist() == [11, 12, 13, 14, 15, 31, 32, 120, 121, 122, 123]
-    assert span[1].tolist() == [8, 12]
+    rows, span, call_len = passes[1]
+    assert rows[0, :call_len[0]].tolist() == [21, 22, 23, 105, 106, 31, 32, 107, 108, 109, 110]
+    assert span[0].tolist() == [7, 11] and call_len[1] == 0 and span[1].tolist() == [0, 0]
+    rows, span, call_len = passes[0]
+    assert rows[1, :call_len[1]].tolist() == [11, 12, 13, 14, 15, 31, 32, 120, 121, 122, 123]
+    assert span[1].tolist() == [8, 12] and rows.shape[1] == 5 + 2 + 4  # the longest request + suffix + chunk
 
 
 def test_errors(tiny):
