@@ -11,7 +11,8 @@ step reads without them:
 * :func:`abstract_compressed_cache`: the compressed cache's shapes, dtypes and memory kinds (``pinned_host`` for host
   tiers), from tracing ``init_cache`` + ``compress`` (nothing allocated): what the planner compiles for.
 * :func:`filled_cache`: a real compressed cache: the method's prefill-stage state filled with random keys, values and
-  recorded queries, then the method's own ``finish_prefill`` (its real selection and layout: pages, per-head
+  recorded queries (KVzip: random scores, every head allocated the budget's tokens, :func:`planned_method`), then
+  the method's own ``finish_prefill`` (its real selection and layout: pages, per-head
   capacities, host copies, PQ codes). Bounded-prefill methods (Locret, chunked eviction) keep at most ``budget + chunk``
   tokens per head during prefill, so their prefill state is filled the same way.
 * :func:`replicated_cache`: the same for many rows with one row staged: the row tiled to the batch (page tables offset
@@ -122,10 +123,20 @@ def synthetic_artifact(method, spec: CacheSpec, seed: int = 0):
     return None
 
 
+def planned_method(method, spec: CacheSpec):
+    """``method`` as a cache built without its data holds it: KVzip, whose head budgets come from its reconstruction
+    of a real context, with every KV head allocated the budget's tokens (the same bytes); any other method as is."""
+    from kvjax.methods import KVzip
+
+    return method.uniform_allocation(spec) if isinstance(method, KVzip) else method
+
+
 def compressed_structure(method, spec: CacheSpec, artifact=None):
     """``(traced compress, output tree structure)`` of ``method`` on ``spec``: the compressed cache's avals (with their
     memory spaces) without allocating anything."""
     from kvjax.decoding import compress_jit
+
+    method = planned_method(method, spec)
 
     def compressed():
         cache = method.init_cache(spec, artifact)
@@ -183,7 +194,7 @@ def filled_cache(method, spec: CacheSpec, artifact=None, seed: int = 0, *, same_
     Llama-3.1-8B-shaped row stages 16 GiB): for many rows, :func:`replicated_cache`."""
     from kvjax.decoding import compress
 
-    cache = method.init_cache(spec, artifact)
+    cache = planned_method(method, spec).init_cache(spec, artifact)
     layers = fill_random(cache.layers, jax.random.PRNGKey(seed), same_rows=spec.batch if same_rows else 0)
     cache = cache.replace(layers=layers, length=jnp.asarray(spec.prompt_slots, jnp.int32))
     return compress(cache)
@@ -236,5 +247,5 @@ def replicated_cache(method, spec: CacheSpec, artifact=None, seed: int = 0) -> C
     return cache.replace(pad=jnp.zeros((B,), jnp.int32))
 
 
-__all__ = ["PAPER_CLASS_COUNTS", "synthetic_group_layers", "synthetic_head_statistics", "synthetic_artifact",
+__all__ = ["PAPER_CLASS_COUNTS", "planned_method", "synthetic_group_layers", "synthetic_head_statistics", "synthetic_artifact",
            "compressed_structure", "abstract_compressed_cache", "fill_random", "filled_cache", "replicated_cache"]

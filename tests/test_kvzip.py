@@ -144,7 +144,9 @@ def kvjax_keep(model, tokens, method, prompt=PROMPT, *, pad=None, room=4):
     cache = cache.replace(pad=jnp.asarray(pad))
     _, cache = prefill_prompt(model.graphdef, model.params, jnp.asarray(tokens), cache)
     cache = score_context(model.graphdef, model.params, cache, tokens, prompt)
-    return np.stack([np.asarray(st.keep) for st in cache.layers]), cache
+    keep = select(jnp.stack([st.scores for st in cache.layers]), cache.pad, P, cache.layers[0].pruned,
+                  method.allocation if method.allocation == "global" else "head" if method.allocation == "head" else "layer")
+    return np.asarray(keep), cache
 
 
 @pytest.mark.parametrize("T,ratio,layerwise,chunk", [
@@ -219,16 +221,17 @@ def test_reconstruction_attention_on_a_hand_made_case():
 
 
 def test_selection_by_hand():
-    """Global: the threshold over every layer and head; template slots score 1 (sinks) or 0; padding never kept;
-    -1 keeps the row."""
-    scores = jnp.asarray([[[[0.7, 0.7, 0.5, 0.1, 0.9, 0.3]]], [[[0.7, 0.7, 0.2, 0.8, 0.05, 0.6]]]])  # [L=2, B=1, H=1, 6]
+    """Global: one threshold over every layer and head, ties at it evicted too; padding never kept; -1 keeps the row;
+    head: the same count per head."""
+    scores = jnp.asarray([[[[0.7, 1.0, 0.0, 0.1, 0.9, 0.1]]], [[[0.7, 1.0, 0.0, 0.8, 0.05, 0.6]]]])  # [L=2, B=1, H=1, 6]
     pad = jnp.asarray([1])
-    keep = np.asarray(select(scores, pad, 6, 2, 1, [4], "global"))  # 10 real pairs; slots 1, 2 are the template
-    # real scores: layer 0 [1, 0, .1, .9, .3], layer 1 [1, 0, .8, .05, .6]; the 4 lowest 0 0 .05 .1 go
-    assert keep[0, 0, 0].tolist() == [False, True, False, False, True, True]
+    keep = np.asarray(select(scores, pad, 6, [3], "global"))  # 10 real pairs; the 3rd smallest is 0.05: 0, 0, .05 go
+    assert keep[0, 0, 0].tolist() == [False, True, False, True, True, True]
     assert keep[1, 0, 0].tolist() == [False, True, False, True, False, True]
-    assert np.asarray(select(scores, pad, 6, 2, 1, [-1], "global")).sum() == 10
-    head = np.asarray(select(scores, pad, 6, 2, 1, [2], "head"))
+    keep = np.asarray(select(scores, pad, 6, [4], "global"))  # the 4th smallest is 0.1, tied: both 0.1 go (5 evicted)
+    assert keep.sum() == 5 and not keep[0, 0, 0, 3] and not keep[0, 0, 0, 5]
+    assert np.asarray(select(scores, pad, 6, [-1], "global")).sum() == 10
+    head = np.asarray(select(scores, pad, 6, [2], "head"))
     assert head.sum(-1).ravel().tolist() == [3, 3]
 
 

@@ -96,13 +96,19 @@ def test_filled_cache_has_the_real_layout(model, name):
     """For every method, the cache built directly from random data has the structure, shapes, dtypes and memory kinds
     (host tiers in ``pinned_host``) of the cache a real prefill + compress makes, ``abstract_compressed_cache`` describes
     it without allocating, and a decode step runs on it."""
-    bounded = {"locret": {"local": 16, "chunk": 32}, "chunked_eviction": {"local": 16, "chunk": 32, "stabilizers": 8}}.get(name, {})
+    bounded = {"locret": {"local": 16, "chunk": 32}, "chunked_eviction": {"local": 16, "chunk": 32, "stabilizers": 8},
+               "kvzip": {"allocation": "head", "chunk": 32}}.get(name, {})  # KVzip: the planned layout, per head
     method = get_method(name) if name == "full" else get_method(name, budget=0.5, **bounded)
     spec = CacheSpec.for_model(model.config, 2, PROMPT, ROOM, "float32")
     artifact = synthetic_artifact(method, spec)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, PROMPT), 0, model.config.vocab_size, jnp.int32)
     real = new_cache(method, model.config, 2, PROMPT, ROOM, "float32", artifact=artifact)
     _, real = prefill_prompt(model.graphdef, model.params, tokens, real)
+    if method.rereads_context():
+        from kvjax.methods.kvzip import ReconstructionPrompt, score_context
+
+        real = score_context(model.graphdef, model.params, real, np.asarray(tokens),
+                             ReconstructionPrompt(prefix=2, first=(3, 4), later=(5,), suffix=(6,)))
     real = compress(real)
     synthetic = filled_cache(method, spec, artifact, seed=1)
     assert jax.tree_util.tree_structure(synthetic) == jax.tree_util.tree_structure(real)

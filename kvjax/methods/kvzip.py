@@ -78,13 +78,13 @@ class ReconstructionPrompt:
 class KVzipPrefill:
     """One layer before compression: the dense staging, the reconstruction scores ``[B, Hkv, S]`` (f32), the
     chunk each row is scoring now (``span[B, 2]``: slots ``[lo, hi)``), each row's real tokens at the start of the
-    current pass (``call_len[B]``, padding after) and the keep mask the selection wrote (``keep[B, Hkv, S]``)."""
+    current pass (``call_len[B]``, padding after) and the pairs each row evicts (``pruned[B]``, :func:`pruned_counts`)."""
 
     staged: StagedKV
     scores: jax.Array
     span: jax.Array
     call_len: jax.Array
-    keep: jax.Array
+    pruned: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +148,7 @@ class KVzip(LayerLocal):
         staging = init_staging(spec, Recording(block=self.block))
         B, Hkv, S = spec.batch, spec.num_kv_heads, spec.prompt_slots
         layers = tuple(KVzipPrefill(st, jnp.zeros((B, Hkv, S), jnp.float32), jnp.zeros((B, 2), jnp.int32),
-                                    jnp.zeros((B,), jnp.int32), jnp.zeros((B, Hkv, S), bool)) for st in staging)
+                                    jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)) for st in staging)
         return Cache.create(layers, self, spec)
 
     def prefill_chunk(self, state: KVzipPrefill, q, k, v, ctx):
@@ -168,14 +168,26 @@ class KVzip(LayerLocal):
         return out, state.replace(scores=padded[..., :S])
 
     def finish_prefill(self, state: KVzipPrefill, ctx):
-        """The kept pairs (:func:`score_context`'s selection) into page pools of the allocated capacities."""
+        """The selection over every layer's scores (:func:`select`), the kept pairs into page pools of the
+        allocated capacities."""
         if not self.allocated:
             raise ValueError("KVzip scores the context by reconstruction before compression: run "
                              "kvjax.methods.kvzip.score_context on the prefilled cache first (kvjax.generate, ask, "
                              "compare and kvjax eval do)")
+        scores = jnp.stack([st.scores for st in ctx.layers]) if self.allocation == "global" else state.scores[None]
+        keep = select(scores, ctx.pad, ctx.spec.prompt_slots, state.pruned, self.allocation)
+        keep = keep[ctx.layer] if self.allocation == "global" else keep[0]
         caps = self.allocated[ctx.layer]
-        idx, lengths = keep_to_indices(state.keep, max(caps))
+        idx, lengths = keep_to_indices(keep, max(caps))
         return self.layout().build(state.staged, idx, lengths, caps, None, ctx.spec)
+
+    def uniform_allocation(self, spec: CacheSpec) -> "KVzip":
+        """This method with every KV head allocated the budget's tokens of the longest row: the layout of a cache
+        built without reconstruction (random data at scale, :mod:`evals.synthetic`), whose bytes are the budget's."""
+        from kvjax.budgets import tokens_per_head
+
+        cap = tokens_per_head(self.budget, spec.longest_row)
+        return dataclasses.replace(self, allocated=((cap,) * spec.num_kv_heads,) * spec.num_layers)
 
     def layout(self) -> PagedAppend:
         """Pages with room, appended after compression."""
@@ -190,8 +202,8 @@ class KVzip(LayerLocal):
         if isinstance(state, KVzipPrefill):
             from kvjax.sharding import ROWS_HEADS
 
-            return state.replace(staged=staged_partition(state.staged), scores=ROWS_HEADS, keep=ROWS_HEADS,
-                                 span=None, call_len=None)
+            return state.replace(staged=staged_partition(state.staged), scores=ROWS_HEADS, span=None, call_len=None,
+                                 pruned=None)
         return self.layout().partition(state)
 
     def stats(self, cache: Cache) -> dict:
@@ -276,23 +288,22 @@ def pruned_counts(method: KVzip, row_lengths: np.ndarray, num_layers: int, num_k
         if isinstance(method.budget, int):
             out.append(units - {"global": num_layers * num_kv_heads, "layer": num_kv_heads, "head": 1}[method.allocation]
                        * min(method.budget, n))
-        else:
+        elif method.allocation == "head":  # kvjax's budget: floor(budget * n) kept per head
+            out.append(n - max(1, math.floor(method.budget * n)))
+        else:  # kvpress' arithmetic
             out.append(int(units * ratio))
     return np.asarray(out, np.int64)
 
 
-def select(scores, pad, prompt_slots: int, prefix: int, sinks: int, pruned, allocation: str):
-    """Keep masks ``[L, B, Hkv, S]`` from every layer's scores ``[L, B, Hkv, S]``: the row's ``prefix`` template
-    slots were never scored, its first ``sinks`` real slots among them score 1 and the others 0 (kvpress: a sink
-    inside the context keeps its reconstruction score), padding is never kept, and ``pruned[b]`` pairs of the lowest scores are evicted per row over the
+def select(scores, pad, prompt_slots: int, pruned, allocation: str):
+    """Keep masks ``[L, B, Hkv, S]`` from the scores ``[L, B, Hkv, S]`` (every layer for ``global``, one layer at a
+    time otherwise): padding is never kept, and ``pruned[b]`` pairs of the lowest scores are evicted per row over the
     model (``global``: every pair at or below the ``max(pruned - 1, 0)``-th smallest score, ties included, kvpress),
     per layer or per head (lowest first, ties by position); ``pruned[b] < 0`` keeps the whole row."""
     L, B, Hkv, S = scores.shape
     slots = jnp.arange(S)
     real = (slots[None, :] >= pad[:, None]) & (slots[None, :] < prompt_slots)  # [B, S]
-    template = slots[None, :] < pad[:, None] + prefix
-    sink = slots[None, :] < pad[:, None] + min(sinks, prefix)
-    s = jnp.where(template[None, :, None], jnp.where(sink, 1.0, 0.0)[None, :, None], scores)
+    s = scores
     pruned = jnp.asarray(pruned, jnp.int32)
     real_b = jnp.broadcast_to(real[None, :, None], s.shape)
     if allocation == "global":
@@ -311,12 +322,23 @@ def select(scores, pad, prompt_slots: int, prefix: int, sinks: int, pruned, allo
     return keep & real_b
 
 
-@functools.partial(jax.jit, static_argnames=("prompt_slots", "prefix", "sinks", "allocation"), donate_argnames=("cache",))
-def _select_jit(cache: Cache, pruned, *, prompt_slots: int, prefix: int, sinks: int, allocation: str):
-    scores = jnp.stack([st.scores for st in cache.layers])
-    keep = select(scores, cache.pad, prompt_slots, prefix, sinks, pruned, allocation)
-    layers = tuple(st.replace(keep=keep[i]) for i, st in enumerate(cache.layers))
-    return cache.replace(layers=layers), keep.sum(-1).max(axis=1)  # kept per (layer, head), largest row
+@functools.partial(jax.jit, static_argnames=("prompt_slots", "allocation"), donate_argnames=("cache",))
+def _select_jit(cache: Cache, pruned, *, prompt_slots: int, allocation: str):
+    """The rows' evicted counts into every layer's state, and the kept pairs per (layer, KV head), largest row."""
+    keep = select(jnp.stack([st.scores for st in cache.layers]), cache.pad, prompt_slots, pruned, allocation)
+    layers = tuple(st.replace(pruned=jnp.asarray(pruned, jnp.int32)) for st in cache.layers)
+    return cache.replace(layers=layers), keep.sum(-1).max(axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("prefix", "sinks"), donate_argnames=("cache",))
+def _template_scores_jit(cache: Cache, *, prefix: int, sinks: int) -> Cache:
+    """The template before each row's context is never reconstructed: its first ``sinks`` slots score 1, the rest 0
+    (kvpress; the passes then write the context's own scores, a sink inside the context among them)."""
+    S = cache.layers[0].scores.shape[-1]
+    slots = jnp.arange(S)[None, :]
+    sink = (slots >= cache.pad[:, None]) & (slots < cache.pad[:, None] + min(sinks, prefix))
+    return cache.replace(layers=tuple(st.replace(scores=jnp.broadcast_to(jnp.where(sink[:, None, :], 1.0, 0.0),
+                                                                      st.scores.shape)) for st in cache.layers))
 
 
 # ------------------------------------------------------------------------------------------------ the passes
@@ -378,14 +400,14 @@ def score_context(graphdef, params, cache: Cache, tokens, prompt: Reconstruction
         raise ValueError(f"tokens of shape {tokens.shape} are not the cache's prompt ({cache.spec.batch}, {P})")
     passes = reconstruction_passes(tokens, pad, prompt, method.chunk, method.carry)
     n_real = P - pad
+    cache = _template_scores_jit(cache, prefix=prompt.prefix, sinks=method.sinks)
     for rows, span, call_len in passes:
         positions = (n_real[:, None] + np.arange(rows.shape[1])[None, :]).astype(np.int32)
         cache = _reconstruct_jit(graphdef, params, jnp.asarray(rows), jnp.asarray(positions), jnp.asarray(span),
                                  jnp.asarray(call_len), cache)
     spec = cache.spec
     pruned = pruned_counts(method, n_real, spec.num_layers, spec.num_kv_heads)
-    cache, kept = _select_jit(cache, jnp.asarray(pruned, jnp.int32), prompt_slots=P, prefix=prompt.prefix,
-                              sinks=method.sinks, allocation=method.allocation)
+    cache, kept = _select_jit(cache, jnp.asarray(pruned, jnp.int32), prompt_slots=P, allocation=method.allocation)
     kept = np.asarray(kept)
     allocated = tuple(tuple(max(1, int(c)) for c in layer) for layer in kept)
     scored = dataclasses.replace(method, allocated=allocated)
