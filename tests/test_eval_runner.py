@@ -192,3 +192,20 @@ def test_kvjax_generate_cli_prints_the_answer_and_cache_bytes(tiny_chat_model, c
                      "--method", "snapkv", "--budget", "40"]) == 0
     err = capsys.readouterr().err
     assert "generated" in err and "cache snapkv: device " in err and "host 0 B]" in err
+
+
+def test_kvzip_in_an_eval_reconstructs_once_per_batch_for_every_budget(tiny_chat_model, tmp_path):
+    """KVzip's reconstruction runs once per batch and serves each budget (its time is in both records); at budget
+    1.0 it answers as the full cache does; at 0.5 its records hold about half the full cache's device bytes."""
+    argv = ["eval", "--model", tiny_chat_model, "--methods", "kvzip:chunk=64", "--budgets", "1.0,0.5",
+            "--tasks", "niah_single", "--lengths", "300", "--samples", "2", "--batch-size", "2", "--chunk-size", "128",
+            "--protocol", "query-agnostic", "--out-root", str(tmp_path), "--run-name", "kvzip", "--no-progress"]
+    assert cli_main(argv) == 0
+    records = _lines(tmp_path / "kvzip" / "samples.jsonl")
+    by = {(r["index"], r["method"], r["budget"]): r for r in records}
+    assert len(records) == 2 * 3
+    for i in (0, 1):
+        whole, half, full = by[(i, "kvzip:chunk=64", "1")], by[(i, "kvzip:chunk=64", "0.5")], by[(i, "full", "full")]
+        assert whole["output"] == full["output"]
+        assert whole["reconstruct_s"] == half["reconstruct_s"] > 0
+        assert half["device_bytes"] < 0.75 * whole["device_bytes"]

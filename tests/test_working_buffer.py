@@ -59,6 +59,9 @@ class EvictEveryChunk:
     def question_passes(self):
         return 1
 
+    def rereads_context(self):
+        return False
+
     def stats(self, cache):
         return {}
 

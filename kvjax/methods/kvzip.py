@@ -181,6 +181,11 @@ class KVzip(LayerLocal):
         idx, lengths = keep_to_indices(keep, max(caps))
         return self.layout().build(state.staged, idx, lengths, caps, None, ctx.spec)
 
+    def reconstruction_key(self) -> "KVzip":
+        """What the scores depend on: configurations with the same key share one :func:`reconstruct` (they differ in
+        the budget or the allocation only)."""
+        return dataclasses.replace(self, budget=1.0, allocation="global", allocated=())
+
     def uniform_allocation(self, spec: CacheSpec) -> "KVzip":
         """This method with every KV head allocated the budget's tokens of the longest row: the layout of a cache
         built without reconstruction (random data at scale, :mod:`evals.synthetic`), whose bytes are the budget's."""
@@ -381,13 +386,10 @@ def reconstruction_passes(tokens: np.ndarray, pad: np.ndarray, prompt: Reconstru
     return passes
 
 
-def score_context(graphdef, params, cache: Cache, tokens, prompt: ReconstructionPrompt) -> Cache:
-    """Run KVzip's reconstruction passes on a prefilled cache, select the kept pairs and fix the allocation.
-
-    ``tokens[B, P]``: the prompt the cache was prefilled with (left-padded as ``cache.pad`` says). Returns the
-    prefill-stage cache whose method carries the ``allocated`` capacities; compress it next
-    (``kvjax.decoding.compress``). The cache is donated.
-    """
+def reconstruct(graphdef, params, cache: Cache, tokens, prompt: ReconstructionPrompt) -> Cache:
+    """Run KVzip's reconstruction passes on a prefilled cache: every layer's state holds the scores (the cache is
+    donated). The scores depend on ``sinks``, ``chunk`` and ``carry``, not on the budget: :func:`allocate` then selects
+    for a budget, and one reconstruction can serve several (:meth:`KVzip.reconstruction_key`)."""
     method = cache.method
     if not isinstance(method, KVzip):
         raise ValueError(f"score_context needs a KVzip cache, got one of method {getattr(method, 'name', method)!r}")
@@ -405,11 +407,25 @@ def score_context(graphdef, params, cache: Cache, tokens, prompt: Reconstruction
         positions = (n_real[:, None] + np.arange(rows.shape[1])[None, :]).astype(np.int32)
         cache = _reconstruct_jit(graphdef, params, jnp.asarray(rows), jnp.asarray(positions), jnp.asarray(span),
                                  jnp.asarray(call_len), cache)
-    spec = cache.spec
-    pruned = pruned_counts(method, n_real, spec.num_layers, spec.num_kv_heads)
-    cache, kept = _select_jit(cache, jnp.asarray(pruned, jnp.int32), prompt_slots=P, allocation=method.allocation)
-    kept = np.asarray(kept)
-    allocated = tuple(tuple(max(1, int(c)) for c in layer) for layer in kept)
-    scored = dataclasses.replace(method, allocated=allocated)
-    cache = cache.replace(method=scored)
     return cache
+
+
+def allocate(cache: Cache) -> Cache:
+    """Select the kept pairs of a reconstructed cache for its method's budget and allocation, and fix the
+    ``allocated`` capacities (each (layer, KV head)'s kept count, the largest over the rows) on the method. Compress
+    it next. The cache is donated."""
+    method, spec = cache.method, cache.spec
+    n_real = spec.prompt_slots - np.asarray(cache.pad, np.int64)
+    pruned = pruned_counts(method, n_real, spec.num_layers, spec.num_kv_heads)
+    cache, kept = _select_jit(cache, jnp.asarray(pruned, jnp.int32), prompt_slots=spec.prompt_slots,
+                              allocation=method.allocation)
+    allocated = tuple(tuple(max(1, int(c)) for c in layer) for layer in np.asarray(kept))
+    return cache.replace(method=dataclasses.replace(method, allocated=allocated))
+
+
+def score_context(graphdef, params, cache: Cache, tokens, prompt: ReconstructionPrompt) -> Cache:
+    """:func:`reconstruct` then :func:`allocate`: run KVzip's passes on a prefilled cache (``tokens[B, P]``, the prompt
+    it was prefilled with, left-padded as ``cache.pad`` says), select, and fix the allocation. Returns the
+    prefill-stage cache whose method carries the ``allocated`` capacities; compress it next
+    (``kvjax.decoding.compress``). The cache is donated."""
+    return allocate(reconstruct(graphdef, params, cache, tokens, prompt))
