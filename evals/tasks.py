@@ -45,7 +45,9 @@ import math
 import random
 import re
 import weakref
-from typing import Callable, Sequence
+from typing import Sequence
+
+from models.tokenizer import fill_sentences
 
 TASKS: tuple[str, ...] = (
     "passkey",
@@ -303,20 +305,6 @@ def _task_spec(task: str, rng: random.Random) -> _Spec:
         )
         return _Spec(_VT_INTRO, needles, question, tuple(chain))
     raise ValueError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
-
-
-def fill_sentences(size: Callable[[int], int], budget: int, *, patience: int) -> list[int]:
-    """Stream positions ``k = 0, 1, ...`` whose ``size(k)`` (estimated tokens) fill ``budget``: consecutive
-    sentences while they fit, then later, shorter ones fill the gap; stops after ``patience`` that do not fit."""
-    chosen, used, k, skipped = [], 0, 0, 0
-    while skipped < patience:
-        if used + size(k) <= budget:
-            chosen.append(k)
-            used += size(k)
-        else:
-            skipped += 1
-        k += 1
-    return chosen
 
 
 def needle_depths(depth: float, num_needles: int) -> list[float]:

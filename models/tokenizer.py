@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 
 def load_tokenizer(path: str):
@@ -33,6 +34,21 @@ def format_prompt(tokenizer, prompt: str, chat: bool) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("--chat needs a tokenizer with a chat template; this model has none")
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+
+
+def fill_sentences(size: Callable[[int], int], budget: int, *, patience: int) -> list[int]:
+    """Stream positions ``k = 0, 1, ...`` whose ``size(k)`` (estimated tokens) fill ``budget``: consecutive
+    sentences while they fit, then later, shorter ones fill the gap; stops after ``patience`` that do not fit.
+    Shared by the task generators (``evals.tasks``) and the training data (``train.data``)."""
+    chosen, used, k, skipped = [], 0, 0, 0
+    while skipped < patience:
+        if used + size(k) <= budget:
+            chosen.append(k)
+            used += size(k)
+        else:
+            skipped += 1
+        k += 1
+    return chosen
 
 
 def reconstruction_prompt(tokenizer, chat: bool):

@@ -46,7 +46,7 @@ import statistics
 import weakref
 from typing import Sequence
 
-from evals.tasks import fill_sentences
+from models.tokenizer import fill_sentences
 
 KINDS: tuple[str, ...] = ("fact", "name", "continuation", "summary")
 
