@@ -26,7 +26,7 @@ Usage::
 
     kvjax bench                                    # qwen2.5-coder-0.5b, 1K/4K/8K, f32 + bf16
     kvjax bench --model smollm2-135m --lengths 256 --dtypes float32 --out /tmp/b.md
-    python -m evals.bench_foundation --frameworks kvjax --lengths 1024
+    python -m kvjax.evals.bench_foundation --frameworks kvjax --lengths 1024
 
 Results: a Markdown table at ``--out`` (default ``docs/results/foundation_bench.md``) and the
 raw numbers as JSON next to it (same name, ``.json``). Progress goes to stderr.
@@ -50,7 +50,7 @@ import time
 
 import numpy as np
 
-from evals.bench_machine import (GIB, MIB, effective_chunk, machine_info, peak_rss_kib, prompt_tokens, reset_peak_rss,
+from kvjax.evals.bench_machine import (GIB, MIB, effective_chunk, machine_info, peak_rss_kib, prompt_tokens, reset_peak_rss,
                                  rss_now_kib, versions, worker_bandwidth)
 from kvjax.cache import new_cache as make_cache
 
@@ -123,7 +123,7 @@ def worker_kvjax(args) -> dict:
     jax.config.update("jax_enable_compilation_cache", False)  # compile times are real compilations
     from kvjax.decoding import compress_jit, decode_compiler_options, decode_loop_jit, prefill_jit, prefill_prompt
     from kvjax.methods import FullCache
-    from models import load_model
+    from kvjax.models import load_model
 
     _log(f"{tag} loading {args.model}")
     model = load_model(args.path, args.dtype, tokenizer=False)
@@ -391,7 +391,7 @@ def _spawn(kind: str, args, path: str, dtype: str | None = None, length: int | N
     fd, result_file = tempfile.mkstemp(prefix=f"kvjax-bench-{kind}-", suffix=".json")
     os.close(fd)
     cmd = [
-        sys.executable, "-m", "evals.bench_foundation", "--worker", kind, "--result-file", result_file,
+        sys.executable, "-m", "kvjax.evals.bench_foundation", "--worker", kind, "--result-file", result_file,
         "--model", args.model, "--path", path, "--new-tokens", str(args.new_tokens),
         "--chunk-size", str(args.chunk_size), "--repeats", str(args.repeats),
         "--prefill-repeats", str(args.prefill_repeats), "--seed", str(args.seed),
@@ -620,7 +620,7 @@ def render_markdown(report: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Options of ``kvjax bench`` (workers take hidden options)."""
-    from models.registry import DEFAULT_MODEL
+    from kvjax.models.registry import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(
         prog="kvjax bench foundation",
@@ -665,7 +665,7 @@ def main(argv=None) -> int:
         raise ValueError("--repeats, --prefill-repeats, --bandwidth-repeats and --bandwidth-mib must be >= 1")
     for L in args.lengths:
         effective_chunk(L, args.chunk_size)
-    from models import resolve_model_path
+    from kvjax.models import resolve_model_path
 
     path = os.path.abspath(resolve_model_path(args.model))  # assembles a split ready model once, here
 

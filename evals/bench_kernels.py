@@ -13,9 +13,9 @@ same run (``x + 1`` over a large array: read + write).
 
 Usage::
 
-    python -m evals.bench_kernels                      # on a TPU/GPU: full run, 4K..128K tokens
-    python -m evals.bench_kernels --smoke              # tiny sizes, Pallas in interpret mode
-    python -m evals.bench_kernels --tokens 4096 65536 --out docs/results/kernels_gpu.md
+    python -m kvjax.evals.bench_kernels                      # on a TPU/GPU: full run, 4K..128K tokens
+    python -m kvjax.evals.bench_kernels --smoke              # tiny sizes, Pallas in interpret mode
+    python -m kvjax.evals.bench_kernels --tokens 4096 65536 --out docs/results/kernels_gpu.md
 
 On CPU without ``--smoke`` there is no compiled Pallas: only the XLA rows are timed (with a
 message saying so).  Results: a Markdown table at ``--out`` and JSON next to it (``.json``).
@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.paged_attention import (
+from kvjax.pallas_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from pallas_kernels.pq_attention import pq_scores
+from kvjax.pallas_kernels.pq_attention import pq_scores
 
 DEFAULT_TOKENS = (4096, 8192, 16384, 32768, 65536, 131072)
 DEFAULT_PQ = ("16x256", "32x256", "32x1024", "64x4096")  # g x c at D=128
@@ -257,7 +257,7 @@ def _markdown(result) -> str:
 
 def main(argv=None):
     """Run the kernel benchmark; returns the result dict (also written to --out and .json)."""
-    ap = argparse.ArgumentParser(prog="python -m evals.bench_kernels", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvjax.evals.bench_kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None,
                     help="Markdown output path (default docs/results/kernels_<backend>.md)")
@@ -272,7 +272,7 @@ def main(argv=None):
                     help="K/V dtypes of the paged kernel")
     ap.add_argument("--pq-tokens", type=int, nargs="+", default=None, help="PQ scoring token counts (default --tokens)")
     ap.add_argument("--nominal-bandwidth", type=float, default=None,
-                    help="the device's nominal HBM bandwidth in bytes/s (default: evals.plan's figure for the device)")
+                    help="the device's nominal HBM bandwidth in bytes/s (default: kvjax.evals.plan's figure for the device)")
     ap.add_argument("--max-gib", type=float, default=30.0, help="skip cells whose K/V exceed this many GiB")
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
@@ -288,7 +288,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     if args.model:
-        from models import model_architecture
+        from kvjax.models import model_architecture
 
         config, _ = model_architecture(args.model)
         args.kv_heads, args.group, args.head_dim = config.num_kv_heads, config.group_size, config.head_dim
@@ -321,7 +321,7 @@ def main(argv=None):
         print(msg, flush=True)
 
     if args.nominal_bandwidth is None:
-        from evals.plan import TARGETS
+        from kvjax.evals.plan import TARGETS
 
         kind = jax.devices()[0].device_kind.upper()
         args.nominal_bandwidth = next((t.bandwidth for t in TARGETS.values() if t.platform == "cuda"
@@ -334,7 +334,7 @@ def main(argv=None):
     paged = bench_paged(args, paged_forms, impl, dev_bw, log)
     pq = bench_pq(args, forms, impl, dev_bw, log)
     result = dict(
-        command="python -m evals.bench_kernels " + " ".join(argv if argv is not None
+        command="python -m kvjax.evals.bench_kernels " + " ".join(argv if argv is not None
                                                             else sys.argv[1:]),
         backend=backend, device=jax.devices()[0].device_kind, jax_version=jax.__version__,
         python=platform.python_version(), copy_bandwidth_GBps=dev_bw / 1e9,

@@ -4,7 +4,7 @@ A decode step of a small model at short context is bound by reading every weight
 weights should halve the step time. This benchmark isolates that part of the step to show
 whether the backend's matrix-vector product reaches the memory bandwidth at each dtype: for the
 layer shapes of ``--model`` (the fused ``qkv_proj``, ``o_proj``, fused ``gate_up_proj`` and
-``down_proj`` of every layer, HF's ``weight[out, in]`` layout as in :mod:`models.llama`; embeddings,
+``down_proj`` of every layer, HF's ``weight[out, in]`` layout as in :mod:`kvjax.models.llama`; embeddings,
 norms and attention left out) it runs ``--steps`` chained products (batch 1, each layer's output
 feeding the next, like a decode step) inside one jitted ``lax.fori_loop``, for
 
@@ -54,9 +54,9 @@ def layer_shapes(config) -> list[tuple[str, int, int]]:
 
 
 def _config(model: str):
-    from models import resolve_model_path
-    from models.config import load_hf_config
-    from models.weights import open_gguf, gguf_config
+    from kvjax.models import resolve_model_path
+    from kvjax.models.config import load_hf_config
+    from kvjax.models.weights import open_gguf, gguf_config
 
     path = resolve_model_path(model)
     return gguf_config(open_gguf(path), model) if path.endswith(".gguf") else load_hf_config(path)
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         raise ValueError("--steps, --repeats, --bandwidth-mib, --bandwidth-repeats and --layers must be >= 1")
     import jax
 
-    from evals.bench_machine import worker_bandwidth
+    from kvjax.evals.bench_machine import worker_bandwidth
 
     config = _config(args.model)
     layers = args.layers or config.num_layers

@@ -49,9 +49,9 @@ def bench_model(seed: int = 0):
     import jax.numpy as jnp
     from flax import nnx
 
-    from models import LoadedModel
-    from models.config import ModelConfig
-    from models.llama import random_model
+    from kvjax.models import LoadedModel
+    from kvjax.models.config import ModelConfig
+    from kvjax.models.llama import random_model
 
     config = ModelConfig(architecture="llama", vocab_size=1024, hidden_size=512, intermediate_size=1024, num_layers=4,
                          num_heads=16, num_kv_heads=8, head_dim=64, max_position_embeddings=8192, name="bench-mesh")
@@ -147,7 +147,7 @@ def run(args) -> dict:
 
     from kvjax.api import generate_tokens
     from kvjax.cache import device_bytes_per_device
-    from models.sharding import shard_model
+    from kvjax.models.sharding import shard_model
 
     base = bench_model()
     rng = np.random.default_rng(0)

@@ -41,13 +41,13 @@ process, for the full cache and each requested method (``kvjax.methods.METHODS``
 
 Usage::
 
-    python -m evals.bench_methods                       # qwen2.5-coder-0.5b, all methods, 1K..8K (kvjax bench)
-    python -m evals.bench_methods --model smollm2-135m --lengths 256,512 --methods snapkv,quest \\
+    python -m kvjax.evals.bench_methods                       # qwen2.5-coder-0.5b, all methods, 1K..8K (kvjax bench)
+    python -m kvjax.evals.bench_methods --model smollm2-135m --lengths 256,512 --methods snapkv,quest \\
         --new-tokens 8 --chunk-size 256 --out /tmp/m.md
 
 Results: Markdown at ``--out`` (default ``docs/results/bench_methods_<model>.md``), the raw
 numbers as JSON and a plot (decode ms/token and device KV bytes vs context length) next to it
-(same stem, ``.json`` / ``.png``), written by :mod:`evals.bench_methods_report`, which also derives the
+(same stem, ``.json`` / ``.png``), written by :mod:`kvjax.evals.bench_methods_report`, which also derives the
 limits and ratios from the measured rows. Progress (a tqdm bar and ``[bench]`` lines) goes to stderr.
 """
 
@@ -65,9 +65,9 @@ import traceback
 
 import numpy as np
 
-from evals.bench_machine import (MIB, effective_chunk, machine_info, peak_rss_kib, prompt_tokens, reset_peak_rss,
+from kvjax.evals.bench_machine import (MIB, effective_chunk, machine_info, peak_rss_kib, prompt_tokens, reset_peak_rss,
                                  rss_now_kib, versions, worker_bandwidth)
-from evals.bench_methods_report import REFERENCE, add_derived, write_report
+from kvjax.evals.bench_methods_report import REFERENCE, add_derived, write_report
 from kvjax.budgets import parse_budget
 from kvjax.cache import new_cache
 from kvjax.distributed import add_mesh_args, setup_devices
@@ -224,9 +224,9 @@ def bench_artifacts(methods: dict, config, random_weights: bool) -> tuple[dict, 
     """``(artifact to pass per method, its source per method)``. A method that finds its own artifact (shipped for the
     model, or named by its options) gets None to pass and the source ``"own"``; one without an artifact None and
     None. With random weights and nothing to find (a shape-only model): a synthetic artifact of the real shapes and
-    classes (:func:`evals.synthetic.synthetic_artifact`: calibrated on nothing, so it holds and moves the bytes a
+    classes (:func:`kvjax.evals.synthetic.synthetic_artifact`: calibrated on nothing, so it holds and moves the bytes a
     calibration would), source ``"synthetic"``. Real weights with nothing to find keep the method's own error."""
-    from evals.synthetic import synthetic_artifact
+    from kvjax.evals.synthetic import synthetic_artifact
     from kvjax.cache import CacheSpec
 
     spec = CacheSpec.for_model(config, 1, 1, 1, "float32")
@@ -613,7 +613,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
     from tqdm import tqdm
 
     from kvjax.decoding import TRACE_COUNTS
-    from models import load_model
+    from kvjax.models import load_model
 
     start = time.perf_counter()
     old_cache_flag = jax.config.jax_enable_compilation_cache

@@ -1,4 +1,4 @@
-"""The methods benchmark's report (:mod:`evals.bench_methods` measures): the figures derived from the
+"""The methods benchmark's report (:mod:`kvjax.evals.bench_methods` measures): the figures derived from the
 measured rows (bytes per step, bandwidth limit, ratios vs the full cache), the Markdown report, the
 plot (decode ms/token and device KV bytes vs context length) and the files they are written to."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from evals.bench_machine import GIB, MIB
+from kvjax.evals.bench_machine import GIB, MIB
 
 REFERENCE = "full"  # the method every ratio is against
 KIB_PER_GIB = 1024 ** 2
@@ -79,7 +79,7 @@ def render_markdown(report: dict) -> str:
     if synthetic:
         lines.append(f"- **synthetic artifacts** for {', '.join(f'`{n}`' for n in synthetic)}: none ships for this "
                      "model, so each has the real shapes and the papers' head classes, calibrated on nothing "
-                     "(`evals.synthetic.synthetic_artifact`)")
+                     "(`kvjax.evals.synthetic.synthetic_artifact`)")
     if "error" in bw:
         lines.append(f"- bandwidth measurement failed: {bw['error']} (no limits)")
     else:

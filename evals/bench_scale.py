@@ -1,11 +1,11 @@
 """Decode at the papers' scale: every method's decode loop from caches built directly at the length, batch 1 and the
 largest batch that fits, against the full cache and against the plan compiled on the CPU.
 
-``python -m evals.bench_scale [--model llama-3.1-8b] [--methods ...] [--budgets 0.1,0.25] [--lengths 131008]
+``python -m kvjax.evals.bench_scale [--model llama-3.1-8b] [--methods ...] [--budgets 0.1,0.25] [--lengths 131008]
 [--batches 1,max] [--plan docs/results/plan/...json] [--out FILE.md]``
 
-The model is shape-only (random bf16 weights made on the device, :func:`models.llama.random_params`). Each cache is
-built without a prefill (:func:`evals.synthetic.replicated_cache`: one row's prefill-stage state filled with random
+The model is shape-only (random bf16 weights made on the device, :func:`kvjax.models.llama.random_params`). Each cache is
+built without a prefill (:func:`kvjax.evals.synthetic.replicated_cache`: one row's prefill-stage state filled with random
 values, the method's own ``finish_prefill``, the row tiled to the batch), then the jitted decode loop runs ``--steps``
 tokens once to compile and warm up and once timed (the loop returns its cache; the timed run continues from it).
 ``max`` batches come from the plan (``--plan``: the largest batch whose step the compiled program fits), else from
@@ -41,7 +41,7 @@ def _now() -> str:
 
 
 def plan_rows(paths: str | None) -> dict:
-    """``{(method, budget, length): plan row}`` of plan JSON files (``evals.plan``; comma-separated paths), each
+    """``{(method, budget, length): plan row}`` of plan JSON files (``kvjax.evals.plan``; comma-separated paths), each
     file's first target; {} without one."""
     out = {}
     for path in filter(None, (paths or "").split(",")):
@@ -79,7 +79,7 @@ def time_decode(model, cache, steps: int, repeats: int = 1, seed: int = 0) -> tu
 
 def shape_model(name: str, dtype: str):
     """A ``LoadedModel`` of ``name``'s shapes with random weights made on the device."""
-    from models import load_model
+    from kvjax.models import load_model
 
     return load_model(name, dtype, tokenizer=False, random_weights=True)
 
@@ -89,10 +89,10 @@ def measure(args, save=lambda partial: None) -> dict:
     report so far after each cell (an interrupted run keeps what it measured)."""
     import jax
 
-    from evals.bench_kernels import copy_bandwidth
-    from evals.bench_methods import parse_methods
-    from evals.plan import TARGETS
-    from evals.synthetic import replicated_cache, synthetic_artifact
+    from kvjax.evals.bench_kernels import copy_bandwidth
+    from kvjax.evals.bench_methods import parse_methods
+    from kvjax.evals.plan import TARGETS
+    from kvjax.evals.synthetic import replicated_cache, synthetic_artifact
     from kvjax.cache import CacheSpec
     from kvjax.methods import get_method
 
@@ -157,8 +157,8 @@ def compare_prefill(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from evals.bench_methods import parse_methods
-    from evals.synthetic import filled_cache, synthetic_artifact
+    from kvjax.evals.bench_methods import parse_methods
+    from kvjax.evals.synthetic import filled_cache, synthetic_artifact
     from kvjax.cache import CacheSpec, new_cache
     from kvjax.decoding import compress, prefill_prompt
     from kvjax.methods import get_method
@@ -200,7 +200,7 @@ def render(report: dict) -> str:
              "decode steps after a warm run", ""]
     if report.get("compare_prefill"):
         lines += ["Decode ms/step from a cache made by a real prefill and from the synthetic cache "
-                  "(`evals.synthetic.filled_cache`), same method, length and shapes.", "",
+                  "(`kvjax.evals.synthetic.filled_cache`), same method, length and shapes.", "",
                   "| method | budget | prompt | real prefill ms/step | synthetic ms/step | synthetic ÷ real |",
                   "|---|---|---:|---:|---:|---:|"]
         for r in report["rows"]:
@@ -234,14 +234,14 @@ def render(report: dict) -> str:
 def main(argv=None) -> int:
     """Run the benchmark (or ``--compare-prefill``) and write Markdown + JSON."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m evals.bench_scale", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvjax.evals.bench_scale", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--methods", default=DEFAULT_METHODS)
     p.add_argument("--budgets", default="0.1,0.25")
     p.add_argument("--lengths", default="131008")
     p.add_argument("--batches", default="1,max", help="'1', 'max' (the plan's largest batch) or both")
     p.add_argument("--plan", default=None,
-                   help="plan JSON file(s) of evals.plan for this device, comma-separated (largest batches, projections)")
+                   help="plan JSON file(s) of kvjax.evals.plan for this device, comma-separated (largest batches, projections)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
     p.add_argument("--repeats", type=int, default=2, help="timed runs (best reported), after one warm run")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         p.error("--steps and --repeats must be >= 1")
     import jax
 
-    report = {"command": "python -m evals.bench_scale " + shlex.join(argv), "args": vars(args), "jax": jax.__version__,
+    report = {"command": "python -m kvjax.evals.bench_scale " + shlex.join(argv), "args": vars(args), "jax": jax.__version__,
               "date": _now(), "compare_prefill": args.compare_prefill}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 

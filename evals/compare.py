@@ -1,4 +1,4 @@
-"""Compare two evaluation runs record by record: ``python -m evals.compare OLD_DIR NEW_DIR [--same-method NEW OLD] [--out FILE]``.
+"""Compare two evaluation runs record by record: ``python -m kvjax.evals.compare OLD_DIR NEW_DIR [--same-method NEW OLD] [--out FILE]``.
 
 Matches ``samples.jsonl`` records by (task, length, sample index, method, budget) and writes a
 Markdown report: per (method, budget) the mean accuracy of both runs over the records they share and how many
@@ -31,7 +31,7 @@ def compare_runs(old_dir: str, new_dir: str, same_method: Sequence[tuple[str, st
 
     ``same_method``: ``(new run's method, old run's method)`` pairs matched as one method (shown by the old name).
     """
-    from evals.records import read_jsonl
+    from kvjax.evals.records import read_jsonl
 
     rename = dict(same_method)
     old = {_key(r): r for r in read_jsonl(os.path.join(old_dir, "samples.jsonl"))}
@@ -87,7 +87,7 @@ def compare_runs(old_dir: str, new_dir: str, same_method: Sequence[tuple[str, st
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: print (or write with ``--out``) the comparison."""
-    p = argparse.ArgumentParser(prog="python -m evals.compare", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvjax.evals.compare", description=__doc__.splitlines()[0])
     p.add_argument("old")
     p.add_argument("new")
     p.add_argument("--same-method", nargs=2, action="append", default=[], metavar=("NEW", "OLD"),

@@ -59,9 +59,9 @@ def compare_logprobs(ref: np.ndarray, got: np.ndarray, targets: np.ndarray) -> d
 def fidelity_texts(tokenizer, num_texts: int, prefix_tokens: int, continuation_tokens: int, seed: int = 0) -> np.ndarray:
     """``[num_texts, prefix + continuation + 1]`` token ids of real English prose at different corpus offsets.
 
-    The prose is the local corpus of :mod:`evals.tasks` (Python's ``pydoc_data`` documentation text).
+    The prose is the local corpus of :mod:`kvjax.evals.tasks` (Python's ``pydoc_data`` documentation text).
     """
-    from evals.tasks import prose_corpus
+    from kvjax.evals.tasks import prose_corpus
 
     if num_texts <= 0 or prefix_tokens <= 0 or continuation_tokens <= 0:
         raise ValueError(f"need num_texts, prefix_tokens, continuation_tokens > 0; got {num_texts}, {prefix_tokens}, {continuation_tokens}")

@@ -1,6 +1,6 @@
 """Where XLA:GPU schedules a decode step's host recalls, read from the program compiled for an H100 or H200 without one.
 
-``python -m evals.gpu_schedule [--methods ...] [--length 30720] [--target h100] [--out FILE.md]``
+``python -m kvjax.evals.gpu_schedule [--methods ...] [--length 30720] [--target h100] [--out FILE.md]``
 
 A recall's host gather (HeteroCache, SyncKV, HCAttention: :mod:`kvjax.host_tier`) is a host-offloaded computation.
 XLA:GPU runs it as a ``custom-call-start`` / ``custom-call-done`` pair (``HostExecute``): the device work scheduled
@@ -20,7 +20,7 @@ estimates may differ somewhat from a compilation on the GPU.
 
 Needs jax's CUDA plugin at jax's version, for its compiler only (no GPU, driver or CUDA libraries):
 ``scripts/setup_env.sh`` puts its two wheels in ``.aot-gpu/``, so run ``PYTHONPATH=.aot-gpu:. python -m
-evals.gpu_schedule``. The tool runs JAX on the CPU (:func:`compile_only_cuda`). jax exposes deviceless compilation
+kvjax.evals.gpu_schedule``. The tool runs JAX on the CPU (:func:`compile_only_cuda`). jax exposes deviceless compilation
 only in part: the compile step uses jax internals (``jax._src``), checked with jax 0.10.2 and 0.11.2.
 """
 
@@ -173,8 +173,8 @@ def gpu_topology(target: str):
         import jax_plugins.xla_cuda12  # noqa: F401
     except ImportError:
         raise SystemExit(
-            "evals.gpu_schedule needs jax's CUDA plugin to compile for a GPU (no GPU needed): scripts/setup_env.sh "
-            "installs it in .aot-gpu/; run PYTHONPATH=.aot-gpu:. python -m evals.gpu_schedule") from None
+            "kvjax.evals.gpu_schedule needs jax's CUDA plugin to compile for a GPU (no GPU needed): scripts/setup_env.sh "
+            "installs it in .aot-gpu/; run PYTHONPATH=.aot-gpu:. python -m kvjax.evals.gpu_schedule") from None
     return topologies.get_topology_desc(platform="cuda", target_config=TARGETS[target], topology="1x1x1")
 
 
@@ -229,7 +229,7 @@ def export_for_gpu(fn, *args, donate_argnums=()):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pallas_kernels.backend import MOSAIC_GPU_CUSTOM_CALL, TRITON_CUSTOM_CALL
+    from kvjax.pallas_kernels.backend import MOSAIC_GPU_CUSTOM_CALL, TRITON_CUSTOM_CALL
 
     def kind(x):
         sharding = getattr(x, "sharding", None)
@@ -246,12 +246,12 @@ def export_for_gpu(fn, *args, donate_argnums=()):
 
 def _decode_inputs(model, method, length: int, room: int, artifact):
     """Shapes of a decode call's ``(params, first tokens, compressed cache, key)`` for one row after a ``length``-token
-    prompt with ``room`` tokens to decode (the cache from :func:`evals.synthetic.abstract_compressed_cache`)."""
+    prompt with ``room`` tokens to decode (the cache from :func:`kvjax.evals.synthetic.abstract_compressed_cache`)."""
     import jax
     import jax.numpy as jnp
 
-    from evals.plan import cpu_mesh
-    from evals.synthetic import abstract_compressed_cache
+    from kvjax.evals.plan import cpu_mesh
+    from kvjax.evals.synthetic import abstract_compressed_cache
     from kvjax.cache import CacheSpec
 
     spec = CacheSpec.for_model(model.config, 1, length, room, model.dtype)
@@ -263,7 +263,7 @@ def _decode_inputs(model, method, length: int, room: int, artifact):
 def decode_module(model, method, length: int, new_tokens: int, artifact=None) -> str:
     """StableHLO of ``method``'s decode loop for one row after a ``length``-token prompt, lowered for ``cuda``
     (``artifact``: the method's calibration, default the one shipped for the model). Only shapes are needed: the
-    compressed cache's come from :func:`evals.synthetic.abstract_compressed_cache` (traced, not run)."""
+    compressed cache's come from :func:`kvjax.evals.synthetic.abstract_compressed_cache` (traced, not run)."""
     import jax
 
     from kvjax.decoding import decode_loop_jit
@@ -344,7 +344,7 @@ def render(report: dict) -> str:
 def main(argv=None) -> int:
     """Compile every method's decode loop for the target GPU with kvjax's options and XLA's defaults; write the report."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m evals.gpu_schedule", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvjax.evals.gpu_schedule", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="ready model or HF directory (its shapes only)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods, as `kvjax bench --methods`")
     p.add_argument("--length", type=int, default=30720, help="prompt tokens (default 30720, as the GPU bench)")
@@ -361,9 +361,9 @@ def main(argv=None) -> int:
     import jax
     from tqdm import tqdm
 
-    from evals.bench_methods import make_methods, parse_methods
+    from kvjax.evals.bench_methods import make_methods, parse_methods
     from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS
-    from models import load_model
+    from kvjax.models import load_model
 
     topology = gpu_topology(args.target)
     args.out = args.out or DEFAULT_OUT.format(target=args.target, jax=jax.__version__)
@@ -394,7 +394,7 @@ def main(argv=None) -> int:
                              "windows": windows})
                 bar.update()
     report = {
-        "command": "python -m evals.gpu_schedule " + shlex.join(argv), "args": vars(args), "rows": rows,
+        "command": "python -m kvjax.evals.gpu_schedule " + shlex.join(argv), "args": vars(args), "rows": rows,
         "jax": jax.__version__, "plugin": importlib.metadata.version("jax-cuda12-plugin"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kvjax_options": ", ".join(f"`{k}={v}`" for k, v in GPU_DECODE_COMPILER_OPTIONS.items()),

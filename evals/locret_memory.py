@@ -66,7 +66,7 @@ def run_and_read_peak(model, method, length: int, chunk: int) -> dict:
     compilation). Large buffers must be returned to the system when freed for this to see them: the parent
     starts the process with a fixed ``MALLOC_MMAP_THRESHOLD_``. The weights' bytes are reported beside both.
     """
-    from evals.bench_machine import proc_status_kib, reset_peak_rss
+    from kvjax.evals.bench_machine import proc_status_kib, reset_peak_rss
     from kvjax.cache import new_cache
     from kvjax.decoding import compress, prefill_prompt
 
@@ -92,7 +92,7 @@ def run_and_read_peak(model, method, length: int, chunk: int) -> dict:
 
 def _peak_in_a_fresh_process(args, method: str, length: int) -> dict:
     """:func:`run_and_read_peak` in a child process (``--peak-of``), so no earlier run's peak counts."""
-    cmd = [sys.executable, "-m", "evals.locret_memory", "--peak-of", method, "--model", args.model, "--lengths", str(length),
+    cmd = [sys.executable, "-m", "kvjax.evals.locret_memory", "--peak-of", method, "--model", args.model, "--lengths", str(length),
            "--budget", str(args.budget), "--chunk", str(args.chunk), "--heads", args.heads]
     if args.random_weights:
         cmd.append("--random-weights")
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     if args.measure:  # before jax starts its backend: the children of --measure need device memory too
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from kvjax.methods import FullCache, Locret
-    from models import load_model
+    from kvjax.models import load_model
 
     model = load_model(args.model, "float32", tokenizer=False, random_weights=args.random_weights)
     lengths = [int(x) for x in args.lengths.split(",")]

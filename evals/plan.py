@@ -1,14 +1,14 @@
 """Plan on the CPU: compile every method's decode step for an H100 and for TPU v5e / v5p / v6e slices, without them.
 
-``python -m evals.plan [--model llama-3.1-8b] [--targets h100,v5e-8] [--methods ...] [--budgets 0.1,0.25]
+``python -m kvjax.evals.plan [--model llama-3.1-8b] [--targets h100,v5e-8] [--methods ...] [--budgets 0.1,0.25]
 [--lengths 32768,131072] [--out FILE.md]``
 
 For each target, method, budget and prompt length this compiles the jitted one-token decode step
 (:func:`kvjax.decoding.decode_step`, with kvjax's compiler options for the platform) over the compressed cache built
-by the method's own ``init_cache`` + ``compress`` (traced, never allocated: :func:`evals.synthetic.abstract_compressed_cache`)
+by the method's own ``init_cache`` + ``compress`` (traced, never allocated: :func:`kvjax.evals.synthetic.abstract_compressed_cache`)
 and the model's parameters (random bf16 of the real shapes, abstract), with XLA's compiler for the target:
 
-* H100 / H200: jax's CUDA plugin as a compiler only (deviceless, :mod:`evals.gpu_schedule`);
+* H100 / H200: jax's CUDA plugin as a compiler only (deviceless, :mod:`kvjax.evals.gpu_schedule`);
 * TPU: the ``libtpu`` wheel jax pins (``jax[tpu]``) and ``jax.experimental.topologies.get_topology_desc``, on a
   ``(data, model)`` mesh of the slice (model axis: the most chips that divide the KV heads), Pallas kernels under
   ``shard_map`` as on a real slice.
@@ -25,7 +25,7 @@ device); the projected step time at the target's nominal HBM bandwidth, and toke
 compressed cache's device bytes (Quest and HCAttention select what they read, so their floor is lower than this).
 
 Needs jax's CUDA plugin (``.aot-gpu/``) and ``libtpu`` (``.aot-tpu/``), both put there by ``scripts/setup_env.sh``
-outside the virtual environment: run ``PYTHONPATH=.aot-gpu:.aot-tpu:. python -m evals.plan``. jax runs on the CPU.
+outside the virtual environment: run ``PYTHONPATH=.aot-gpu:.aot-tpu:. python -m kvjax.evals.plan``. jax runs on the CPU.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Target:
 
     name: str
     platform: str  # "cuda" | "tpu"
-    topology: str  # TPU topology name, or the GPU target key of evals.gpu_schedule.TARGETS
+    topology: str  # TPU topology name, or the GPU target key of kvjax.evals.gpu_schedule.TARGETS
     chips: int
     memory_bytes: int  # per chip
     bandwidth: float  # bytes/s per chip
@@ -95,7 +95,7 @@ def target_mesh(target: Target, config):
     from kvjax.sharding import AXES
 
     if target.platform == "cuda":
-        from evals.gpu_schedule import gpu_topology
+        from kvjax.evals.gpu_schedule import gpu_topology
 
         devices = gpu_topology(target.topology).devices
     else:
@@ -111,11 +111,11 @@ def target_mesh(target: Target, config):
 @contextlib.contextmanager
 def lowering_for(target: Target):
     """Trace as on a TPU target: ``jax.default_backend()`` names its platform, so kvjax builds its kernels' forms for
-    it. (GPU targets trace through :func:`evals.gpu_schedule.export_for_gpu`.)"""
+    it. (GPU targets trace through :func:`kvjax.evals.gpu_schedule.export_for_gpu`.)"""
     import jax
 
     if target.platform != "tpu":
-        raise ValueError(f"lowering_for is for TPU targets; {target.name} exports through evals.gpu_schedule")
+        raise ValueError(f"lowering_for is for TPU targets; {target.name} exports through kvjax.evals.gpu_schedule")
     real = jax.default_backend
     jax.default_backend = lambda: target.backend
     try:
@@ -350,7 +350,7 @@ def hlo_bytes(hlo: str) -> dict:
     counts as host traffic, the arrays it is handed and returns as their memory says. A fusion that only slices or
     gathers from an operand (directly or through bitcasts) reads those slices; a fusion whose root updates its first
     operand in place (``dynamic-update-slice``, ``scatter``) writes the update only; a custom call whose outputs alias
-    operands (an in-place kernel such as :func:`pallas_kernels.row_write.write_rows`) reads its other operands and
+    operands (an in-place kernel such as :func:`kvjax.pallas_kernels.row_write.write_rows`) reads its other operands and
     writes as much; so does an unfused ``dynamic-update-slice`` or ``scatter`` (a TPU updates a cache in place so). A
     TPU's async slice reads its slice where the operand lies and an async copy moves its array once on each side,
     nothing on a side in on-chip memory (``S(1)``). Arrays in host memory (``S(5)``) count as host traffic. Returns
@@ -377,14 +377,14 @@ def cpu_mesh():
 
 def abstract_params(config, dtype, mesh):
     """(graphdef, abstract parameters placed on ``mesh``: tensor parallel on its model axis, as
-    :func:`models.sharding.shard_model` lays them out)."""
+    :func:`kvjax.models.sharding.shard_model` lays them out)."""
     import jax
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
     from kvjax.sharding import MODEL, axis_size, named
-    from models.llama import abstract_model
-    from models.sharding import param_partition
+    from kvjax.models.llama import abstract_model
+    from kvjax.models.sharding import param_partition
 
     blocks = axis_size(mesh, MODEL)
     graphdef, params = nnx.split(abstract_model(config, dtype, tensor_parallel=blocks))
@@ -423,7 +423,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from evals.synthetic import abstract_compressed_cache
+    from kvjax.evals.synthetic import abstract_compressed_cache
     from kvjax.cache import CacheSpec, bytes_by_memory_kind
     from kvjax.decoding import decode_compiler_options, decode_step_jit
     from kvjax.sharding import DATA, is_split
@@ -437,8 +437,8 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     cache = abstract_compressed_cache(method, spec, cpu_mesh() if target.platform == "cuda" else mesh, artifact)
     jax.clear_caches()  # kernels' forms and host regions are chosen at trace time: trace the step afresh for the target
     options = decode_compiler_options(target.backend)
-    if target.platform == "cuda":  # deviceless GPU: export for cuda, compile with XLA:GPU (evals.gpu_schedule)
-        from evals.gpu_schedule import export_for_gpu, gpu_executable, gpu_topology, host_call_windows
+    if target.platform == "cuda":  # deviceless GPU: export for cuda, compile with XLA:GPU (kvjax.evals.gpu_schedule)
+        from kvjax.evals.gpu_schedule import export_for_gpu, gpu_executable, gpu_topology, host_call_windows
 
         def step(params, tokens, cache, key):
             return decode_step_jit(graphdef, params, tokens, cache, key)
@@ -557,7 +557,7 @@ def render(report: dict) -> str:
         f"- jax {report['jax']}, libtpu {report.get('libtpu') or '-'}, CUDA plugin {report.get('plugin') or '-'}, "
         f"{report['date']}; {a['dtype']} weights (random, the model's shapes), decode room {a['room']} tokens",
         "- one-token decode step (`kvjax.decoding.decode_step`) over the method's compressed cache (`init_cache` + "
-        "`compress`, traced: `evals.synthetic.abstract_compressed_cache`), compiled by XLA for the target without it",
+        "`compress`, traced: `kvjax.evals.synthetic.abstract_compressed_cache`), compiled by XLA for the target without it",
         "- memory per chip from `memory_analysis()` (arguments + outputs - donated + temporaries); `max batch`: the "
         "largest batch whose step fits the chip's memory, estimated linearly (the parameters and the artifact fixed, "
         "the rest of the compiled memory per row) and compiled at that batch; when XLA refuses it or it does not fit, "
@@ -565,7 +565,7 @@ def render(report: dict) -> str:
         "with the estimate in parentheses (`fits`: whether one did); projected step = bytes moved / "
         "nominal HBM bandwidth per chip; "
         "floor = (a chip's share of the weights read + the cache's device bytes / chips) / bandwidth",
-        "- bytes moved: counted from the compiled HLO per kernel, device memory only (`evals.plan.hlo_bytes`: "
+        "- bytes moved: counted from the compiled HLO per kernel, device memory only (`kvjax.evals.plan.hlo_bytes`: "
         "operands and outputs; a sliced operand's slices, through bitcasts too; an in-place update's update; a loop "
         "body times its known trip count; a conditional's largest branch; a host computation's work as host "
         "traffic; a kernel's whole operands, so Quest's selected pages count as all, except an in-place kernel's "
@@ -619,7 +619,7 @@ def render(report: dict) -> str:
 def main(argv=None) -> int:
     """Compile every (target, method, budget, length) and write the plan (Markdown + JSON)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m evals.plan", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvjax.evals.plan", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.1-8b", help="ready or shape-only model (its shapes; random weights)")
     p.add_argument("--targets", default="h100,v5e-8", help=f"comma-separated, of {','.join(TARGETS)}")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (specs allowed)")
@@ -634,7 +634,7 @@ def main(argv=None) -> int:
     bad = [t for t in args.targets if t not in TARGETS]
     if bad:
         p.error(f"unknown target(s) {bad}; allowed: {', '.join(TARGETS)}")
-    from evals.gpu_schedule import compile_only_cuda
+    from kvjax.evals.gpu_schedule import compile_only_cuda
 
     compile_only_cuda()
     import importlib.metadata
@@ -643,11 +643,11 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from evals.bench_methods import parse_methods
-    from evals.synthetic import synthetic_artifact
+    from kvjax.evals.bench_methods import parse_methods
+    from kvjax.evals.synthetic import synthetic_artifact
     from kvjax.cache import CacheSpec
     from kvjax.methods import get_method
-    from models import model_architecture
+    from kvjax.models import model_architecture
 
     config, _ = model_architecture(args.model)
     names = parse_methods(args.methods)
@@ -656,7 +656,7 @@ def main(argv=None) -> int:
     args.out = args.out or DEFAULT_OUT.format(model=args.model, jax=jax.__version__)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     cells = [(n, b) for n in names for b in ([None] if n == "full" else budgets)]
-    report = {"command": "python -m evals.plan " + shlex.join(argv), "args": vars(args), "jax": jax.__version__,
+    report = {"command": "python -m kvjax.evals.plan " + shlex.join(argv), "args": vars(args), "jax": jax.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "targets": {},
               "meshes": {}}
     for dist in ("libtpu", "jax-cuda12-plugin"):

@@ -1,6 +1,6 @@
 """Summaries, Markdown tables and PNG plots of an evaluation run, rebuilt from its JSONL records.
 
-:func:`write_report` (also ``python -m evals.report RUN_DIR``, e.g. for a partial run) reads
+:func:`write_report` (also ``python -m kvjax.evals.report RUN_DIR``, e.g. for a partial run) reads
 ``config.json``, ``samples.jsonl`` and ``fidelity.jsonl`` of a run directory and writes
 ``summary.json``, ``README.md``, ``accuracy_vs_budget.png``, ``accuracy_vs_bytes.png`` and ``depth_heatmap.png``. Accuracy is
 the mean exact-match score (RULER's ``string_match_all``: the fraction of expected strings found in
@@ -29,14 +29,14 @@ def _config_key(method: str, budget: str, methods_order: list[str]):
 
 def method_names(config: dict) -> list[str]:
     """The run's method names as its records carry them, in the order given (a spec's ``budget=`` removed)."""
-    from evals.records import method_budgets
+    from kvjax.evals.records import method_budgets
 
     return list(dict.fromkeys(name for name, _ in method_budgets(config.get("methods", []), config.get("budgets", []))))
 
 
 def expected_records(config: dict) -> int:
     """Task records a complete run writes: per sample, the full cache and every (method, budget) of its grid."""
-    from evals.records import method_budgets
+    from kvjax.evals.records import method_budgets
 
     configs = len(method_budgets(config.get("methods", []), config.get("budgets", [])))
     return len(config.get("tasks", [])) * len(config.get("lengths", [])) * int(config.get("samples", 0)) * (1 + configs)
@@ -126,8 +126,8 @@ def shortfalls(summary: dict) -> list[str]:
 
 def render_markdown(summary: dict, config: dict) -> str:
     """The run's README.md: settings, accuracy table, bytes, fidelity, shortfalls, plots."""
-    from evals.records import run_split
-    from evals.suites import get_suite
+    from kvjax.evals.records import run_split
+    from kvjax.evals.suites import get_suite
 
     mib = 1024 ** 2
     suite = get_suite(config.get("suite", "kvjax"))
@@ -315,7 +315,7 @@ def plot(summary: dict, out_dir: str) -> list[str]:
 
 def write_report(out_dir: str) -> dict:
     """Rebuild ``summary.json``, ``README.md`` and the plots of the run in ``out_dir``; returns the summary."""
-    from evals.records import read_jsonl
+    from kvjax.evals.records import read_jsonl
 
     with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
@@ -331,10 +331,10 @@ def write_report(out_dir: str) -> dict:
 
 
 def main(argv=None) -> int:
-    """``python -m evals.report RUN_DIR [RUN_DIR ...]``: rebuild each run's report (also of a partial run)."""
+    """``python -m kvjax.evals.report RUN_DIR [RUN_DIR ...]``: rebuild each run's report (also of a partial run)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m evals.report",
+    p = argparse.ArgumentParser(prog="python -m kvjax.evals.report",
                                 description="rebuild README.md, summary.json and the plots of kvjax eval runs from their records")
     p.add_argument("runs", nargs="+", help="run directories (docs/results/<run>)")
     args = p.parse_args(argv)

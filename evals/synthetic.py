@@ -1,7 +1,7 @@
 """Compressed caches and calibration artifacts built directly at a given length, for timing and planning at scale.
 
 Timing a decode step at 128K tokens x 32 rows must not need a 128K-token prefill per row, and the models of the papers'
-scale (``models.registry.SHAPE_MODELS``) have neither weights nor calibrations here. This module builds what a decode
+scale (``kvjax.models.registry.SHAPE_MODELS``) have neither weights nor calibrations here. This module builds what a decode
 step reads without them:
 
 * :func:`synthetic_artifact`: a calibrated method's artifact for any model shape, built with the method's own artifact
@@ -18,7 +18,7 @@ step reads without them:
 * :func:`replicated_cache`: the same for many rows with one row staged: the row tiled to the batch (page tables offset
   per row), equal leaf for leaf to :func:`filled_cache` of a batch whose rows are identical.
 
-Decode from such a cache takes the time decode from a real prefill's cache takes (``python -m evals.bench_scale
+Decode from such a cache takes the time decode from a real prefill's cache takes (``python -m kvjax.evals.bench_scale
 --compare-prefill``: 0.94-1.19 on this CPU, smollm2-135m shapes at 2K tokens). What random data cannot reproduce:
 which tokens a method keeps (selection from random scores is arbitrary, which does not change the bytes a step reads),
 and the per-step behaviour that depends on attention patterns: HeteroCache's drift trigger rate (the decode benchmark

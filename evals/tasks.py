@@ -23,7 +23,7 @@ Haystacks (no downloads):
   Python 3.11 that is 677 paragraphs, 163K characters, ~36K SmolLM2 tokens (the text differs a little between Python
   versions, so samples are deterministic per Python version). Each sample's haystack starts at a seed-dependent
   paragraph and wraps around the corpus when longer.
-* ``"filler"``: the classic repeated filler "The grass is green. The sky is blue. ..." of :mod:`evals.passkey`.
+* ``"filler"``: the classic repeated filler "The grass is green. The sky is blue. ..." of :mod:`kvjax.evals.passkey`.
 
 Defaults: ``passkey`` and ``variable_tracking`` use the filler (as in the passkey test and RULER's VT), the ``niah_*``
 tasks prose. Needles sit between sentences. A sample's values, keys and haystack offset come from a
@@ -47,7 +47,7 @@ import re
 import weakref
 from typing import Sequence
 
-from models.tokenizer import fill_sentences
+from kvjax.models.tokenizer import fill_sentences
 
 TASKS: tuple[str, ...] = (
     "passkey",

@@ -46,7 +46,7 @@ def load(name_or_path: str | None = None, dtype="float32", *, progress: bool = F
     :class:`jax.sharding.Mesh` with axes ``(data, model)``, a dict, or ``"data=2,model=4"``
     (:mod:`kvjax.sharding`). Batch rows go to ``data``, attention heads to ``model``.
     """
-    from models import DEFAULT_MODEL, load_model
+    from kvjax.models import DEFAULT_MODEL, load_model
 
     name = name_or_path or DEFAULT_MODEL
     if progress:
@@ -116,7 +116,7 @@ def timed_prefill(model, tokens: np.ndarray, cache, *, chunk_size: int | None, p
     """``(logits, cache, {"prefill_s": ...})``: the prompt prefilled into ``cache`` (placed on the model's mesh).
 
     For a method that re-reads the context before compression (KVzip) its passes run too, timed apart
-    (``reconstruct_s``); ``reconstruction`` is their prompt (``models.tokenizer.reconstruction_prompt``).
+    (``reconstruct_s``); ``reconstruction`` is their prompt (``kvjax.models.tokenizer.reconstruction_prompt``).
     """
     host_tokens = np.asarray(tokens)
     tokens = place_rows(jnp.asarray(tokens), model.mesh)
@@ -128,7 +128,7 @@ def timed_prefill(model, tokens: np.ndarray, cache, *, chunk_size: int | None, p
     if cache.method.rereads_context():
         if reconstruction is None:
             raise ValueError(f"{cache.method.name} re-reads the context before compression: pass reconstruction="
-                             "models.tokenizer.reconstruction_prompt(tokenizer, chat) for prompts given as tokens")
+                             "kvjax.models.tokenizer.reconstruction_prompt(tokenizer, chat) for prompts given as tokens")
         from kvjax.methods.kvzip import score_context
 
         t0 = time.perf_counter()
@@ -207,7 +207,7 @@ def generate_tokens(
     (the query-agnostic setting). ``on_token`` switches to the per-step jitted function and is
     called with each step's tokens [B] (streaming); otherwise the whole decode runs in one jitted
     ``while_loop``. ``reconstruction``: the reconstruction prompt of a method that re-reads the context (KVzip;
-    ``models.tokenizer.reconstruction_prompt``).
+    ``kvjax.models.tokenizer.reconstruction_prompt``).
     """
     method = _resolve_method(method)
     tokens, pad, question, spec = batch_for(model, token_rows, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
@@ -265,7 +265,7 @@ def compare_tokens(
 def split_at_question(tokenizer, context: str, question: str, chat: bool) -> tuple[list[int], list[int]]:
     """(context ids, question ids) of ``context + "\n" + question`` formatted for the model (chat template
     with ``chat``), split in front of the question: the question ids carry the template's end of turn."""
-    from models.tokenizer import format_prompt
+    from kvjax.models.tokenizer import format_prompt
 
     text = format_prompt(tokenizer, context + "\n" + question, chat)
     cut = text.rindex(question)
@@ -343,8 +343,8 @@ def compare(
 
 
 def reconstruction_prompt(tok, chat: bool):
-    """The reconstruction passes' prompt for text formatted with ``chat`` (``models.tokenizer.reconstruction_prompt``)."""
-    from models.tokenizer import reconstruction_prompt as make
+    """The reconstruction passes' prompt for text formatted with ``chat`` (``kvjax.models.tokenizer.reconstruction_prompt``)."""
+    from kvjax.models.tokenizer import reconstruction_prompt as make
 
     return make(tok, chat)
 
@@ -352,7 +352,7 @@ def reconstruction_prompt(tok, chat: bool):
 def text_batch(tok, prompt: str | Sequence[str], question: str | Sequence[str] | None, chat: bool):
     """``(rows, question_rows or None, eos ids, pad id)``: the prompts (and questions) as token ids, formatted as
     :func:`generate` documents."""
-    from models.tokenizer import format_prompt
+    from kvjax.models.tokenizer import format_prompt
 
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     question_rows = None

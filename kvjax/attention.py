@@ -189,9 +189,9 @@ def contiguous_decode_attention(q, k, v, *, length, pad, implementation: str, me
     :data:`KERNEL_PAGE` tokens (a free reshape, an identity block table, ``starts = pad``), one fused pass over K and
     V with an online softmax. XLA's dense path writes the ``[S, G]`` f32 scores, reads them for the softmax and
     writes a padded bf16 copy of the probabilities for the value product: 1.45x the step's bytes floor for the
-    default model's full cache at 30K tokens in the program compiled for an H100 (``evals.plan``).
+    default model's full cache at 30K tokens in the program compiled for an H100 (``kvjax.evals.plan``).
     On a multi-device ``mesh`` each device reads its own rows and KV heads under ``shard_map``."""
-    from pallas_kernels import paged_decode_attention
+    from kvjax.pallas_kernels import paged_decode_attention
 
     from kvjax.sharding import ROWS_HEADS, is_split
 

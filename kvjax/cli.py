@@ -11,7 +11,7 @@ from kvjax.distributed import add_mesh_args, setup_devices
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from models import DEFAULT_MODEL
+    from kvjax.models import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model name, HF directory or .gguf file (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and cache dtype")
@@ -102,7 +102,7 @@ def cmd_generate(args) -> int:
 
 def cmd_models(args) -> int:
     """List the ready models and whether their packages are installed."""
-    from models import DEFAULT_MODEL, READY_MODELS, is_installed
+    from kvjax.models import DEFAULT_MODEL, READY_MODELS, is_installed
 
     for name, m in READY_MODELS.items():
         state = "installed" if is_installed(name) else f"not installed ({m.install_command})"
@@ -125,7 +125,7 @@ DEMO_METHODS = ("snapkv:budget=0.1", "locret:budget=0.1")
 def demo_methods(specs) -> list[tuple[str, object]]:
     """``(label, method)`` for the full cache and each spec (``name[:budget=B][:key=value]``, default budget 0.1),
     built before any model loads so a typo costs nothing."""
-    from evals.records import split_budget
+    from kvjax.evals.records import split_budget
     from kvjax.methods import FullCache, get_method
 
     out = [("full", FullCache())]
@@ -156,7 +156,7 @@ def cmd_demo(args) -> int:
     """A pass key in a long haystack, answered with the full cache and with compressed methods, side by side: the
     question inside the compressed prompt, then asked after the context alone was compressed."""
     import kvjax
-    from evals.passkey import QUESTION, make_passkey
+    from kvjax.evals.passkey import QUESTION, make_passkey
 
     methods = demo_methods(args.methods)
     t0 = time.perf_counter()
@@ -190,15 +190,15 @@ def run_bench(argv) -> int:
     """``kvjax bench [methods|foundation|matvec|locret-memory|mesh] ...``: the named benchmark (default ``methods``)."""
     argv = list(argv)
     if argv[:1] == ["foundation"]:
-        from evals.bench_foundation import main as bench_main
+        from kvjax.evals.bench_foundation import main as bench_main
     elif argv[:1] == ["matvec"]:
-        from evals.bench_matvec import main as bench_main
+        from kvjax.evals.bench_matvec import main as bench_main
     elif argv[:1] == ["locret-memory"]:
-        from evals.locret_memory import main as bench_main
+        from kvjax.evals.locret_memory import main as bench_main
     elif argv[:1] == ["mesh"]:
-        from evals.bench_mesh import main as bench_main
+        from kvjax.evals.bench_mesh import main as bench_main
     else:
-        from evals.bench_methods import main as bench_main
+        from kvjax.evals.bench_methods import main as bench_main
 
         return bench_main(argv[1:] if argv[:1] == ["methods"] else argv)
     return bench_main(argv[1:])
@@ -206,7 +206,7 @@ def run_bench(argv) -> int:
 
 def run_eval(argv) -> int:
     """``kvjax eval``: task accuracy and fidelity of methods x budgets (``evals/runner.py``)."""
-    from evals.runner import main as eval_main
+    from kvjax.evals.runner import main as eval_main
 
     return eval_main(argv)
 
@@ -220,7 +220,7 @@ def run_calibrate(argv) -> int:
 
 def run_train_locret(argv) -> int:
     """``kvjax train-locret``: train Locret's retaining heads (``train/cli.py``)."""
-    from train.cli import main as train_main
+    from kvjax.train.cli import main as train_main
 
     return train_main(argv)
 

@@ -33,7 +33,7 @@ TRACE_COUNTS: Counter = Counter()
 # XLA options for the decode programs on a GPU. XLA:GPU's latency-hiding scheduler is off by default (jax 0.10.2 and
 # 0.11.2); without it the start and the done of a host-offloaded computation are scheduled back to back, so the host
 # gathers of a recall (HeteroCache, SyncKV, HCAttention) never overlap the step's device work. With it they span the
-# step's kernels that do not need their result (``python -m evals.gpu_schedule``, docs/results/gpu_schedule_h100/).
+# step's kernels that do not need their result (``python -m kvjax.evals.gpu_schedule``, docs/results/gpu_schedule_h100/).
 GPU_DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 XLA_DEFAULTS_ENV = "KVJAX_DECODE_XLA_DEFAULTS"  # set to 1: decode compiles with XLA's defaults everywhere
 

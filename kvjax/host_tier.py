@@ -39,7 +39,7 @@ default schedule, which overlaps nothing (below).
   inside a loop). That test class skips CPU, but this module's tests pass on CPU with jax 0.10.2
   (``compute_on2``) and jax 0.11.2 (``compute_on``).
 * Only with XLA:GPU's latency-hiding scheduler, which is **off by default** (jax 0.10.2 and 0.11.2,
-  found by compiling for an H100 without one: ``python -m evals.gpu_schedule``), does XLA place the
+  found by compiling for an H100 without one: ``python -m kvjax.evals.gpu_schedule``), does XLA place the
   start early and the done late; without it the two are scheduled back to back and nothing overlaps,
   whatever the program's order. kvjax's decode programs turn it on for a GPU
   (:data:`kvjax.decoding.GPU_DECODE_COMPILER_OPTIONS`); a program of your own needs

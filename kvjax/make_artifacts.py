@@ -59,7 +59,7 @@ def shadow_note(out: Path, kind: str, model_id: str, variant: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Options of ``kvjax calibrate``."""
-    from models import DEFAULT_MODEL
+    from kvjax.models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="kvjax calibrate", description="offline head calibration for HeteroCache / SyncKV "
                                 "(`kvjax calibrate hcattention --help`: PQ key codebooks for HCAttention)")
@@ -261,7 +261,7 @@ HC_FIG_KEYS = 300  # Fig. 4: the query at this position of the held-out sample o
 
 def build_hcattention_parser() -> argparse.ArgumentParser:
     """Options of ``kvjax calibrate hcattention``."""
-    from models import DEFAULT_MODEL
+    from kvjax.models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(
         prog="kvjax calibrate hcattention",

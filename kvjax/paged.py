@@ -140,7 +140,7 @@ def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implem
     rows' and KV heads' pages in its shard of the pool (:func:`sharded_paged_attention`); the XLA path
     runs under the sharding annotations.
     """
-    from pallas_kernels import paged_decode_attention
+    from kvjax.pallas_kernels import paged_decode_attention
 
     from kvjax.sharding import is_split
 
@@ -166,7 +166,7 @@ def sharded_paged_attention(q, state: PagedKV, block_table, lengths, mesh, imple
     """The paged-attention kernel per device under ``shard_map`` (``pallas_call`` needs ``check_vma=False``), each
     device over its block of the pool (:func:`local_block_table`)."""
     from kvjax.sharding import BY_DEVICE, ROWS_HEADS
-    from pallas_kernels import paged_decode_attention
+    from kvjax.pallas_kernels import paged_decode_attention
 
     def local(q, k_pages, v_pages, table, lengths):
         table = local_block_table(table, k_pages.shape[0], mesh)

@@ -1,6 +1,6 @@
 """Moving cached RoPE keys to other positions (Locret's contiguous positions).
 
-RoPE rotates each pair ``(x[i], x[i + D/2])`` (the rotate-half layout of ``models.llama.apply_rope``
+RoPE rotates each pair ``(x[i], x[i + D/2])`` (the rotate-half layout of ``kvjax.models.llama.apply_rope``
 and HF) by the angle ``position * inv_freq[i]``. Rotations compose, so a key already rotated to
 position ``p`` is moved to ``p + delta`` by a rotation of ``delta * inv_freq``: no pre-RoPE copy is
 needed.

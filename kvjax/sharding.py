@@ -5,7 +5,7 @@ A kvjax mesh has two named axes (either may have size 1):
 * ``data``: batch rows. Every cache array with a batch axis is split by row.
 * ``model``: attention heads and the MLP's hidden dimension (tensor parallelism). Weights are split
   as Megatron does (column-parallel q/k/v and gate/up projections, row-parallel o and down
-  projections; see ``models.sharding``), and caches by KV head, so each device attends over its
+  projections; see ``kvjax.models.sharding``), and caches by KV head, so each device attends over its
   own KV heads and their query heads.
 
 Computation runs under plain sharding annotations (GSPMD): the model's parameters and the cache are

@@ -8,8 +8,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models.config import ModelConfig
-from models.registry import DEFAULT_MODEL, READY_MODELS, SHAPE_MODELS, is_installed, ready_model_path
+from kvjax.models.config import ModelConfig
+from kvjax.models.registry import DEFAULT_MODEL, READY_MODELS, SHAPE_MODELS, is_installed, ready_model_path
 
 DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
@@ -17,7 +17,7 @@ DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, 
 @dataclasses.dataclass
 class LoadedModel:
     """A model ready for the functional API: config, ``nnx`` graphdef + params, tokenizer, source path,
-    and the device mesh its parameters are split over (None: one device; see :mod:`models.sharding`)."""
+    and the device mesh its parameters are split over (None: one device; see :mod:`kvjax.models.sharding`)."""
 
     config: ModelConfig
     graphdef: Any
@@ -59,22 +59,22 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer:
     """Load weights (and tokenizer) of a ready model, an HF directory or a GGUF file.
 
     ``mesh``: a ``(data, model)`` :class:`jax.sharding.Mesh` or ``"data=2,model=4"``: the weights are
-    split over it, tensor parallel on ``model`` (:func:`models.sharding.shard_model`).
+    split over it, tensor parallel on ``model`` (:func:`kvjax.models.sharding.shard_model`).
     ``random_weights``: the model's architecture with randomly initialised weights (seed 0) instead of
     its trained ones, for timing and memory measurements where the weight files are absent: a ready
     model then needs none of its packages (unless ``tokenizer``), an HF directory only its
     ``config.json``. Its outputs are meaningless; its identity (:func:`kvjax.artifacts.model_identity`)
     is the trained model's, so the shipped artifacts load for it.
     """
-    from models.tokenizer import load_tokenizer
-    from models.weights import load_gguf, load_hf_directory
+    from kvjax.models.tokenizer import load_tokenizer
+    from kvjax.models.weights import load_gguf, load_hf_directory
 
     dtype = resolve_dtype(dtype)
     if random_weights:
         config, path = model_architecture(name_or_path)
         from flax import nnx
 
-        from models.llama import abstract_model, random_params
+        from kvjax.models.llama import abstract_model, random_params
 
         graphdef, _ = nnx.split(abstract_model(config, dtype))
         params = random_params(config, dtype)
@@ -90,7 +90,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer:
         tok = load_tokenizer(path) if tokenizer else None
     model = LoadedModel(config=config, graphdef=graphdef, params=params, tokenizer=tok, path=path, dtype=dtype)
     if mesh is not None:
-        from models.sharding import shard_model
+        from kvjax.models.sharding import shard_model
 
         model = shard_model(model, mesh)
     return model
@@ -98,9 +98,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", *, tokenizer:
 
 def model_architecture(name_or_path: str) -> tuple[ModelConfig, str]:
     """(config, a ``random:`` path label) of a ready model, HF directory or GGUF file, reading no weights."""
-    from models.config import load_hf_config
-    from models.registry import ready_model_config, shape_model_config
-    from models.weights import gguf_config, open_gguf
+    from kvjax.models.config import load_hf_config
+    from kvjax.models.registry import ready_model_config, shape_model_config
+    from kvjax.models.weights import gguf_config, open_gguf
 
     if name_or_path in READY_MODELS:
         return ready_model_config(name_or_path), f"random:{name_or_path}"

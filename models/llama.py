@@ -8,7 +8,7 @@ cache's method (``cache.method.attend``); it never knows which method runs.
 Parameters. Projection matrices are stored as HF stores them, ``weight[out, in]`` (``y = x @ weight.T``:
 each output is a dot product with one contiguous row, the fastest matrix-vector product on XLA:CPU),
 and the names are HF's (without the ``model.`` prefix) except the token embedding and the two fused
-projections, which :func:`models.weights.build_params` assembles from HF's tensors at load time:
+projections, which :func:`kvjax.models.weights.build_params` assembles from HF's tensors at load time:
 
 * ``embed_tokens.embedding [V, d]``, ``norm.weight [d]``, ``lm_head.weight [V, d]`` (untied models only)
 * ``layers.N.input_layernorm.weight [d]``, ``layers.N.post_attention_layernorm.weight [d]``
@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.cache import AttendContext, Cache
-from models.config import ModelConfig
+from kvjax.models.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -102,7 +102,7 @@ class Attention(nnx.Module):
 
     q, k and v come from one fused projection ``qkv_proj``. Its output rows are ``tensor_parallel``
     blocks, each ``q | k | v`` of a contiguous share of the heads (one block, q | k | v, by default;
-    :mod:`models.sharding` reorders the rows for a mesh), so a device holding one block computes
+    :mod:`kvjax.models.sharding` reorders the rows for a mesh), so a device holding one block computes
     its own heads' q, k and v with no communication.
     """
 
@@ -188,7 +188,7 @@ class CausalLM(nnx.Module):
     """Llama / Qwen2 / Qwen3 causal language model.
 
     ``tensor_parallel``: blocks of the fused projections' rows (:class:`Attention`, :class:`MLP`); 1
-    is HF's order, a mesh's ``model`` size is the layout :func:`models.sharding.shard_model` makes.
+    is HF's order, a mesh's ``model`` size is the layout :func:`kvjax.models.sharding.shard_model` makes.
     """
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, tensor_parallel: int = 1):

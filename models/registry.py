@@ -85,7 +85,7 @@ SHAPE_MODELS: dict[str, tuple[str, tuple[tuple[str, object], ...]]] = {
 
 def shape_model_config(name: str):
     """A shape-only model's ``ModelConfig`` (:data:`SHAPE_MODELS`)."""
-    from models.config import ModelConfig
+    from kvjax.models.config import ModelConfig
 
     if name not in SHAPE_MODELS:
         raise ValueError(f"unknown shape-only model {name!r}; known: {', '.join(SHAPE_MODELS)}")
@@ -139,7 +139,7 @@ def _verified(path: str, model: ReadyModel) -> bool:
 
 def ready_model_config(name: str):
     """A ready model's ``ModelConfig`` without its weight files (the values its GGUF metadata holds)."""
-    from models.config import ModelConfig
+    from kvjax.models.config import ModelConfig
 
     if name not in READY_MODELS:
         raise ValueError(f"unknown model {name!r}; ready models: {', '.join(READY_MODELS)}")

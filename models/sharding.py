@@ -9,7 +9,7 @@ The fused projections hold q | k | v (and gate | up) one after the other in HF's
 those rows evenly would hand a device pieces of different projections. :func:`shard_model`
 therefore reorders the rows into ``model`` blocks, each q | k | v of a contiguous share of the
 heads (gate | up of a share of the hidden units), and builds the model with the same
-``tensor_parallel`` block count, which reads that order back (:class:`models.llama.Attention`).
+``tensor_parallel`` block count, which reads that order back (:class:`kvjax.models.llama.Attention`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kvjax.sharding import MODEL, REPLICATED, axis_size, check_mesh, make_mesh, named
-from models.config import ModelConfig
-from models.llama import abstract_model
-from models.weights import param_name
+from kvjax.models.config import ModelConfig
+from kvjax.models.llama import abstract_model
+from kvjax.models.weights import param_name
 
 # parameter (last two names of its path) -> partition spec of its array
 _COLUMN_PARALLEL = P(MODEL, None)  # weight[out, in] split by output rows

@@ -16,7 +16,7 @@ def load_tokenizer(path: str):
 
     if os.path.isdir(path):
         return AutoTokenizer.from_pretrained(path)
-    from models.registry import cache_dir
+    from kvjax.models.registry import cache_dir
 
     stat = os.stat(path)
     saved = os.path.join(cache_dir(), "tokenizers", f"{os.path.basename(path)}-{stat.st_size}-{int(stat.st_mtime)}")
@@ -39,7 +39,7 @@ def format_prompt(tokenizer, prompt: str, chat: bool) -> str:
 def fill_sentences(size: Callable[[int], int], budget: int, *, patience: int) -> list[int]:
     """Stream positions ``k = 0, 1, ...`` whose ``size(k)`` (estimated tokens) fill ``budget``: consecutive
     sentences while they fit, then later, shorter ones fill the gap; stops after ``patience`` that do not fit.
-    Shared by the task generators (``evals.tasks``) and the training data (``train.data``)."""
+    Shared by the task generators (``kvjax.evals.tasks``) and the training data (``kvjax.train.data``)."""
     chosen, used, k, skipped = [], 0, 0, 0
     while skipped < patience:
         if used + size(k) <= budget:
@@ -56,7 +56,7 @@ def reconstruction_prompt(tokenizer, chat: bool):
 
     As NVIDIA kvpress ``KVzipPress``: the chat template is applied to a dummy user turn and split there, giving the
     tokens before the context (``prefix``: counted as a formatted prompt is tokenized, special tokens added only
-    without ``chat``, as ``evals.tasks.tokenize_prompt`` does) and after it
+    without ``chat``, as ``kvjax.evals.tasks.tokenize_prompt`` does) and after it
     (``suffix``: end of turn and assistant header). Without ``chat`` the prefix is empty and the suffix ``"\\n"``.
     """
     from kvjax.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, ReconstructionPrompt

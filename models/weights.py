@@ -1,7 +1,7 @@
 """Weight loading: HF safetensors directories and GGUF files, straight into the model's parameter state.
 
 No random model is materialised first: the target is the shape-only state of
-:func:`models.llama.abstract_model`; each tensor is read, converted to the requested dtype and put
+:func:`kvjax.models.llama.abstract_model`; each tensor is read, converted to the requested dtype and put
 on the device one at a time.
 """
 
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig, config_from_hf, load_hf_config
-from models.llama import abstract_model
+from kvjax.models.config import ModelConfig, config_from_hf, load_hf_config
+from kvjax.models.llama import abstract_model
 
 GGUF_MAGIC = b"GGUF"
 # GGML tensor types kvjax dequantizes (through the `gguf` package).
@@ -92,7 +92,7 @@ def build_params(config: ModelConfig, tensors: Iterator[tuple[str, Callable[[], 
     """Fill the abstract model's parameters from ``(hf_name, load_fn)`` pairs; returns (graphdef, params).
 
     HF's q/k/v and gate/up projections (weights and biases) are written into row blocks of the fused
-    ``qkv_proj`` and ``gate_up_proj`` parameters (see :mod:`models.llama`). Raises ValueError naming the tensor on a
+    ``qkv_proj`` and ``gate_up_proj`` parameters (see :mod:`kvjax.models.llama`). Raises ValueError naming the tensor on a
     missing, unexpected or mis-shaped weight.
     """
     graphdef, abstract_state = nnx.split(abstract_model(config, dtype))

@@ -5,13 +5,13 @@ jitted op taking ``implementation="pallas" | "pallas_interpret" | "xla"`` and a 
 ``*_reference``; the ``backend`` module picks which form a call builds.
 """
 
-from pallas_kernels.paged_attention import (
+from kvjax.pallas_kernels.paged_attention import (
     MASK_VALUE,
     check_block_table,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from pallas_kernels.pq_attention import pq_lookup_table, pq_scores, pq_scores_reference
+from kvjax.pallas_kernels.pq_attention import pq_lookup_table, pq_scores, pq_scores_reference
 
 __all__ = [
     "MASK_VALUE",

@@ -57,9 +57,9 @@ Three kernel forms:
   Mosaic GPU by default on recent jax, whose programming model (warpgroups, TMA) this kernel
   does not use.
 * ``backend="mosaic_gpu"`` (Mosaic GPU, H100 / H200): the same split-K algorithm with TMA page copies into
-  double-buffered shared memory (:mod:`pallas_kernels.paged_attention_mgpu`). jax deprecates its Triton backend;
+  double-buffered shared memory (:mod:`kvjax.pallas_kernels.paged_attention_mgpu`). jax deprecates its Triton backend;
   on a GPU the Triton form stays the default (``backend=None``) until the two are timed against each other
-  (``evals.bench_kernels``).
+  (``kvjax.evals.bench_kernels``).
 
 Numerics: every kernel matmul has ``precision=HIGHEST``, so f32 operands multiply in full f32
 (Triton ``inputPrecision = ieee`` rather than its TF32 default; Mosaic
@@ -87,7 +87,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.backend import (MASK_VALUE, check_call, check_group, check_lengths_shape, check_sizes,
+from kvjax.pallas_kernels.backend import (MASK_VALUE, check_call, check_group, check_lengths_shape, check_sizes,
                                     resolve_backend)
 
 __all__ = [
@@ -622,7 +622,7 @@ def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, starts, *
                                                 scale=scale, starts=starts)
     interpret = implementation == "pallas_interpret"
     if backend == "mosaic_gpu":
-        from pallas_kernels.paged_attention_mgpu import paged_mgpu
+        from kvjax.pallas_kernels.paged_attention_mgpu import paged_mgpu
 
         return paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
                           pages_per_block=pages_per_block, num_splits=num_splits, interpret=interpret)
@@ -652,7 +652,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
       implementation: ``"pallas"`` (compiled), ``"pallas_interpret"`` (CPU emulation) or
         ``"xla"`` (:func:`paged_decode_attention_reference`).
       backend: kernel form, ``"tpu"``, ``"gpu"`` (Triton) or ``"mosaic_gpu"``
-        (:mod:`pallas_kernels.paged_attention_mgpu`, H100 / H200); ``None`` follows ``jax.default_backend()``
+        (:mod:`kvjax.pallas_kernels.paged_attention_mgpu`, H100 / H200); ``None`` follows ``jax.default_backend()``
         (Triton on a GPU; the GPU form when interpreting on CPU; module docstring).
       pages_per_block: pages per kernel block; ``None`` picks about 512 (TPU) / 128 (GPU)
         tokens per block (a power of two for the GPU form, whose K block is also kept within

@@ -1,8 +1,8 @@
-"""The Mosaic GPU form (``backend="mosaic_gpu"``) of :func:`pallas_kernels.paged_attention.paged_decode_attention`.
+"""The Mosaic GPU form (``backend="mosaic_gpu"``) of :func:`kvjax.pallas_kernels.paged_attention.paged_decode_attention`.
 
 jax's Pallas Triton backend is deprecated; this is the same split-K ("flash decoding") kernel written for Mosaic GPU
 (``jax.experimental.pallas.mosaic_gpu``, H100 / H200, sm_90), with the semantics of
-:func:`~pallas_kernels.paged_attention.paged_decode_attention_reference`.
+:func:`~kvjax.pallas_kernels.paged_attention.paged_decode_attention_reference`.
 
 * ``plgpu.kernel`` over the grid ``(B, H_kv, num_splits)``, one warpgroup (128 threads) per block, Lane lowering
   semantics (pinned: jax 0.11 made Warpgroup the default; this kernel sets register layouts itself).
@@ -37,8 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.backend import MASK_VALUE
-from pallas_kernels.paged_attention import combine_splits, split_pages, subpage_view
+from kvjax.pallas_kernels.backend import MASK_VALUE
+from kvjax.pallas_kernels.paged_attention import combine_splits, split_pages, subpage_view
 
 _BLOCK_ROWS = 64  # rows of the WGMMA register layout
 _SMEM_BYTES = 227 * 1024  # H100/H200 opt-in shared memory per block (Mosaic GPU's AOT default)
@@ -140,7 +140,7 @@ def _kernel(q_ref, k_hbm, v_hbm, bt_ref, len_ref, start_ref,  # GMEM inputs
 
 def paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, pages_per_block=None, num_splits=None,
                interpret=False):
-    """The kernel and its combine (arguments as :func:`pallas_kernels.paged_attention.paged_decode_attention`, already
+    """The kernel and its combine (arguments as :func:`kvjax.pallas_kernels.paged_attention.paged_decode_attention`, already
     validated there). ``interpret``: False, True (the interpreter's defaults) or interpreter parameters
     (:func:`interpret_params`)."""
     batch, num_q_heads, head_dim = q.shape

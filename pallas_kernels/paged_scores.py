@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.backend import MASK_VALUE, check_call, resolve_backend
-from pallas_kernels.paged_attention import (_TPU_SMEM_PREFETCH_BYTES, PageBlocks, _check_tpu_page_size,
+from kvjax.pallas_kernels.backend import MASK_VALUE, check_call, resolve_backend
+from kvjax.pallas_kernels.paged_attention import (_TPU_SMEM_PREFETCH_BYTES, PageBlocks, _check_tpu_page_size,
                                             _tpu_heads_per_call)
 
 # Tokens per block: the output block's last dim, a multiple of the 128 lanes.

@@ -43,7 +43,7 @@ table on chip.  Two kernel forms, because arbitrary-index gathers lower very dif
 
 Both forms write per-tile partial statistics that a ``jnp`` epilogue combines, so every grid
 axis is parallel.  Both run on CPU in interpret mode (``implementation="pallas_interpret"``); there
-the GPU form is the default, for the reason given in :mod:`pallas_kernels.paged_attention` (the TPU
+the GPU form is the default, for the reason given in :mod:`kvjax.pallas_kernels.paged_attention` (the TPU
 form's interpreter uses ordered host callbacks, which jax 0.10 cannot lower next to ``pinned_host``
 results such as HCAttention's values).
 """
@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.backend import (MASK_VALUE, check_call, check_group, check_lengths_shape, check_sizes,
+from kvjax.pallas_kernels.backend import (MASK_VALUE, check_call, check_group, check_lengths_shape, check_sizes,
                                     resolve_backend)
 
 __all__ = ["MASK_VALUE", "pq_scores", "pq_scores_reference", "pq_lookup_table"]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import IMPLEMENTATIONS, resolve_backend
+from kvjax.pallas_kernels.backend import IMPLEMENTATIONS, resolve_backend
 
 
 def write_rows_reference(pools, rows, slots, sizes):

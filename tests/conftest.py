@@ -42,8 +42,8 @@ def _release_compiled_programs():
 
 def ready_model_or_skip(name: str):
     """Path of a ready model's GGUF, or skip the test when its package is not installed."""
-    from models import is_installed
-    from models.registry import ready_model_path
+    from kvjax.models import is_installed
+    from kvjax.models.registry import ready_model_path
 
     if not is_installed(name):
         pytest.skip(f"ready model {name} not installed")
@@ -53,7 +53,7 @@ def ready_model_or_skip(name: str):
 @pytest.fixture(scope="session")
 def tiny_llama3(tmp_path_factory):
     """A tiny random Llama-3 (rope scaling) saved by HF ``transformers`` and loaded by kvjax (float32, no tokenizer)."""
-    from models import load_model
+    from kvjax.models import load_model
     from tests.tiny import save_tiny
 
     path = tmp_path_factory.mktemp("tiny_llama3")
@@ -64,7 +64,7 @@ def tiny_llama3(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The SmolLM2-135M tokenizer (has a chat template), without the model's weights."""
-    from models.tokenizer import load_tokenizer
+    from kvjax.models.tokenizer import load_tokenizer
 
     return load_tokenizer(ready_model_or_skip("smollm2-135m"))
 
@@ -77,8 +77,8 @@ def tiny_chat_model(tmp_path_factory):
     import torch
     import transformers
 
-    from models.registry import ready_model_path
-    from models.tokenizer import load_tokenizer
+    from kvjax.models.registry import ready_model_path
+    from kvjax.models.tokenizer import load_tokenizer
     from tests.tiny import scale_layer_matrices
 
     ready_model_or_skip("smollm2-135m")
@@ -99,7 +99,7 @@ def tiny_chat_model(tmp_path_factory):
 def smollm2():
     """The SmolLM2-135M ready model, loaded by kvjax in float32."""
     ready_model_or_skip("smollm2-135m")
-    from models import load_model
+    from kvjax.models import load_model
 
     return load_model("smollm2-135m", "float32")
 

@@ -24,7 +24,7 @@ def main() -> None:
 
     from kvjax.api import generate_tokens
     from kvjax.methods import FullCache, SnapKV
-    from models.sharding import shard_model
+    from kvjax.models.sharding import shard_model
     from tests.mesh_worker import CHUNK, CONFIG, LENGTHS, NEW_TOKENS, tiny_model
 
     model = tiny_model()

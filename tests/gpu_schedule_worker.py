@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import re
 
-from evals.gpu_schedule import (compile_for_gpu, compile_only_cuda, decode_module, gpu_topology, host_call_windows,
+from kvjax.evals.gpu_schedule import (compile_for_gpu, compile_only_cuda, decode_module, gpu_topology, host_call_windows,
                                 loop_conditionals, step_module)
-from evals.plan import instruction_bytes
+from kvjax.evals.plan import instruction_bytes
 from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS
 from kvjax.methods import HeteroCache, SyncKV
 from tests.mesh_worker import CONFIG_D16, recall_artifacts, tiny_model
@@ -51,8 +51,8 @@ def mosaic_paged_calls(topology) -> list[str]:
     import jax
     import jax.numpy as jnp
 
-    from evals.gpu_schedule import export_for_gpu, gpu_executable
-    from pallas_kernels.paged_attention import paged_decode_attention
+    from kvjax.evals.gpu_schedule import export_for_gpu, gpu_executable
+    from kvjax.pallas_kernels.paged_attention import paged_decode_attention
 
     B, H_kv, G, D, page, tokens = 8, 8, 4, 128, 16, 32768
     pages = tokens // page

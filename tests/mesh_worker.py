@@ -25,10 +25,10 @@ from kvjax.methods import (H2O, HBW, ChunkedEviction, FullCache, HCAttention, He
                            SnapKV, StreamingLLM, SyncKV)
 from kvjax.retaining_heads import random_heads_artifact
 from kvjax.sharding import shard_shapes
-from models import LoadedModel
-from models.config import ModelConfig
-from models.llama import random_model
-from models.sharding import shard_model
+from kvjax.models import LoadedModel
+from kvjax.models.config import ModelConfig
+from kvjax.models.llama import random_model
+from kvjax.models.sharding import shard_model
 
 CONFIG = ModelConfig(architecture="qwen2", vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=2,
                      num_heads=16, num_kv_heads=8, head_dim=8, attention_bias=True, max_position_embeddings=512,

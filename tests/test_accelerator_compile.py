@@ -1,5 +1,5 @@
 """Every method's decode step compiles for an H100 and for a TPU v5e-8 slice, on this CPU, with its Pallas kernels
-(:mod:`evals.plan`), and the planner's byte counting (:func:`evals.plan.hlo_bytes`) on a hand-written program.
+(:mod:`kvjax.evals.plan`), and the planner's byte counting (:func:`kvjax.evals.plan.hlo_bytes`) on a hand-written program.
 
 The compiled checks need jax's CUDA plugin and libtpu (compilers only, no accelerator): ``scripts/setup_env.sh``
 installs them into ``.aot-gpu/`` and ``.aot-tpu/``, which only the worker process puts on its path;
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from evals.plan import TARGETS, hlo_bytes, kernel_launches, mesh_shape
+from kvjax.evals.plan import TARGETS, hlo_bytes, kernel_launches, mesh_shape
 from kvjax.methods import METHODS
 from tests.mesh_worker import CONFIG_D16
 
@@ -183,7 +183,7 @@ def test_hlo_bytes_of_a_tpu_program_with_on_chip_copies():
 
 def test_mesh_shapes_of_the_targets():
     """The model axis takes the most chips that divide the heads: 8 KV heads on 8 chips, 4 on (2, 4), one GPU (1, 1)."""
-    from models import model_architecture
+    from kvjax.models import model_architecture
 
     llama, _ = model_architecture("llama-3.1-8b")
     qwen, _ = model_architecture("qwen2.5-7b")
@@ -251,7 +251,7 @@ def test_plan_finds_the_largest_batch_that_compiles_when_the_estimate_does_not(m
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from evals import plan
+    from kvjax.evals import plan
 
     GIB_ = plan.GIB
     target = plan.Target("toy", "tpu", "none", 1, 100 * GIB_, 1e12)

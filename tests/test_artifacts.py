@@ -12,7 +12,7 @@ import pytest
 from kvjax.artifacts import Artifact, model_identity, require_artifact
 from kvjax.cache import CacheSpec
 from kvjax.methods import FullCache, SnapKV
-from models.config import ModelConfig
+from kvjax.models.config import ModelConfig
 
 
 def config(**kw):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from evals import bench_foundation, bench_machine
+from kvjax.evals import bench_foundation, bench_machine
 
 pytestmark = pytest.mark.real_model
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from evals import bench_matvec
+from kvjax.evals import bench_matvec
 from tests.conftest import ready_model_or_skip
 
 

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from evals.bench_mesh import calibrate_on_model, make_method, markdown
+from kvjax.evals.bench_mesh import calibrate_on_model, make_method, markdown
 from kvjax.cache import CacheSpec
-from models import LoadedModel
-from models.config import ModelConfig
-from models.llama import random_model
+from kvjax.models import LoadedModel
+from kvjax.models.config import ModelConfig
+from kvjax.models.llama import random_model
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=2,
                      num_heads=16, num_kv_heads=8, head_dim=8, max_position_embeddings=1024, name="tiny-bench-mesh")
@@ -49,7 +49,7 @@ def test_report_rows_have_as_many_cells_as_the_header():
             dict(mesh="data=1,model=1", method="synckv", decode_ms_per_token=8.0, device_bytes=2 ** 19,
                  device_bytes_per_device=2 ** 19, host_bytes=3 * 2 ** 20, weights_bytes_per_device=2 ** 21, tokens=[[2]]),
             dict(mesh="data=1,model=1", method="heterocache", error="budget too small", weights_bytes_per_device=0)]
-    from evals.bench_mesh import add_ratios
+    from kvjax.evals.bench_mesh import add_ratios
 
     add_ratios(rows)
     text = markdown(dict(devices=1, platform="cpu", command="kvjax bench mesh", date="2026-11-24", model="m",

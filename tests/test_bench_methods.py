@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from evals import bench_methods
+from kvjax.evals import bench_methods
 
 pytestmark = pytest.mark.real_model
 
@@ -18,7 +18,7 @@ def test_bench_methods_report_has_a_row_per_length_and_method(tiny_chat_model, t
     model, and a 30-layer one compiled every method for two minutes); Locret runs random heads from a file."""
     from kvjax.artifacts import model_identity, save_artifact
     from kvjax.retaining_heads import random_heads_artifact
-    from models import load_model
+    from kvjax.models import load_model
 
     config = load_model(tiny_chat_model, "float32", tokenizer=False).config
     heads = tmp_path / "heads.npz"

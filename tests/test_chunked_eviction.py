@@ -13,7 +13,7 @@ from kvjax.api import generate_tokens
 from kvjax.cache import new_cache
 from kvjax.decoding import prefill_prompt
 from kvjax.methods import ChunkedEviction, FullCache, get_method
-from models import load_model
+from kvjax.models import load_model
 from tests.test_locret_train import hf_projections
 from tests.tiny import PEAKED, save_tiny
 

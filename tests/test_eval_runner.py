@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from evals.fidelity import compare_logprobs, teacher_forced_logprobs
+from kvjax.evals.fidelity import compare_logprobs, teacher_forced_logprobs
 from kvjax.cli import main as cli_main
 from kvjax.decoding import compress, decode_step, prefill
 from kvjax.methods import FullCache, SnapKV
@@ -110,7 +110,7 @@ def test_compare_logprobs_hand_computed():
 
 def test_teacher_forced_full_cache_matches_step_by_step_decode(tmp_path):
     """Independent reference: the scan's full-cache log-probs equal per-step decode_step logits."""
-    from models import load_model
+    from kvjax.models import load_model
     from tests.tiny import save_tiny
 
     save_tiny("qwen2", str(tmp_path), seed=2)
@@ -156,7 +156,7 @@ def test_query_agnostic_protocol_equals_query_aware_when_nothing_is_evicted(tiny
 
 
 def test_query_agnostic_batches_share_a_question_length():
-    from evals.runner import batches
+    from kvjax.evals.runner import batches
 
     class S:
         def __init__(self, n, q):
@@ -169,7 +169,7 @@ def test_query_agnostic_batches_share_a_question_length():
 
 
 def test_method_grid_budget_inside_a_spec_runs_that_budget_alone():
-    from evals.runner import EvalConfig, method_grid
+    from kvjax.evals.runner import EvalConfig, method_grid
 
     cfg = EvalConfig(methods=("snapkv", "hcattention:budget=0.05", "hcattention:budget=0.5", "synckv:budget=64:stride=1"),
                      budgets=(0.1, 0.25))

@@ -13,8 +13,8 @@ import pytest
 from kvjax.api import generate_tokens
 from kvjax.decoding import TRACE_COUNTS, Sampling, compress, decode_step, prefill, sample
 from kvjax.methods import FullCache
-from models import load_model
-from models.llama import forward
+from kvjax.models import load_model
+from kvjax.models.llama import forward
 from tests.tiny import PEAKED, save_tiny
 from kvjax.cache import new_cache
 

@@ -1,5 +1,5 @@
 """Where XLA:GPU schedules the decode step's host recalls, in the program compiled for an H100 without one
-(:mod:`evals.gpu_schedule`).
+(:mod:`kvjax.evals.gpu_schedule`).
 
 XLA:GPU's latency-hiding scheduler is off by default (jax 0.10.2 and 0.11.2): a host-offloaded computation's start and
 done are then scheduled back to back and the recall's host gather overlaps nothing. kvjax compiles the decode programs
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from evals.gpu_schedule import host_call_windows, loop_conditionals, render, shape_bytes, summarize
+from kvjax.evals.gpu_schedule import host_call_windows, loop_conditionals, render, shape_bytes, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,7 +78,7 @@ def test_report_rows():
     assert summarize(windows) == {"calls": 1, "before": [1], "between": [2], "after": [1], "total": 4,
                                   "mib": 32 / 2**20}
     args = {"target": "h100", "model": "m", "dtype": "bfloat16", "length": 64, "budget": 0.25, "new_tokens": 3}
-    report = {"args": args, "command": "python -m evals.gpu_schedule", "jax": "0", "plugin": "0", "date": "d",
+    report = {"args": args, "command": "python -m kvjax.evals.gpu_schedule", "jax": "0", "plugin": "0", "date": "d",
               "kvjax_options": "`k=True`", "rows": [
                   {"method": "a", "options": "kvjax", "compile_s": 1.0, "summary": summarize(windows), "in_branches": 1,
                    "conditionals": 3},

@@ -17,7 +17,7 @@ from kvjax.methods import H2O, FullCache
 from kvjax.methods.h2o import H2OKV, h2o_decode_step
 from kvjax.paged import PagedKV, build_paged
 from kvjax.shared_prefill import cache_for, init_shared_cache
-from models import load_model
+from kvjax.models import load_model
 from tests.tiny import save_tiny
 from kvjax.cache import CacheSpec, new_cache
 

@@ -22,7 +22,7 @@ from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.methods.recall.heterocache import classify_group, head_capacities, spread_capped, star_clustering
 from kvjax.methods.recall.synckv import cluster_group, kmeans
 from kvjax.paged import build_paged
-from models import load_model
+from kvjax.models import load_model
 from tests.tiny import save_tiny
 
 L = 48  # prompt tokens

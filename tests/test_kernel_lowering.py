@@ -39,10 +39,10 @@ from jax._src.lib.triton import dialect as tt_dialect
 from jaxlib.mlir import ir
 from jaxlib.mlir.passmanager import PassManager
 
-from pallas_kernels import paged_attention as paged_mod
-from pallas_kernels.backend import TRITON_CUSTOM_CALL
-from pallas_kernels.paged_attention import paged_decode_attention
-from pallas_kernels.pq_attention import pq_scores
+from kvjax.pallas_kernels import paged_attention as paged_mod
+from kvjax.pallas_kernels.backend import TRITON_CUSTOM_CALL
+from kvjax.pallas_kernels.paged_attention import paged_decode_attention
+from kvjax.pallas_kernels.pq_attention import pq_scores
 
 S = jax.ShapeDtypeStruct
 PLATFORMS = ["cuda", "tpu"]

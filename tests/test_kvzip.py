@@ -31,7 +31,7 @@ from kvjax.decoding import compress, decode_loop, prefill, prefill_prompt
 from kvjax.methods import FullCache, KVzip, get_method
 from kvjax.methods.kvzip import (ReconstructionPrompt, reconstruction_attention, reconstruction_passes,
                                  score_context, select)
-from models import load_model
+from kvjax.models import load_model
 from tests.tiny import PEAKED, save_tiny
 
 # the HF forward's cache argument: ``past_key_values`` before transformers 5.x renamed it ``cache``

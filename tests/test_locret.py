@@ -18,7 +18,7 @@ from kvjax.cache import new_cache
 from kvjax.decoding import TRACE_COUNTS, compress, decode_loop, prefill_prompt
 from kvjax.methods import FullCache, Locret, get_method
 from kvjax.retaining_heads import random_heads_artifact
-from models import load_model
+from kvjax.models import load_model
 from tests.tiny import CONFIGS, PEAKED, save_tiny
 
 HIDDEN = 16
@@ -315,7 +315,7 @@ def test_heads_from_a_file(tiny, tmp_path):
 
 def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
     """XLA's memory analysis of the compiled chunk step (the ``kvjax bench locret-memory`` measurement)."""
-    from evals.locret_memory import measure, table
+    from kvjax.evals.locret_memory import measure, table
 
     model, _ = tiny
     art = heads_for(model)
@@ -327,7 +327,7 @@ def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
     if loc[0]["prefill_step"]:  # memory_analysis() is available on this backend
         assert loc[0]["prefill_step"]["temp_size_in_bytes"] == loc[1]["prefill_step"]["temp_size_in_bytes"]
     assert "| 256 |" in table(rows, "cmd", "cpu")
-    from evals.locret_memory import run_and_read_peak
+    from kvjax.evals.locret_memory import run_and_read_peak
 
     peak = run_and_read_peak(model, FullCache(block=16), 64, 16)  # --measure's child: runs the prefill
     assert peak["weights_device_bytes"] == sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
@@ -341,7 +341,7 @@ def test_compiled_prefill_memory_is_flat_in_the_prompt_length(tiny):
 
 def test_resident_peak_measurement_sees_a_known_allocation():
     """The CPU path of ``--measure``: after a reset, the resident high-water mark rises by an allocation's size."""
-    from evals.bench_machine import proc_status_kib, reset_peak_rss
+    from kvjax.evals.bench_machine import proc_status_kib, reset_peak_rss
 
     before = proc_status_kib("VmRSS") * 1024
     if not before or not reset_peak_rss():

@@ -14,11 +14,11 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from kvjax.artifacts import load_artifact
 from kvjax.retaining_heads import init_heads
-from models import load_model
+from kvjax.models import load_model
 from tests.tiny import save_tiny
-from train.dataset import build_dataset, open_dataset
-from train.labels import collect
-from train.locret import TrainConfig, loss_fn, make_step, smooth_l1, standardize_labels, top_overlap, train
+from kvjax.train.dataset import build_dataset, open_dataset
+from kvjax.train.labels import collect
+from kvjax.train.locret import TrainConfig, loss_fn, make_step, smooth_l1, standardize_labels, top_overlap, train
 
 
 @dataclasses.dataclass(frozen=True)

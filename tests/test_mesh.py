@@ -20,10 +20,10 @@ from kvjax.decoding import prefill_prompt
 from kvjax.methods import FullCache
 from kvjax.paged import page_layout
 from kvjax.sharding import make_mesh, parse_mesh
-from models import LoadedModel
-from models.config import ModelConfig
-from models.llama import abstract_model, random_model
-from models.sharding import interleave_rows, tensor_parallel_params
+from kvjax.models import LoadedModel
+from kvjax.models.config import ModelConfig
+from kvjax.models.llama import abstract_model, random_model
+from kvjax.models.sharding import interleave_rows, tensor_parallel_params
 from tests.mesh_worker import ONE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import (
+from kvjax.pallas_kernels.paged_attention import (
     MASK_VALUE,
     check_block_table,
     paged_decode_attention,
@@ -250,7 +250,7 @@ def test_tpu_form_chunked_prefetch_and_any_page_size_in_interpret_mode(monkeypat
     """A block table over the SMEM budget is prefetched in several calls (budget shrunk here to
     two (row, head) pairs per call); interpret mode accepts a page size of 4 tokens, which the
     compiled TPU form rejects."""
-    import pallas_kernels.paged_attention as mod
+    import kvjax.pallas_kernels.paged_attention as mod
 
     kw = dict(batch=3, kv_heads=2, group=3, head_dim=64, max_pages=10, kv_dtype=jnp.float32)
     q, k, v, bt, ln = make_cache(12, page_size=16, lengths=[[150, 0], [33, 160], [1, 97]], **kw)
@@ -339,7 +339,7 @@ def test_bench_kernels_smoke(tmp_path):
     """The benchmark script runs end to end on tiny sizes and writes Markdown + JSON."""
     import json
 
-    from evals.bench_kernels import main
+    from kvjax.evals.bench_kernels import main
 
     out = tmp_path / "kernels.md"
     result = main(["--smoke", "--out", str(out)])

@@ -1,4 +1,4 @@
-"""The paged-scores kernel (:mod:`pallas_kernels.paged_scores`) against numpy in float64: its TPU form interpreted on a
+"""The paged-scores kernel (:mod:`kvjax.pallas_kernels.paged_scores`) against numpy in float64: its TPU form interpreted on a
 CPU and its XLA form, on the edges the recall leaders hit (a pair with nothing held, one holding its whole table,
 lengths inside a page, repeated page ids, bfloat16 pages), block tables split over several calls, its lowering for a
 TPU, and its errors."""
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.backend import MASK_VALUE
-from pallas_kernels.paged_scores import paged_scores
+from kvjax.pallas_kernels.backend import MASK_VALUE
+from kvjax.pallas_kernels.paged_scores import paged_scores
 from tests.test_kernel_lowering import export_for, lower_kernels
 
 S = jax.ShapeDtypeStruct

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.pq_attention import MASK_VALUE, pq_scores, pq_scores_reference
+from kvjax.pallas_kernels.pq_attention import MASK_VALUE, pq_scores, pq_scores_reference
 
 ON_CPU = jax.default_backend() == "cpu"
 IMPL = "pallas_interpret" if ON_CPU else "pallas"

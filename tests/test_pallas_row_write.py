@@ -1,4 +1,4 @@
-"""The in-place row-write kernel (:mod:`pallas_kernels.row_write`) against numpy: its GPU form (interpreted on a CPU,
+"""The in-place row-write kernel (:mod:`kvjax.pallas_kernels.row_write`) against numpy: its GPU form (interpreted on a CPU,
 compiled on a GPU) and its XLA form, on the edges a recall step hits (rows dropped past a pool, negative slots, a pool with no rows,
 pools of different sizes), and its errors."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.row_write import write_rows
+from kvjax.pallas_kernels.row_write import write_rows
 
 SIZES = (70, 5, 0, 3)
 # on a CPU the kernel's GPU form runs interpreted, on a GPU compiled (``scripts/gpu_checks.sh kernels``); a TPU has none

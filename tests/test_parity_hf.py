@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvjax.methods import FullCache
-from models import load_model
-from models.llama import forward
+from kvjax.models import load_model
+from kvjax.models.llama import forward
 from tests.tiny import CONFIGS, save_tiny
 from kvjax.cache import new_cache
 
@@ -57,8 +57,8 @@ def test_random_weights_need_only_the_architecture(tmp_path, monkeypatch):
     import os
 
     from kvjax.artifacts import model_identity
-    from models import READY_MODELS, model_architecture
-    from models import registry
+    from kvjax.models import READY_MODELS, model_architecture
+    from kvjax.models import registry
 
     save_tiny("qwen2", str(tmp_path))
     trained = load_model(str(tmp_path), tokenizer=False)

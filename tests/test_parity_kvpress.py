@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from kvjax.cache import new_cache
 from kvjax.decoding import compress, prefill_prompt
 from kvjax.methods import SnapKV, StreamingLLM
-from models import load_model
+from kvjax.models import load_model
 from tests.test_locret_train import hf_projections
 from tests.tiny import PEAKED, save_tiny
 

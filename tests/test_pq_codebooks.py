@@ -13,7 +13,7 @@ from kvjax.artifacts import (Artifact, installed_artifact, load_artifact, save_a
                              user_artifact_path)
 from kvjax.pq_codebooks import (code_dtype, codebook_variant, collect_keys, decode_keys, encode_keys, fit_codebooks,
                                 hcattention_artifact, kmeans_minibatch, quantization_error)
-from pallas_kernels.pq_attention import pq_scores
+from kvjax.pallas_kernels.pq_attention import pq_scores
 
 
 # ------------------------------------------------------------------------------------------ K-means
@@ -276,7 +276,7 @@ def test_collected_keys_equal_hf_cache_and_fit_end_to_end(tmp_path):
     import torch
 
     from kvjax.artifacts import model_identity
-    from models import load_model
+    from kvjax.models import load_model
     from tests.tiny import save_tiny
 
     hf = save_tiny("qwen2", str(tmp_path), seed=5)

@@ -12,8 +12,8 @@ import torch
 
 from kvjax.api import generate_tokens
 from kvjax.methods import FullCache
-from models import load_model
-from models.llama import forward
+from kvjax.models import load_model
+from kvjax.models.llama import forward
 from tests.conftest import ready_model_or_skip
 from kvjax.cache import new_cache
 
@@ -75,7 +75,7 @@ def test_qwen_logits_match_transformers(qwen):
 
 def _qwen_passkey_prompt(model):
     """(a 2K passkey sample at depth 0.3, its chat-templated prompt ids) for the default model."""
-    from evals.passkey import make_passkey
+    from kvjax.evals.passkey import make_passkey
 
     tok = model.tokenizer
     sample = make_passkey(tok, 2048, depth=0.3, seed=1)
@@ -168,7 +168,7 @@ def test_shipped_hcattention_codebooks_match_the_default_model():
     """Codebooks for g = D/2 and D/4 (c = 256) ship for the default model, stamped with its identity."""
     path = ready_model_or_skip("qwen2.5-coder-0.5b")
     from kvjax.artifacts import installed_artifact, model_identity
-    from models.weights import gguf_config, open_gguf
+    from kvjax.models.weights import gguf_config, open_gguf
 
     cfg = gguf_config(open_gguf(path), "qwen2.5-coder-0.5b")
     mid = model_identity(cfg)
@@ -239,7 +239,7 @@ def test_shipped_locret_heads_match_the_ready_models(name):
     path = ready_model_or_skip(name)
     from kvjax.artifacts import installed_artifact, model_identity
     from kvjax.retaining_heads import check_heads
-    from models.weights import gguf_config, open_gguf
+    from kvjax.models.weights import gguf_config, open_gguf
 
     cfg = gguf_config(open_gguf(path), name)
     art = installed_artifact("locret", model_identity(cfg))
@@ -253,8 +253,8 @@ def test_ready_model_configs_without_weights_match_their_gguf(name):
     equals the one read from the GGUF metadata, so the artifacts shipped for the model load for it."""
     path = ready_model_or_skip(name)
     from kvjax.artifacts import model_identity
-    from models.registry import ready_model_config
-    from models.weights import gguf_config, open_gguf
+    from kvjax.models.registry import ready_model_config
+    from kvjax.models.weights import gguf_config, open_gguf
 
     from_gguf = gguf_config(open_gguf(path), name)
     assert ready_model_config(name) == from_gguf
@@ -264,7 +264,7 @@ def test_ready_model_configs_without_weights_match_their_gguf(name):
 def test_an_interrupted_assembly_leaves_no_partial_file_and_the_next_one_succeeds(tmp_path, monkeypatch):
     """The multi-part ready model is assembled into the cache directory through a temporary file: an
     interruption removes it, and a later first use assembles the verified file with nothing left over."""
-    from models import registry
+    from kvjax.models import registry
 
     ready_model_or_skip("qwen2.5-coder-0.5b")
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))

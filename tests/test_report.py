@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from evals.report import shortfalls
+from kvjax.evals.report import shortfalls
 
 
 def _row(method, budget, acc):
@@ -36,7 +36,7 @@ def test_no_full_cache_row_means_no_shortfalls():
 def test_compare_runs_hand_made(tmp_path):
     import json
 
-    from evals.compare import compare_runs
+    from kvjax.evals.compare import compare_runs
 
     def write(d, recs):
         d.mkdir()
@@ -75,7 +75,7 @@ def test_compare_runs_hand_made(tmp_path):
 def test_side_by_side_orders_by_device_bytes_counts_common_samples_and_refuses_other_prompts(tmp_path):
     import json
 
-    from evals.side_by_side import main
+    from kvjax.evals.side_by_side import main
 
     def run(name, rows, seed=0, indices=(0, 1)):
         d = tmp_path / name
@@ -106,7 +106,7 @@ def test_side_by_side_orders_by_device_bytes_counts_common_samples_and_refuses_o
 def test_hcattention_ablation_table_hand_computed(tmp_path):
     """Rows per (method spec, budget): tau from the spec (default 0.9), accuracy per task, mean selection ratio and
     per-layer ratios averaged over records; the full cache first."""
-    from evals.hcattention_ablation import main, rows
+    from kvjax.evals.hcattention_ablation import main, rows
 
     run = tmp_path / "run"
     run.mkdir()
@@ -140,7 +140,7 @@ def test_hcattention_ablation_table_hand_computed(tmp_path):
 
 
 def test_report_of_a_run_with_budgets_inside_specs_and_recall_stats_hand_made():
-    from evals.report import expected_records, render_markdown, summarize
+    from kvjax.evals.report import expected_records, render_markdown, summarize
 
     config = {"run_name": "r", "methods": ["synckv:budget=0.25:stride=1", "snapkv", "synckv:budget=0.25"],
               "budgets": [0.1, 0.5], "tasks": ["passkey"], "lengths": [128], "samples": 2}
@@ -165,7 +165,7 @@ def test_report_of_a_run_with_budgets_inside_specs_and_recall_stats_hand_made():
 def test_an_unfinished_run_averages_every_row_over_the_tasks_all_rows_have():
     """The full cache has finished tasks a and b, the method only a: both means are over a (hand-computed), and the
     report says which columns the mean covers. A task the method has for fewer samples is left out as well."""
-    from evals.report import render_markdown, summarize
+    from kvjax.evals.report import render_markdown, summarize
 
     config = {"run_name": "r", "methods": ["snapkv"], "budgets": [0.1], "tasks": ["a", "b"], "lengths": [128],
               "samples": 2}
@@ -193,7 +193,7 @@ def test_an_unfinished_run_averages_every_row_over_the_tasks_all_rows_have():
 
 def test_a_run_with_no_record_yet_claims_no_comparison_and_links_no_plot():
     """Before its first record a run's README says how many are pending, not that no method falls short."""
-    from evals.report import render_markdown, summarize
+    from kvjax.evals.report import render_markdown, summarize
 
     config = {"run_name": "r", "methods": ["snapkv"], "budgets": [0.1], "tasks": ["a"], "lengths": [128], "samples": 2}
     text = render_markdown(summarize([], [], config), config)

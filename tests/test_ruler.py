@@ -1,4 +1,4 @@
-"""RULER's tasks through RULER's own generators (evals.ruler): task structure, lengths, splits, metrics, and
+"""RULER's tasks through RULER's own generators (kvjax.evals.ruler): task structure, lengths, splits, metrics, and
 `kvjax eval --suite ruler` end to end on a tiny random model."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("long_context_eval", reason="RULER's generators (nvidia-long-context-eval) not installed")
 
-from evals import ruler  # noqa: E402
+from kvjax.evals import ruler  # noqa: E402
 from kvjax.cli import main as cli_main  # noqa: E402
 
 LENGTH = 2048

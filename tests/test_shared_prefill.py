@@ -12,7 +12,7 @@ from kvjax.artifacts import Artifact, model_identity
 from kvjax.methods import H2O, HBW, FullCache, HeteroCache, PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV
 from kvjax.cache import CacheSpec
 from kvjax.shared_prefill import cache_for, init_shared_cache
-from models import load_model
+from kvjax.models import load_model
 from tests.tiny import PEAKED, save_tiny
 from kvjax.cache import new_cache
 

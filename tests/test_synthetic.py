@@ -1,5 +1,5 @@
 """Shape-only models (random weights of the papers' model shapes) and caches built directly at a length
-(:mod:`evals.synthetic`), checked against HF ``transformers``, the paper's published head classes and a real prefill."""
+(:mod:`kvjax.evals.synthetic`), checked against HF ``transformers``, the paper's published head classes and a real prefill."""
 
 import collections
 
@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from evals.synthetic import abstract_compressed_cache, filled_cache, synthetic_artifact
+from kvjax.evals.synthetic import abstract_compressed_cache, filled_cache, synthetic_artifact
 from kvjax.cache import CacheSpec, memory_kind, new_cache
 from kvjax.decoding import compress, decode_step, prefill_prompt
 from kvjax.methods import METHODS, get_method
-from models import load_model, model_architecture
+from kvjax.models import load_model, model_architecture
 from tests.mesh_worker import CONFIG, tiny_model
 
 
@@ -24,7 +24,7 @@ def test_shape_models_have_the_real_parameter_count(name, published):
     import transformers
     from flax import nnx
 
-    from models.llama import abstract_model
+    from kvjax.models.llama import abstract_model
 
     config, _ = model_architecture(name)
     ours = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nnx.split(abstract_model(config))[1]))
@@ -53,7 +53,7 @@ def test_shape_models_load_only_with_random_weights():
     made by one jitted program."""
     from flax import nnx
 
-    from models.llama import random_model, random_params
+    from kvjax.models.llama import random_model, random_params
 
     with pytest.raises(ValueError, match="shapes only"):
         load_model("llama-3.1-8b", "bfloat16", tokenizer=False)
@@ -125,7 +125,7 @@ def test_filled_cache_has_the_real_layout(model, name):
 def test_replicated_rows_equal_a_batch_of_identical_rows(name):
     """``replicated_cache`` (one row staged, then tiled: page tables offset per row) equals leaf for leaf, integers
     included, the cache the method's own ``finish_prefill`` makes from a batch whose rows are identical."""
-    from evals.synthetic import replicated_cache
+    from kvjax.evals.synthetic import replicated_cache
 
     bounded = {"locret": {"local": 16, "chunk": 32}, "chunked_eviction": {"local": 16, "chunk": 32, "stabilizers": 8}}
     method = get_method(name) if name == "full" else get_method(name, budget=0.5, **bounded.get(name, {}))
@@ -143,7 +143,7 @@ def test_bench_takes_the_shipped_artifact_else_a_synthetic_one_with_random_weigh
     """``kvjax bench``'s artifacts: the shipped calibration for a ready model; for a shape-only model with random
     weights a synthetic one (the paper's head classes); with real weights and nothing shipped, the method's own
     error."""
-    from evals.bench_methods import bench_artifacts
+    from kvjax.evals.bench_methods import bench_artifacts
 
     methods = {"snapkv": get_method("snapkv"), "heterocache": get_method("heterocache"),
                "hcattention": get_method("hcattention")}

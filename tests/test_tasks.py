@@ -1,4 +1,4 @@
-"""RULER-style task generators (evals.tasks): needles, depths, prompt sizes, determinism, scoring, errors."""
+"""RULER-style task generators (kvjax.evals.tasks): needles, depths, prompt sizes, determinism, scoring, errors."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from evals import tasks
-from evals.tasks import TASKS, TaskSample, make_sample, make_samples, score
+from kvjax.evals import tasks
+from kvjax.evals.tasks import TASKS, TaskSample, make_sample, make_samples, score
 
 NIAH_NEEDLE = re.compile(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.")
 VT_STATEMENT = re.compile(r"VAR ([A-Z]{5}) = ([A-Z]{5}|\d{5})\.")

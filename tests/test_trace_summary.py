@@ -1,4 +1,4 @@
-"""``evals.trace_summary`` on a hand-built trace: busy time, top operations and overlaps computed by hand."""
+"""``kvjax.evals.trace_summary`` on a hand-built trace: busy time, top operations and overlaps computed by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from evals.trace_summary import find_traces, main, overlap_length, summarise, union_length
+from kvjax.evals.trace_summary import find_traces, main, overlap_length, summarise, union_length
 
 
 def _trace():

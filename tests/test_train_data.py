@@ -1,4 +1,4 @@
-"""train.data: the offline QA samples for Locret's retaining heads (fake tokenizer; one real-tokenizer test)."""
+"""kvjax.train.data: the offline QA samples for Locret's retaining heads (fake tokenizer; one real-tokenizer test)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from train import data
-from train.data import KINDS, QASample, describe, make_sample, qa_samples, training_corpus
+from kvjax.train import data
+from kvjax.train.data import KINDS, QASample, describe, make_sample, qa_samples, training_corpus
 
 
 class FakeTokenizer:
@@ -194,7 +194,7 @@ def test_qwen_tokenizer_samples_fit():
     from tests.conftest import ready_model_or_skip
 
     path = ready_model_or_skip("qwen2.5-coder-0.5b")
-    from models.tokenizer import load_tokenizer
+    from kvjax.models.tokenizer import load_tokenizer
 
     qwen = load_tokenizer(path)
     end = qwen.encode("<|im_end|>\n", add_special_tokens=False)

@@ -20,7 +20,7 @@ from kvjax.decoding import prefill_prompt
 from kvjax.methods import FullCache
 from kvjax.paged import append_and_attend, build_paged
 from kvjax.working_buffer import buffer_chunk, evict_to, init_working, kept_indices
-from models import load_model
+from kvjax.models import load_model
 from tests.tiny import PEAKED, save_tiny
 
 

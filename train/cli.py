@@ -3,10 +3,10 @@
     kvjax train-locret --model qwen2.5-coder-0.5b --samples 72 --heldout 8 --tokens 1024 \\
         --hidden 128 --steps 1000 --out docs/results/locret-train-qwen2.5-coder-0.5b --ship
 
-Three resumable stages, each with a progress bar: QA samples (:mod:`train.data`), features and
-labels from one forward of the frozen model per sample (:mod:`train.dataset`, stored under
+Three resumable stages, each with a progress bar: QA samples (:mod:`kvjax.train.data`), features and
+labels from one forward of the frozen model per sample (:mod:`kvjax.train.dataset`, stored under
 ``--data-dir``, by default in the kvjax cache directory), then Optax training with Orbax checkpoints
-(:mod:`train.locret`). ``--out`` receives ``checkpoints/``, ``metrics.json``, ``loss.png``,
+(:mod:`kvjax.train.locret`). ``--out`` receives ``checkpoints/``, ``metrics.json``, ``loss.png``,
 ``heads.npz`` and ``report.md``; ``--install`` copies ``heads.npz`` to this machine's artifacts
 (``$KVJAX_CACHE/artifacts/locret/<model>.npz``), where ``--method locret`` finds a model's heads when none ship
 with kvjax; ``--ship`` to the shipped location (``kvjax/data/locret/<model>.npz``)."""
@@ -22,7 +22,7 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvjax train-locret`` argument parser."""
-    from models import DEFAULT_MODEL
+    from kvjax.models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="kvjax train-locret", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model name, HF directory or .gguf file (default {DEFAULT_MODEL})")
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--alpha", type=float, default=0.0025, help="weight of the adjacent-smoothness L2 loss")
     t.add_argument("--label-norm", default="standardize", choices=["standardize", "none"],
-                   help="labels standardised per sample, layer and KV head (the default, a deviation: see train.locret) "
+                   help="labels standardised per sample, layer and KV head (the default, a deviation: see kvjax.train.locret) "
                    "or as they are (none: the paper)")
     t.add_argument("--seed", type=int, default=0, help="seed of the heads' init and the data order")
     t.add_argument("--eval-every", type=int, default=100)
@@ -60,11 +60,11 @@ def main(argv=None) -> int:
     from kvjax.artifacts import model_identity
     from kvjax.artifacts import shipped_artifact_path, user_artifact_path
     from kvjax.retaining_heads import KIND
-    from models import load_model
-    from models.registry import cache_dir
-    from train.data import describe, qa_samples
-    from train.dataset import build_dataset
-    from train.locret import TrainConfig, train
+    from kvjax.models import load_model
+    from kvjax.models.registry import cache_dir
+    from kvjax.train.data import describe, qa_samples
+    from kvjax.train.dataset import build_dataset
+    from kvjax.train.locret import TrainConfig, train
 
     if args.heldout >= args.samples:
         raise ValueError(f"--heldout ({args.heldout}) must be smaller than --samples ({args.samples})")

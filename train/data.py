@@ -10,7 +10,7 @@ Source text (:func:`training_corpus`): the docstrings (``inspect.getdoc``) of th
 classes (and their public methods) of the standard-library modules in :data:`CORPUS_MODULES`, in that
 order and with attributes sorted by name, cleaned into paragraphs of prose sentences. The module tuple is
 disjoint from :data:`kvjax.calibration.CALIBRATION_MODULES`, and the text is deliberately *not* the
-evaluation's haystack (``pydoc_data.topics`` in :mod:`evals.tasks`); neither the evaluation's sample
+evaluation's haystack (``pydoc_data.topics`` in :mod:`kvjax.evals.tasks`); neither the evaluation's sample
 generator nor its needle or question templates are used here, so training does not see the evaluation's
 text or phrasing. The corpus differs a little between Python versions, so samples are deterministic per
 Python version (and tokenizer).
@@ -46,7 +46,7 @@ import statistics
 import weakref
 from typing import Sequence
 
-from models.tokenizer import fill_sentences
+from kvjax.models.tokenizer import fill_sentences
 
 KINDS: tuple[str, ...] = ("fact", "name", "continuation", "summary")
 

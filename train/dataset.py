@@ -3,7 +3,7 @@
 The frozen model's forward dominates the cost of training the heads (a 0.5B model over 1K tokens
 takes ~10 s on a 2-core CPU; one optimiser step of the heads well under a second), and the heads
 never change the model's activations, so each sample's inputs and targets are computed once
-(:func:`train.labels.collect`) and stored:
+(:func:`kvjax.train.labels.collect`) and stored:
 
 * ``features.npy`` float16 ``[n, L, N, F]`` (memory-mapped; the heads' inputs, pre-RoPE [Q, K, V]);
 * ``labels.npy`` float32 ``[n, L, H_kv, N]``;
@@ -22,7 +22,7 @@ import numpy as np
 
 from kvjax.artifacts import model_identity
 from kvjax.retaining_heads import feature_size
-from train.labels import collect
+from kvjax.train.labels import collect
 
 FORMAT = 1
 
@@ -31,13 +31,13 @@ def dataset_meta(path) -> dict:
     """The ``dataset.json`` of a dataset directory (clear error when there is none)."""
     f = Path(path) / "dataset.json"
     if not f.exists():
-        raise ValueError(f"{path} is not a Locret training set (no dataset.json); build one with train.dataset.build_dataset")
+        raise ValueError(f"{path} is not a Locret training set (no dataset.json); build one with kvjax.train.dataset.build_dataset")
     return json.loads(f.read_text())
 
 
 def build_dataset(model, samples, path, *, tokens: int, answer_max: int, settings: dict | None = None,
                   progress: bool = False) -> dict:
-    """Write the features, labels and masks of ``samples`` (:class:`train.data.QASample`) under ``path``.
+    """Write the features, labels and masks of ``samples`` (:class:`kvjax.train.data.QASample`) under ``path``.
 
     Each sample is laid out at ``N = tokens + answer_max`` slots (prompt left-padded, answer last;
     answers longer than ``answer_max`` tokens are cut: only their first tokens label the prompt).

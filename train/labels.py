@@ -142,7 +142,7 @@ def collect(model, prompt: Sequence[int], answer: Sequence[int], *, length: int,
             feature_dtype: str = "float32"):
     """Features ``[L, length, F]`` and labels ``[L, Hkv, length]`` (numpy) of one sample, with its pad and answer start.
 
-    ``model``: a loaded model (``models.load_model``); its parameters are only read. Slots before
+    ``model``: a loaded model (``kvjax.models.load_model``); its parameters are only read. Slots before
     ``pad`` and from ``answer_start`` on carry label 0 and must be masked by the trainer.
     """
     tokens, pad, start = layout(prompt, answer, length, answer_max)

@@ -9,7 +9,7 @@ Recipe (paper Sec. 3.3 and its public code; ours scaled to a CPU, see :class:`Tr
   2000 of 3000) then linear decay to 0 (the ``transformers`` linear schedule), gradient **value**
   clipping at 0.5 (``optax.clip``); batch 1;
 * only the heads train: the inputs are precomputed features of the frozen model
-  (:mod:`train.dataset`), so the model's parameters are never an argument of the train step.
+  (:mod:`kvjax.train.dataset`), so the model's parameters are never an argument of the train step.
 
 **Deviation (the default, ``label_norm="standardize"``; ``"none"`` is the paper's raw labels):** each
 sample's labels are standardised per layer and KV head over its prompt tokens (zero mean, unit
@@ -45,7 +45,7 @@ import optax
 
 from kvjax.artifacts import save_artifact
 from kvjax.retaining_heads import apply_head, heads_artifact, init_heads
-from train.dataset import open_dataset
+from kvjax.train.dataset import open_dataset
 
 
 @dataclasses.dataclass(frozen=True)

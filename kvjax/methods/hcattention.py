@@ -11,7 +11,7 @@ Lifecycle:
 * **decode_attend** (any number of new tokens: a question or one decoded token) per layer and query:
 
   1. approximate logits of the prompt tokens ``z~_j = sum_i T[i, P[j, i]]`` from the lookup table
-     ``T = q . C`` (Eq. 3; :func:`pallas_kernels.pq_attention.pq_scores`, the Pallas kernel, on
+     ``T = q . C`` (Eq. 3; :func:`kvjax.pallas_kernels.pq_attention.pq_scores`, the Pallas kernel, on
      accelerators, one call per layer for every query head and new token; on the XLA path, the same
      sum as ``q . decode(P)``, faster on CPU than the table gather);
      the tokens appended after the prompt keep exact keys and values on the device;
@@ -93,7 +93,7 @@ from kvjax.selection import top_p_select
 from kvjax.sharding import (BY_DEVICE, MODEL, REPLICATED, ROWS_HEADS, OnHost, flatten_heads, is_split,
                             unflatten_heads)
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
-from pallas_kernels.pq_attention import pq_scores
+from kvjax.pallas_kernels.pq_attention import pq_scores
 
 VALUE_PATHS = ("host", "device")
 ROW_SIZE_CHOICES = ("auto", "host", "device")
@@ -151,7 +151,7 @@ class HCAttentionKV:
 
 # --------------------------------------------------------------------------------------- method
 def kernel_scores(q, codebooks, codes, implementation: str, mesh=None):
-    """PQ scores ``[B, Hq', S]`` by the Pallas kernel (:func:`pallas_kernels.pq_attention.pq_scores`); on a multi-device
+    """PQ scores ``[B, Hq', S]`` by the Pallas kernel (:func:`kvjax.pallas_kernels.pq_attention.pq_scores`); on a multi-device
     ``mesh`` per device under ``shard_map``: each device scores its rows' and KV heads' codes with their codebooks
     (``q[B, Hq', D]`` KV-head-major, so a head's queries split with it)."""
     def scores(q, codebooks, codes):

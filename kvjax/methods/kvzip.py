@@ -59,7 +59,7 @@ LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting wi
 @dataclasses.dataclass(frozen=True)
 class ReconstructionPrompt:
     """Token ids of the reconstruction passes, from the model's tokenizer and chat template
-    (``models.tokenizer.reconstruction_prompt``).
+    (``kvjax.models.tokenizer.reconstruction_prompt``).
 
     Attributes:
       prefix: template tokens before the context in every row (system prompt, user header): never scored.
@@ -188,7 +188,7 @@ class KVzip(LayerLocal):
 
     def uniform_allocation(self, spec: CacheSpec) -> "KVzip":
         """This method with every KV head allocated the budget's tokens of the longest row: the layout of a cache
-        built without reconstruction (random data at scale, :mod:`evals.synthetic`), whose bytes are the budget's."""
+        built without reconstruction (random data at scale, :mod:`kvjax.evals.synthetic`), whose bytes are the budget's."""
         from kvjax.budgets import tokens_per_head
 
         cap = tokens_per_head(self.budget, spec.longest_row)

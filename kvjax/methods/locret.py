@@ -45,7 +45,7 @@ Deviations and choices (documented, measured where they change results):
 * **Training.** Heads shipped with kvjax are smaller (``d_R = 128``) and trained on less data than the
   paper's (``kvjax train-locret``; the report in ``docs/results/`` states size, data and wall time; the
   paper's ``d_R = 1024`` on the same data gave the same held-out overlap, 0.525 against 0.523), on labels
-  standardised per head (:mod:`train.locret`: a deviation that raised Qwen's held-out overlap from
+  standardised per head (:mod:`kvjax.train.locret`: a deviation that raised Qwen's held-out overlap from
   0.46 to 0.52 and its 4K accuracy by one prompt in three of four cells; the file's ``label_norm``).
 """
 

@@ -9,8 +9,8 @@ import sys
 import jax.numpy as jnp
 
 from kvjax.artifacts import load_artifact
-from train.dataset import open_dataset
-from train.locret import TrainConfig, evaluate
+from kvjax.train.dataset import open_dataset
+from kvjax.train.locret import TrainConfig, evaluate
 
 heads_path, data, n_held = sys.argv[1], sys.argv[2], int(sys.argv[3])
 art = load_artifact(heads_path)

@@ -37,7 +37,7 @@ from a ``pinned_host`` copy of a ``--length``-token prompt and write them into a
 Every variant is timed twice (``--schedulers``): compiled with kvjax's decode options (``kvjax``:
 :data:`kvjax.decoding.GPU_DECODE_COMPILER_OPTIONS` on a GPU, XLA:GPU's latency-hiding scheduler) and with XLA's
 defaults (``xla-default``), under which XLA:GPU schedules a host computation's start and done back to back (found by
-compiling for an H100 without one: ``python -m evals.gpu_schedule``). The GPU timings before then used XLA's defaults.
+compiling for an H100 without one: ``python -m kvjax.evals.gpu_schedule``). The GPU timings before then used XLA's defaults.
 
 Each row reports ms per step, the extra over ``none``, rows and MiB moved per step and the rate of the extra.
 If ``always`` costs about ``every`` times ``cond``'s extra and ``prefetch`` costs as much as ``always``, the

@@ -1,5 +1,5 @@
 """Device bytes of one method's one-token decode step compiled for an H100 on the CPU (Llama-3.1-8B shapes, bf16,
-batch 1), grouped by the jax operation that made each instruction, largest first (:func:`evals.plan.instruction_bytes`).
+batch 1), grouped by the jax operation that made each instruction, largest first (:func:`kvjax.evals.plan.instruction_bytes`).
 
 ``JAX_PLATFORMS=cpu PYTHONPATH=.aot-gpu:.aot-tpu:. python docs/results/plan/step_bytes_breakdown.py METHOD BUDGET
 LENGTH [TOP]``, e.g. ``synckv:recall_schedule=pipelined 0.25 131008 12``."""
@@ -10,12 +10,12 @@ import sys
 
 import jax.numpy as jnp
 
-from evals import plan
-from evals.gpu_schedule import compile_only_cuda
-from evals.synthetic import synthetic_artifact
+from kvjax.evals import plan
+from kvjax.evals.gpu_schedule import compile_only_cuda
+from kvjax.evals.synthetic import synthetic_artifact
 from kvjax.cache import CacheSpec
 from kvjax.methods import get_method
-from models import model_architecture
+from kvjax.models import model_architecture
 
 
 def main(name: str, budget: float, length: int, top: int = 30) -> None:

@@ -3,9 +3,9 @@
 over the compressed cache. Tells whether selection (fixable by recall) or the question's states are the gap."""
 import json, sys
 import numpy as np, jax, jax.numpy as jnp
-from models import load_model
-from evals.tasks import make_samples, score
-from evals.runner import batches, MAX_NEW_TOKENS, stop_token_ids
+from kvjax.models import load_model
+from kvjax.evals.tasks import make_samples, score
+from kvjax.evals.runner import batches, MAX_NEW_TOKENS, stop_token_ids
 from kvjax.api import left_pad
 from kvjax.cache import CacheSpec
 from kvjax.decoding import compress, prefill, prefill_prompt, decode_loop

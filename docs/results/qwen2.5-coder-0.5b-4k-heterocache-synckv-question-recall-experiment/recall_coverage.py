@@ -2,9 +2,9 @@
 the prompt), and do those heads hold the needle after SyncKV / HeteroCache recall for the question?"""
 import sys
 import numpy as np, jax.numpy as jnp
-from models import load_model
-from evals.tasks import make_samples
-from evals.runner import batches
+from kvjax.models import load_model
+from kvjax.evals.tasks import make_samples
+from kvjax.evals.runner import batches
 from kvjax.cache import CacheSpec
 from kvjax.decoding import compress, prefill, prefill_prompt
 from kvjax.methods import SyncKV, HeteroCache

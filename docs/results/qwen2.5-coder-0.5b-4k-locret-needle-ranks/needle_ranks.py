@@ -1,7 +1,7 @@
 """Where the retaining heads rank each needle of the evaluation's prompts, against the true labels.
 
-For each prompt of ``--task`` at ``--length`` (the evaluation's prompts: ``evals.tasks.make_samples``,
-seed 0), one forward of the frozen model over prompt + gold answer (``train.labels.collect``) gives
+For each prompt of ``--task`` at ``--length`` (the evaluation's prompts: ``kvjax.evals.tasks.make_samples``,
+seed 0), one forward of the frozen model over prompt + gold answer (``kvjax.train.labels.collect``) gives
 each prompt token's retaining-head input and its true label (the largest pre-softmax attention logit
 from the answer's tokens, per KV head). The heads' predicted scores and the labels each rank the
 evictable tokens (all but the last ``local``) per layer and KV head; a head "keeps" a needle's value
@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
-from evals.tasks import make_samples
+from kvjax.evals.tasks import make_samples
 from kvjax.artifacts import installed_artifact, load_artifact, model_identity
 from kvjax.methods.locret import pool_within_pieces
 from kvjax.retaining_heads import KIND
-from train.labels import collect
-from train.locret import predict
+from kvjax.train.labels import collect
+from kvjax.train.locret import predict
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -43,7 +43,7 @@ p.add_argument("--chunk", type=int, default=1024, help="chunk (B) of the pooling
 args = p.parse_args()
 budgets = [float(b) for b in args.budgets.split(",")]
 
-model = models.load_model(args.model)
+model = kvjax.models.load_model(args.model)
 tok = model.tokenizer
 art = load_artifact(args.heads) if args.heads else installed_artifact(KIND, model_identity(model.config))
 heads = {"w1": jnp.asarray(art.arrays["w1"]), "w2": jnp.asarray(art.arrays["w2"])}

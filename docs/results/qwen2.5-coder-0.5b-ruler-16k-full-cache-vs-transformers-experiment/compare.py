@@ -13,10 +13,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from evals import ruler
-from evals.records import read_jsonl
-from models import resolve_model_path
-from models.tokenizer import load_tokenizer
+from kvjax.evals import ruler
+from kvjax.evals.records import read_jsonl
+from kvjax.models import resolve_model_path
+from kvjax.models.tokenizer import load_tokenizer
 
 RUN = "docs/results/qwen2.5-coder-0.5b-ruler-16k-test-query-aware/samples.jsonl"
 LENGTH, SAMPLES = 16384, 4  # the run's length and samples per task (RULER generates a set whole)

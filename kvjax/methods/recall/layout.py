@@ -49,7 +49,7 @@ from kvjax.paged import (PagedKV, append, build_paged, paged_attention, paged_ch
                          paged_partition, paged_read_bytes, shard_map)
 from kvjax.sharding import (BY_DEVICE, DATA, MODEL, REPLICATED, ROWS_HEADS, OnHost, axis_size, device_block,
                             flatten_heads, is_split)
-from pallas_kernels.row_write import write_rows
+from kvjax.pallas_kernels.row_write import write_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +283,7 @@ def gather_block(hosts: list, ids: list, counts: list, mesh):
 
 def write_layers(pageds: list, hosts: list, block, dsts: list, mesh, implementation: str) -> list:
     """:func:`write_followers` of several layers at once, from :func:`gather_block`'s ``block``: every layer's key
-    and value rows in one :func:`pallas_kernels.row_write.write_rows` per device, one kernel on a GPU where XLA
+    and value rows in one :func:`kvjax.pallas_kernels.row_write.write_rows` per device, one kernel on a GPU where XLA
     launches a scatter per pool (``implementation``: the method's attention implementation; its ``"auto"`` writes
     with the kernel on a GPU and with XLA's scatters on a CPU or TPU, where the kernel has no form). ``dsts``: per
     layer the region slot of each gathered row ``[B * n_slots, R]``, negative for a row not written. Returns the

@@ -123,10 +123,10 @@ def seen_limits(paged: PagedKV, heads: tuple, T: int):
 
 def leader_logits(paged: PagedKV, heads: tuple, q, implementation: str, mesh=None):
     """Logits ``[B, n, G, positions]`` of one query per leader head ``q[B, n, G, D]`` over its held tokens, by the
-    paged-scores kernel (:func:`pallas_kernels.paged_scores.paged_scores`: each leader's pages read where they lie,
+    paged-scores kernel (:func:`kvjax.pallas_kernels.paged_scores.paged_scores`: each leader's pages read where they lie,
     ``MASK_VALUE`` past its length). On a multi-device ``mesh`` every device scores the leaders among its own rows and
     KV heads from its block of the pool (the others get length 0: no page is read for them)."""
-    from pallas_kernels.paged_scores import paged_scores
+    from kvjax.pallas_kernels.paged_scores import paged_scores
 
     B, n, G, D = q.shape
     H, M = paged.block_table.shape[1:]

@@ -1,11 +1,11 @@
 import os, sys; pass  # run from the repository root with PYTHONPATH=.
 os.environ["JAX_PLATFORMS"]="cpu"
 import jax, numpy as np
-from evals.bench_methods import make_methods, parse_methods, bench_artifacts
-from evals.synthetic import abstract_compressed_cache
-from evals.plan import cpu_mesh
+from kvjax.evals.bench_methods import make_methods, parse_methods, bench_artifacts
+from kvjax.evals.synthetic import abstract_compressed_cache
+from kvjax.evals.plan import cpu_mesh
 from kvjax.cache import CacheSpec
-from models import load_model
+from kvjax.models import load_model
 m = load_model("llama-3.1-8b", "bfloat16", tokenizer=False, random_weights=True)
 methods = make_methods(parse_methods(sys.argv[1]), float(sys.argv[2]))
 arts, _ = bench_artifacts(methods, m.config, True)

@@ -1,12 +1,12 @@
 import os, sys; pass  # run from the repository root with PYTHONPATH=.aot-gpu:.aot-tpu:.
 os.environ["JAX_PLATFORMS"]="cpu"
 import jax, numpy as np
-from evals.bench_methods import make_methods, parse_methods, bench_artifacts
-from evals.synthetic import abstract_compressed_cache
-from evals.plan import TARGETS, target_mesh, lowering_for
+from kvjax.evals.bench_methods import make_methods, parse_methods, bench_artifacts
+from kvjax.evals.synthetic import abstract_compressed_cache
+from kvjax.evals.plan import TARGETS, target_mesh, lowering_for
 from kvjax.cache import CacheSpec
 from kvjax.sharding import is_split
-from models import load_model
+from kvjax.models import load_model
 m = load_model("llama-3.1-8b", "bfloat16", tokenizer=False, random_weights=True)
 target = TARGETS["v5e-8"]; mesh = target_mesh(target, m.config)
 methods = make_methods(parse_methods("heterocache"), 0.25)

@@ -1,8 +1,8 @@
 import os, sys, re, collections; pass  # run from the repository root with PYTHONPATH=.aot-gpu:.aot-tpu:.
 os.environ["JAX_PLATFORMS"]="cpu"
-from evals.plan import TARGETS, target_mesh, compile_step
-from evals.bench_methods import make_methods, parse_methods, bench_artifacts
-from models import load_model
+from kvjax.evals.plan import TARGETS, target_mesh, compile_step
+from kvjax.evals.bench_methods import make_methods, parse_methods, bench_artifacts
+from kvjax.models import load_model
 import jax
 m = load_model("llama-3.1-8b", "bfloat16", tokenizer=False, random_weights=True)
 target = TARGETS["v5e-8"]; mesh = target_mesh(target, m.config)
