@@ -19,14 +19,16 @@ Head budgets (``allocation``):
   layer still compete;
 * ``head``: every KV head keeps the same number of pairs (``floor(budget * n)``).
 
-Memory: the kept counts are data. :func:`score_context` runs the passes, selects, reads the kept count of every
-(layer, KV head) to the host (the largest over the batch's rows) and fixes them as the method's static
-``allocated`` capacities, so the page pools hold exactly that (``kvjax.paged``): the device bytes are the
+Memory: the kept counts are data. :func:`score_context` runs the passes (:func:`reconstruct`), selects
+(:func:`allocate`), reads the kept count of every (layer, KV head) to the host (the largest over the batch's rows)
+and fixes them as the method's static ``allocated`` capacities, so the page pools hold exactly that (``kvjax.paged``): the device bytes are the
 budget's, not a masked full cache. A batch compiles its compression once for its counts (the evaluation compiles
 each batch anyway).
 
-Cost: one extra forward pass per chunk over ``chunk`` + ~25 tokens, attending the whole context: ~2x the prefill's
-attention and MLP work for a context of one chunk (``cache_stats``: ``reconstruction_s``, ``reconstruction_tokens``).
+Cost: one extra forward pass per chunk over ``chunk`` + ~25 tokens, attending the whole context, plus a second softmax
+per layer over the sinks, the chunk and the pass for every pass query (measured on a 2-core CPU: 2.9x the prefill's
+time at 4K, docs/methods/kvzip.md). ``kvjax.generate`` reports it as ``timings["reconstruct_s"]``, ``kvjax eval`` as
+each record's ``reconstruct_s``.
 A left-padded batch works: each row's chunks start at its own context, every pass is right-padded to one length,
 and a row without a chunk in a pass scores nothing in it.
 """
