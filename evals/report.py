@@ -50,6 +50,7 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
     by_config = collections.defaultdict(list)
     bytes_ = collections.defaultdict(list)  # (method, budget, length) -> device bytes per sample
     host = collections.defaultdict(list)
+    weights = collections.defaultdict(list)  # (method, budget) -> artifact device bytes (held once per model)
     depth = collections.defaultdict(list)  # (method, budget, length, depth bin) -> scores
     recall = collections.defaultdict(list)  # (method, budget) -> (trigger rate, bytes recalled) of recalling methods
     for r in records:
@@ -59,7 +60,9 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
         cells[key + (r["task"], r["length"])].append(r["score"])
         indices[key + (r["task"], r["length"])].add(r["index"])
         by_config[key].append(r["score"])
-        bytes_[key + (r["length"],)].append(r["device_bytes"])
+        # the cache's own bytes: an artifact (Locret's heads, HCAttention's codebooks) is weights, held once per model
+        bytes_[key + (r["length"],)].append(r["device_bytes"] - r.get("artifact_device_bytes", 0))
+        weights[key].append(r.get("artifact_device_bytes", 0))
         host[key + (r["length"],)].append(r["host_bytes"])
         b = min(int(r["depth"] * DEPTH_BINS), DEPTH_BINS - 1)
         depth[key + (r["length"], b)].append(r["score"])
@@ -86,6 +89,7 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
             "device_bytes": {str(n): float(np.mean(bytes_[(m, b, n)])) for n in lengths if bytes_.get((m, b, n))},
             "host_bytes": {str(n): float(np.mean(host[(m, b, n)])) for n in lengths if host.get((m, b, n))},
             "device_bytes_vs_full": float(np.mean(my_bytes) / np.mean(full_bytes)) if my_bytes and full_bytes and len(my_bytes) == len(full_bytes) else None,
+            "weights_device_bytes": float(max(weights[(m, b)], default=0)),
         }
         if recall.get((m, b)):
             rates, moved = zip(*recall[(m, b)])
@@ -178,8 +182,12 @@ def render_markdown(summary: dict, config: dict) -> str:
                            + ", ".join(c.replace("@", " @ ") for c in summary["mean_over"]) + "."
                            if summary["mean_over"] else "No task column is in every row for the same samples: each mean is over its row's own.")]
         n_per = sorted({v for r in summary["rows"] for v in r["samples"].values()})
+        with_weights = sorted({(r["method"], r["weights_device_bytes"]) for r in summary["rows"] if r["weights_device_bytes"]})
         lines += ["", f"Samples per cell: {', '.join(map(str, n_per))}. KV MiB = device bytes of one sample's cache after "
-                  "compression (including the pre-allocated room for the answer). Quest keeps the whole prompt on the "
+                  "compression (including the pre-allocated room for the answer), without a method's trained or "
+                  "calibrated arrays, which are weights held once per model whatever the batch"
+                  + (" (" + ", ".join(f"{m}: {w / mib:.1f} MiB" for m, w in with_weights) + ")" if with_weights else "")
+                  + ". Quest keeps the whole prompt on the "
                   "device plus per-page key bounds (it saves bandwidth, not memory); its bytes differ from the full "
                   "cache's by those bounds and by the full cache's rounding of its buffer to 256-slot blocks.", ""]
     recalling = [r for r in summary["rows"] if "recall_trigger_rate" in r]

@@ -262,7 +262,8 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                     logits, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=cfg.chunk_size)
                     cache, method_first = compress(cache), jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 stats = cache.stats()
-                # the artifact (codebooks, trained heads) is held once whatever the batch: counted whole per row
+                # the artifact (codebooks, trained heads) is held once whatever the batch: counted whole in each record's
+                # device_bytes and given apart; reports count it as weights, not as cache (evals.report)
                 artifact_bytes = bytes_by_memory_kind(cache.artifact)[0]
                 if agnostic:  # the question comes after compression, appended uncompressed
                     logits, cache = prefill(model.graphdef, model.params, place_rows(jnp.asarray(question), model.mesh), cache)

@@ -30,6 +30,7 @@ decides a fractional budget, :func:`kvjax.selection.row_capacities`).
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax.numpy as jnp
@@ -85,12 +86,18 @@ def bounded_sizes(name: str, budget, local: int, stabilizers, spec: CacheSpec) -
     return b, n_s
 
 
+def chunk_tokens(chunk, b: int) -> int:
+    """``B`` in tokens: ``chunk`` itself (an int), or ``ceil(chunk * b)`` (a float, a fraction of ``b``), at least 1."""
+    return chunk if isinstance(chunk, int) else max(1, math.ceil(chunk * b))
+
+
 def check_schedule(name: str, chunk, local, stabilizers, positions: str = "original") -> None:
     """Validate the schedule's hyper-parameters (clear errors)."""
     if positions not in POSITIONS:
         raise ValueError(f"{name}: positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"{name}: chunk (B) must be an int >= 1, got {chunk!r}")
+    if (isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or (isinstance(chunk, int) and chunk < 1)
+            or (isinstance(chunk, float) and not 0.0 < chunk <= 4.0)):
+        raise ValueError(f"{name}: chunk (B) must be an int >= 1 (tokens) or a fraction of b in (0, 4], got {chunk!r}")
     if isinstance(local, bool) or not isinstance(local, int) or local < 0:
         raise ValueError(f"{name}: local (n_loc) must be an int >= 0, got {local!r}")
     s = stabilizers
@@ -98,12 +105,12 @@ def check_schedule(name: str, chunk, local, stabilizers, positions: str = "origi
         raise ValueError(f"{name}: stabilizers (n_s) must be an int >= 0 or a fraction of b in [0, 1), got {s!r}")
 
 
-def init_bounded(spec: CacheSpec, name: str, budget, chunk: int, local: int, stabilizers, sinks: int = 0,
+def init_bounded(spec: CacheSpec, name: str, budget, chunk, local: int, stabilizers, sinks: int = 0,
                  positions: str = "original"):
-    """Empty bounded buffers of ``b + local + chunk`` tokens per KV head for every layer."""
+    """Empty bounded buffers of ``b + local + B`` tokens per KV head for every layer (``B``: :func:`chunk_tokens`)."""
     b, n_s = bounded_sizes(name, budget, local, stabilizers, spec)
     return tuple(BoundedPrefill(buf, spec=spec, budget=budget, b=b, n_s=n_s, local=local, sinks=sinks, positions=positions)
-                 for buf in init_working(spec, b + local, chunk))
+                 for buf in init_working(spec, b + local, chunk_tokens(chunk, b)))
 
 
 def pack_positions(buf: WorkingKV, keep, start, end, inv_freq) -> WorkingKV:

@@ -125,6 +125,42 @@ def test_layer0_survivors_match_a_numpy_simulation(tiny, L, chunk, budget, n_s, 
         assert len(got) == budget
 
 
+def test_default_chunk_and_stabilizers_are_the_papers_at_its_budget_and_follow_smaller_budgets(tiny):
+    """Table 2 (Llama-3.1-8B): b = 16384, B = 1024, n_s = 2500; the defaults keep those proportions of b."""
+    from kvjax.bounded_prefill import chunk_tokens
+
+    model, _ = tiny
+    art = heads_for(model)
+    method = Locret(budget=16384 + 100)  # the budget counts the local window (b = budget - local)
+    spec = new_cache(method, model.config, 1, 20000, 1024, model.dtype, artifact=art).spec
+    assert method.sizes(spec) == (16384, 2500) and method.chunk_tokens(spec) == 1024
+    small = Locret(budget=410)  # 10% of a 4K prompt: b = 310 -> B = ceil(310 / 16) = 20, n_s = floor(310 * 0.1526) = 47
+    spec = new_cache(small, model.config, 1, 4100, 1024, model.dtype, artifact=art).spec
+    assert small.sizes(spec) == (310, 47) and small.chunk_tokens(spec) == 20
+    assert Locret(budget=410, chunk=1024).chunk_tokens(spec) == 1024  # an int is tokens, as in the paper
+    assert chunk_tokens(0.25, 3) == 1 and chunk_tokens(0.5, 31) == 16
+    cache = new_cache(small, model.config, 1, 4100, 1024, model.dtype, artifact=art)
+    assert cache.layers[0].buffer.k.shape[2] == 410 + 20  # b + n_loc + B entries
+    with pytest.raises(ValueError, match="fraction of b"):
+        Locret(chunk=0.0)
+    with pytest.raises(ValueError, match="fraction of b"):
+        Locret(chunk=-3)
+
+
+def test_fractional_chunk_matches_the_simulation_with_its_tokens(tiny):
+    """chunk=0.5 of b = 16 - 5 = 11 gives pieces of 6 tokens: the numpy simulation with chunk 6 agrees."""
+    model, hf = tiny
+    L, budget, local, n_s = 53, 16, 5, 2
+    tokens = np.random.default_rng(3).integers(0, 97, size=(1, L)).astype(np.int32)
+    art = heads_for(model, seed=3)
+    cache = prefilled(model, Locret(budget=budget, chunk=0.5, local=local, stabilizers=n_s), tokens, None, art)
+    assert cache.layers[0].buffer.chunk == 6
+    scores = layer0_scores(hf, art.arrays["w1"][0], art.arrays["w2"][0], tokens)
+    for h in range(model.config.num_kv_heads):
+        slots = np.asarray(cache.layers[0].buffer.slots)[0, h]
+        assert slots[slots >= 0].tolist() == simulate(scores[:, h], L, 6, budget - local, n_s, local)
+
+
 def rope_np(x, positions, theta):
     """RoPE of ``x[N, H, D]`` at ``positions[N]`` (numpy float64, rotate-half layout as HF)."""
     d = x.shape[-1]

@@ -199,3 +199,22 @@ def test_a_run_with_no_record_yet_claims_no_comparison_and_links_no_plot():
     text = render_markdown(summarize([], [], config), config)
     assert "0 of 4 task records written" in text
     assert "fall short" not in text and "no method is" not in text and ".png" not in text
+
+
+def test_an_artifact_counts_as_weights_once_not_in_each_cache():
+    """Locret's heads travel with its cache; the report's KV bytes are the cache's own (hand-made: 100 for the full
+    cache, 12 - 2 = 10 for Locret), and the heads are stated once, as weights."""
+    from kvjax.evals.report import render_markdown, summarize
+
+    config = {"run_name": "r", "methods": ["locret"], "budgets": [0.1], "tasks": ["passkey"], "lengths": [128], "samples": 2}
+    base = dict(task="passkey", length=128, depth=0.0, host_bytes=0)
+    recs = [dict(base, index=i, method="full", budget="full", score=1.0, device_bytes=100, artifact_device_bytes=0)
+            for i in range(2)]
+    recs += [dict(base, index=i, method="locret", budget="0.1", score=1.0, device_bytes=12 * 2**20,
+                  artifact_device_bytes=2 * 2**20) for i in range(2)]
+    recs[0]["device_bytes"] = recs[1]["device_bytes"] = 100 * 2**20
+    summary = summarize(recs, [], config)
+    row = summary["rows"][1]
+    assert row["device_bytes"] == {"128": 10 * 2**20} and row["device_bytes_vs_full"] == pytest.approx(0.1)
+    assert row["weights_device_bytes"] == 2 * 2**20
+    assert "locret: 2.0 MiB" in render_markdown(summary, config)

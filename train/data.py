@@ -2,18 +2,15 @@
 
 Locret's retaining heads are trained on a long-context SFT set: each sample is one long prompt and one
 answer, and the label of a prompt token is the largest attention score it receives from the answer's
-tokens. This module builds such samples without downloads: a :class:`QASample` holds the prompt (chat
-template applied, ending with the assistant turn's start) and the answer (followed by the template's
-end-of-turn text), both as token ids of the model's own tokenizer.
+tokens. This module builds such samples offline: a :class:`QASample` holds the prompt (chat template
+applied, ending with the assistant turn's start) and the answer (followed by the template's end-of-turn
+text), both as token ids of the model's own tokenizer.
 
-Source text (:func:`training_corpus`): the docstrings (``inspect.getdoc``) of the public functions and
-classes (and their public methods) of the standard-library modules in :data:`CORPUS_MODULES`, in that
-order and with attributes sorted by name, cleaned into paragraphs of prose sentences. The module tuple is
-disjoint from :data:`kvjax.calibration.CALIBRATION_MODULES`, and the text is deliberately *not* the
-evaluation's haystack (``pydoc_data.topics`` in :mod:`kvjax.evals.tasks`); neither the evaluation's sample
-generator nor its needle or question templates are used here, so training does not see the evaluation's
-text or phrasing. The corpus differs a little between Python versions, so samples are deterministic per
-Python version (and tokenizer).
+Source text (:func:`training_corpus`): one of :mod:`kvjax.train.corpora`'s corpora, paragraphs of prose
+sentences disjoint from RULER's sources and from kvjax's evaluation haystack. Neither RULER's nor kvjax's
+evaluation generators, needles or question templates are used here, so training does not see the
+evaluation's text or phrasing. Samples are deterministic per corpus, tokenizer and (for
+``stdlib-docstrings``) Python version.
 
 Kinds (:data:`KINDS`); each passage is consecutive corpus sentences from a seed-dependent paragraph on
 (wrapping around the corpus; near the end, later sentences may be skipped to fill the prompt closely):
@@ -27,6 +24,11 @@ Kinds (:data:`KINDS`); each passage is consecutive corpus sentences from a seed-
   1-2 sentences that follow it, verbatim.
 * ``"summary"``: an extractive summary: the opening sentences of an early, a middle and a late paragraph
   of the passage, in order.
+* ``"record"``: 2-6 sentences of one shape, each giving one entity a long value (a 6-8 digit number or a
+  UUID-like hexadecimal string), at random depths; the question asks for one entity's value, the others
+  are distractors of the same kind.
+* ``"records"``: as ``"record"``, but the asked entity has 2-4 values spread over the passage; the answer
+  lists all of them in the order they occur.
 
 Prompt size: ``tokens`` is the target length of ``prompt_ids``; passages grow by whole sentences (from
 per-sentence token counts, corrected by tokenizing the full prompt) to at most ``tokens`` and, in
@@ -47,144 +49,30 @@ import weakref
 from typing import Sequence
 
 from kvjax.models.tokenizer import fill_sentences
+from kvjax.train.corpora import CORPORA, corpus_paragraphs
 
-KINDS: tuple[str, ...] = ("fact", "name", "continuation", "summary")
-
-# Disjoint from kvjax.calibration.CALIBRATION_MODULES. pdb and cmd are left out: pdb's docstrings are also in
-# pydoc_data.topics (the evaluation's haystack), as its "debugger" topic.
-CORPUS_MODULES: tuple[str, ...] = (
-    "os", "re", "inspect", "ast", "pickle", "socket", "selectors", "contextlib", "enum", "dataclasses", "abc",
-    "codecs", "locale", "calendar", "time", "hashlib", "base64", "struct", "bisect", "copy", "pprint", "difflib",
-    "operator", "glob", "fnmatch", "gzip", "configparser", "mimetypes", "uuid", "ipaddress", "imaplib", "smtplib",
-    "ftplib", "shlex", "sched", "queue", "weakref", "warnings", "traceback", "tokenize", "dis", "timeit", "gettext",
-    "numbers", "array", "mmap", "select", "ssl", "poplib", "xmlrpc.client", "http.server", "http.cookies", "mailbox",
-    "plistlib", "netrc", "shelve", "bz2", "lzma", "pkgutil", "runpy", "html.parser", "platform", "sysconfig", "zlib",
-    "binascii", "math", "cmath", "signal", "reprlib", "graphlib", "secrets", "hmac", "stat", "filecmp", "fileinput",
-)
+KINDS: tuple[str, ...] = ("fact", "name", "continuation", "summary", "record", "records")
+DEFAULT_CORPUS = "stdlib-docstrings"
 
 MIN_TOKENS = 256  # smallest prompt target: instruction, question, chat template and a few passage sentences
-MAX_SENTENCE_CHARS = 300
-MIN_SENTENCE_CHARS = 16
-MIN_SENTENCE_WORDS = 3
 SLACK = 32  # the sizing loop aims for tokens - SLACK <= len(prompt_ids) <= tokens
 
 
-# --------------------------------------------------------------------------------------------------- corpus
-
-_SPLIT = re.compile(r"(?<=[.!?])(?<!\be\.g\.)(?<!\bi\.e\.)(?<!\betc\.)(?<!\bvs\.)(?<!\bcf\.)\s+(?=[A-Z(\"'])")
-_SIGNATURE = re.compile(r"^[\w.]+\(.*\)\s*(->.*)?$")  # "open(file, mode='r') -> int"
-_CODE_CHARS = set("_()[]{}=<>*`|\\/#@$%^~;")
-
-
-def _source_functions(mod) -> dict:
-    """Top-level function definitions of ``mod``'s Python source by name ({} for a module without source)."""
-    try:
-        source = inspect.getsource(mod)
-    except (OSError, TypeError):
-        return {}
-    return {node.name: node for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
-
-
-def _module_docstrings(mod) -> list[str]:
-    """``mod``'s docstrings (``inspect.getdoc``): the module's, then its public classes' and functions'
-    (sorted), each class followed by its own public methods' (sorted).
-
-    A public function the module's source defines but another library has since replaced (torch
-    replaces ``inspect.getfile`` when imported) contributes its docstring from the source, so the
-    corpus does not depend on what else the process imported.
-    """
-    own = {mod.__name__, "_" + mod.__name__, "posix" if mod.__name__ == "os" else mod.__name__}
-    docs = [inspect.getdoc(mod)]
-    defined = None
-    for attr, obj in sorted(vars(mod).items()):
-        if attr.startswith("_"):
-            continue
-        if getattr(obj, "__module__", None) not in own:
-            if inspect.isfunction(obj) or inspect.isbuiltin(obj):  # replaced after import?
-                defined = _source_functions(mod) if defined is None else defined
-                if attr in defined:
-                    docs.append(ast.get_docstring(defined[attr], clean=True))
-            continue
-        if inspect.isclass(obj):
-            docs.append(inspect.getdoc(obj))
-            for name, meth in sorted(vars(obj).items()):
-                if not name.startswith("_") and (inspect.isfunction(meth) or inspect.ismethoddescriptor(meth)):
-                    docs.append(inspect.getdoc(meth))
-        elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
-            docs.append(inspect.getdoc(obj))
-    return docs
-
-
-def _is_sentence(s: str) -> bool:
-    if not MIN_SENTENCE_CHARS <= len(s) <= MAX_SENTENCE_CHARS or len(s.split()) < MIN_SENTENCE_WORDS:
-        return False
-    if not s[0].isalpha() or s[-1] not in ".!?" or s.endswith(("e.g.", "i.e.", "etc.", "...")):
-        return False
-    if sum(c in _CODE_CHARS for c in s) > 0.05 * len(s) or "::" in s or ">>>" in s or "->" in s:
-        return False
-    nonspace = [c for c in s if not c.isspace()]
-    return sum(c.isalpha() for c in nonspace) >= 0.8 * len(nonspace)
-
-
-def _paragraph_sentences(para: str) -> list[str]:
-    """The prose sentences of one docstring paragraph (code, doctests, lists and headings dropped)."""
-    lines = para.split("\n")
-    if all(line.startswith("    ") for line in lines):  # an indented block: code or a parameter list
-        return []
-    kept = []
-    for line in lines:
-        text = line.strip()
-        if text.startswith((">>>", "...")):  # a doctest: drop it and its output
-            break
-        if (
-            not text
-            or _SIGNATURE.match(text)
-            or re.match(r"^([-*+|•]|\d+[.)]|[A-Z][\w ]*:$)", text)  # bullets, numbered items, "Args:" headings
-            or re.fullmatch(r"[\W_]+", text)  # underlines, rules
-            or re.fullmatch(r"\*{0,2}[A-Za-z_]\w*", text)  # a parameter's name on its own line
-        ):
-            continue
-        kept.append(text)
-    text = re.sub(r"\s+", " ", " ".join(kept)).strip()
-    return [s for s in _SPLIT.split(text) if _is_sentence(s)] if text else []
+def training_corpus(corpus: str = DEFAULT_CORPUS) -> tuple[tuple[str, ...], ...]:
+    """The paragraphs (tuples of sentences) of ``corpus`` (:data:`kvjax.train.corpora.CORPORA`)."""
+    return corpus_paragraphs(corpus)
 
 
 @functools.lru_cache(maxsize=None)
-def training_corpus() -> tuple[tuple[str, ...], ...]:
-    """The training text: paragraphs (tuples of sentences) of :data:`CORPUS_MODULES`' docstrings, fixed order.
-
-    One paragraph per docstring (module, public class or function, public method), so a paragraph's first
-    sentence is usually its docstring's summary line. Sentences are whitespace-collapsed prose of 16-300
-    characters; doctests, code-like lines, lists, headings and sentences seen earlier in the corpus are dropped.
-    """
-    seen: set[str] = set()
-    paragraphs = []
-    for name in CORPUS_MODULES:
-        mod = importlib.import_module(name)
-        for doc in _module_docstrings(mod):
-            if not doc:
-                continue
-            sentences = []  # one paragraph per docstring: its first sentence is the docstring's summary line
-            for para in re.split(r"\n\s*\n", doc):
-                for s in _paragraph_sentences(para):
-                    if s not in seen:
-                        seen.add(s)
-                        sentences.append(s)
-            if sentences:
-                paragraphs.append(tuple(sentences))
-    return tuple(paragraphs)
+def _corpus_text(corpus: str) -> str:
+    return "\n\n".join(" ".join(p) for p in training_corpus(corpus))
 
 
 @functools.lru_cache(maxsize=None)
-def _corpus_text() -> str:
-    return "\n\n".join(" ".join(p) for p in training_corpus())
-
-
-@functools.lru_cache(maxsize=None)
-def _stream() -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+def _stream(corpus: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
     """(sentences, paragraph index of each sentence, index of each paragraph's first sentence)."""
     sentences, para_of, firsts = [], [], []
-    for p, para in enumerate(training_corpus()):
+    for p, para in enumerate(training_corpus(corpus)):
         firsts.append(len(sentences))
         sentences.extend(para)
         para_of.extend([p] * len(para))
@@ -305,6 +193,45 @@ _ROLES = (
     ),
 )
 
+def _uuid_like(r: random.Random) -> str:
+    return "-".join("".join(r.choice("0123456789abcdef") for _ in range(n)) for n in (8, 4, 4, 4, 12))
+
+
+# Long values of one shape, several per passage ("record": one of several entities is asked; "records": every
+# value of one entity is asked, other entities' values are distractors). (value generator, inserted sentence,
+# question, question for all values, answer, answer with all values); {e} entity, {v} value(s).
+_RECORDS = (
+    (
+        lambda r: _digits(r, 7),
+        "The dispatch log lists {v} as a serial number of the {e} turbine.",
+        "Which serial number does the dispatch log list for the {e} turbine?",
+        "Which serial numbers does the dispatch log list for the {e} turbine? Give all of them.",
+        "The serial number of the {e} turbine is {v}.",
+        "The serial numbers of the {e} turbine are {v}.",
+    ),
+    (
+        _uuid_like,
+        "Shipment {e} was filed under the tracking identifier {v}.",
+        "Under which tracking identifier was shipment {e} filed?",
+        "Under which tracking identifiers was shipment {e} filed? Give all of them.",
+        "Shipment {e} was filed under the tracking identifier {v}.",
+        "Shipment {e} was filed under the tracking identifiers {v}.",
+    ),
+    (
+        lambda r: _digits(r, r.choice((6, 8))),
+        "Cabinet {v} holds a logbook of the {e} lighthouse.",
+        "Which cabinet holds the logbook of the {e} lighthouse?",
+        "Which cabinets hold logbooks of the {e} lighthouse? Give all of them.",
+        "The logbook of the {e} lighthouse is in cabinet {v}.",
+        "The logbooks of the {e} lighthouse are in cabinets {v}.",
+    ),
+)
+
+
+def _listing(values: Sequence[str]) -> str:
+    return ", ".join(values[:-1]) + " and " + values[-1] if len(values) > 1 else values[0]
+
+
 _FOLLOW_QUESTIONS = {
     1: (
         'Which sentence follows "{q}" in the text above? Quote it.',
@@ -359,17 +286,17 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _sentence_counts(tokenizer) -> tuple[int, ...]:
+def _sentence_counts(tokenizer, corpus: str) -> tuple[int, ...]:
     """Tokens of each corpus sentence with its leading space (one batched call where the tokenizer allows)."""
     cache = _cache(tokenizer)
-    if "counts" not in cache:
-        texts = [" " + s for s in _stream()[0]]
+    if ("counts", corpus) not in cache:
+        texts = [" " + s for s in _stream(corpus)[0]]
         if callable(tokenizer):
             ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         else:
             ids = [_encode(tokenizer, t) for t in texts]
-        cache["counts"] = tuple(len(x) for x in ids)
-    return cache["counts"]
+        cache[("counts", corpus)] = tuple(len(x) for x in ids)
+    return cache[("counts", corpus)]
 
 
 def _chat(tokenizer, message: str) -> str:
@@ -428,9 +355,9 @@ def _fresh(value: str, taken: Sequence[str], forbidden: str) -> bool:
     return value not in forbidden and not any(value in t or t in value for t in taken)
 
 
-def _plan(kind: str, rng: random.Random, template_text: str) -> _Plan:
+def _plan(kind: str, rng: random.Random, template_text: str, corpus: str) -> _Plan:
     plan = _Plan(instruction=rng.choice(INSTRUCTIONS))
-    forbidden = _corpus_text() + "\n" + template_text + "\n" + "\n".join(INSTRUCTIONS)
+    forbidden = _corpus_text(corpus) + "\n" + template_text + "\n" + "\n".join(INSTRUCTIONS)
     if kind == "fact":
         n = rng.randint(1, 4)
         facts = rng.sample(_FACTS, n)
@@ -460,6 +387,26 @@ def _plan(kind: str, rng: random.Random, template_text: str) -> _Plan:
         _, questions, answer = roles[t]
         plan.question = rng.choice(questions).format(e=entities[t])
         plan.answer = answer.format(e=entities[t], n=names[t])
+    elif kind in ("record", "records"):
+        gen, insert, question, question_all, answer, answer_all = rng.choice(_RECORDS)
+        n = rng.randint(2, 6)
+        entities = _entities(rng, n)
+        owners = list(range(n)) + ([0] * (rng.randint(2, 4) - 1) if kind == "records" else [])
+        values: list[str] = []
+        for _ in owners:
+            while True:
+                v = gen(rng)
+                if _fresh(v, values, forbidden):
+                    values.append(v)
+                    break
+        plan.inserts = [insert.format(e=entities[o], v=v) for o, v in zip(owners, values)]
+        if kind == "record":
+            t = rng.randrange(n)
+            plan.question = question.format(e=entities[t])
+            plan.answer = answer.format(e=entities[t], v=values[t])
+        else:
+            plan.question = question_all.format(e=entities[0])
+            plan.answer = answer_all.format(e=entities[0], v=_listing([v for o, v in zip(owners, values) if o == 0]))
     elif kind == "continuation":
         plan.depth = rng.uniform(0.02, 0.88)
         plan.follow = rng.choice((1, 2))
@@ -470,6 +417,10 @@ def _plan(kind: str, rng: random.Random, template_text: str) -> _Plan:
     else:
         raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
     plan.depths = [rng.random() for _ in plan.inserts]
+    if kind == "records":  # the asked entity's values occur in the order the answer lists them
+        mine = [j for j, o in enumerate(owners) if o == 0]
+        for j, d in zip(mine, sorted(plan.depths[j] for j in mine)):
+            plan.depths[j] = d
     return plan
 
 
@@ -508,9 +459,9 @@ def _summary(plan: _Plan, blocks: list[list[str]]) -> tuple[str, str]:
     return question, " ".join(blocks[b][0] for b in picks)
 
 
-def _assemble(kind: str, plan: _Plan, start: int, chosen: Sequence[int]) -> tuple[str, str, str]:
+def _assemble(kind: str, plan: _Plan, start: int, chosen: Sequence[int], corpus: str) -> tuple[str, str, str]:
     """(user message, question, answer) for the passage made of stream positions ``chosen`` (relative to ``start``)."""
-    sentences, para_of, _ = _stream()
+    sentences, para_of, _ = _stream(corpus)
     n = len(sentences)
     items = [((start + k) // n, para_of[(start + k) % n], sentences[(start + k) % n]) for k in chosen]
     if plan.inserts:  # each inserted sentence goes before the original sentence at its depth (or at the end)
@@ -541,6 +492,11 @@ def _assemble(kind: str, plan: _Plan, start: int, chosen: Sequence[int]) -> tupl
     return f"{plan.instruction}\n\n{passage}\n\n{question}", question, answer
 
 
+def _check_corpus(corpus) -> None:
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; allowed: {', '.join(CORPORA)}")
+
+
 def _check_tokens(tokens) -> None:
     if isinstance(tokens, bool) or not isinstance(tokens, int):
         raise ValueError(f"tokens must be an int, got {tokens!r}")
@@ -551,27 +507,28 @@ def _check_tokens(tokens) -> None:
         )
 
 
-def make_sample(tokenizer, *, tokens: int, seed: int, kind: str) -> QASample:
+def make_sample(tokenizer, *, tokens: int, seed: int, kind: str, corpus: str = DEFAULT_CORPUS) -> QASample:
     """One QA sample of ``kind``: its prompt has at most ``tokens`` tokens (in practice at least ``tokens - 40``).
 
     The same tokenizer and arguments always give the same sample (for a given Python version).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
+    _check_corpus(corpus)
     _check_tokens(tokens)
     template_text, end_of_turn = _template_texts(tokenizer)
     rng = random.Random(f"kvjax.train.data:{kind}:{seed}")
-    sentences, _, firsts = _stream()
+    sentences, _, firsts = _stream(corpus)
     start = firsts[rng.randrange(len(firsts))]
-    plan = _plan(kind, rng, template_text)
-    counts = _sentence_counts(tokenizer)
+    plan = _plan(kind, rng, template_text, corpus)
+    counts = _sentence_counts(tokenizer, corpus)
     n = len(sentences)
 
     def est(k: int) -> int:
         return counts[(start + k) % n]
 
     def measure(chosen: Sequence[int]) -> tuple[str, str, str, list[int]]:
-        message, question, answer = _assemble(kind, plan, start, chosen)
+        message, question, answer = _assemble(kind, plan, start, chosen, corpus)
         return message, question, answer, _encode(tokenizer, _chat(tokenizer, message))
 
     def select(budget: int) -> list[int]:
@@ -620,9 +577,11 @@ def qa_samples(
     tokens: int,
     seed: int = 0,
     kinds: Sequence[str] = KINDS,
+    corpus: str = DEFAULT_CORPUS,
     progress: bool = False,
 ) -> list[QASample]:
-    """``count`` samples; sample ``i`` has kind ``kinds[i % len(kinds)]`` and a seed drawn from ``(seed, i)``."""
+    """``count`` samples of ``corpus``'s text; sample ``i`` has kind ``kinds[i % len(kinds)]`` and a seed drawn
+    from ``(seed, i)``."""
     if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
         raise ValueError(f"count must be a positive int, got {count!r}")
     kinds = tuple(kinds)
@@ -631,6 +590,7 @@ def qa_samples(
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
+    _check_corpus(corpus)
     _check_tokens(tokens)
     indices = range(count)
     if progress:
@@ -639,7 +599,8 @@ def qa_samples(
         indices = tqdm(indices, desc="QA samples", unit="sample")
     return [
         make_sample(
-            tokenizer, tokens=tokens, seed=random.Random(f"{seed}:{i}").getrandbits(64), kind=kinds[i % len(kinds)]
+            tokenizer, tokens=tokens, seed=random.Random(f"{seed}:{i}").getrandbits(64), kind=kinds[i % len(kinds)],
+            corpus=corpus,
         )
         for i in indices
     ]

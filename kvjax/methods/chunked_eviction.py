@@ -32,7 +32,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from kvjax.artifacts import no_artifact
-from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, check_schedule, init_bounded, paged_facts,
+from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, check_schedule, chunk_tokens, init_bounded, paged_facts,
                                    prefill_in_pieces)
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec
@@ -51,7 +51,8 @@ class ChunkedEviction(BoundedEvictionMethod):
       scorer: snapkv | h2o | streaming_llm.
       budget: tokens kept per KV head (int) or fraction of the prompt's KV bytes (float), the local
         window (and sinks) included.
-      chunk: tokens prefilled between evictions (B).
+      chunk: tokens prefilled between evictions (B): an int, or a float fraction of ``b`` (Locret's
+        default is 1/16; SnapKV's scorer needs pieces of at least ``window`` tokens).
       local: the last prompt tokens never evicted (n_loc, Locret's 100).
       stabilizers: last tokens forced after each piece but the last (int, or a fraction of b);
         None: the scorer's own rule (snapkv: ``window``; h2o: 0.5; streaming_llm: 0).
@@ -62,7 +63,7 @@ class ChunkedEviction(BoundedEvictionMethod):
 
     scorer: str = "snapkv"
     budget: int | float = 0.25
-    chunk: int = 1024
+    chunk: int | float = 1024
     local: int = 100
     stabilizers: int | float | None = None
     window: int = 32
@@ -120,6 +121,7 @@ class ChunkedEviction(BoundedEvictionMethod):
     def stats(self, cache: Cache) -> dict:
         """Sizes, the prefill buffer bound, kept tokens per head and the page pools' bytes."""
         b, n_s = bounded_sizes(self.name, self.budget, self.local, self.n_stabilizers, cache.spec)
-        facts = {"scorer": self.scorer, "b": b, "stabilizers": n_s, "local": self.local, "chunk": self.chunk,
-                 "prefill_buffer_tokens_per_head": b + self.local + self.chunk}
+        B = chunk_tokens(self.chunk, b)
+        facts = {"scorer": self.scorer, "b": b, "stabilizers": n_s, "local": self.local, "chunk": B,
+                 "prefill_buffer_tokens_per_head": b + self.local + B}
         return {**facts, **paged_facts(cache), **budget_facts(self.budget, cache.spec.longest_row)}

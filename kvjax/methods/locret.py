@@ -20,9 +20,13 @@ Deviations and choices (documented, measured where they change results):
 * **Budget.** ``budget`` follows kvjax's semantics (:mod:`kvjax.budgets`): tokens kept per KV head
   *including* the local window, so Locret holds the same device bytes as every other method at the
   same budget; the paper's ``b`` is ``budget - local``.
-* **Stabilizers.** ``stabilizers`` may be a fraction of ``b`` (default 0.25): the paper's 2500 tokens
-  are 42% of Phi-3's b = 6000 and 15% of Llama's b = 16384, which cannot be used at the budgets of a
-  4K prompt. An int is a token count as in the paper.
+* **Chunk and stabilizers follow the budget.** The paper fixes ``B`` and ``n_s`` in tokens for budgets
+  of 6,000-16,384 (Llama-3.1-8B: ``b`` = 16,384, ``B`` = 1,024, ``n_s`` = 2,500). At a 4K prompt's 10%
+  (``b`` near 300) those tokens would make a chunk several times the budget and stabilizers larger than
+  it, the opposite of the paper's regime. The defaults keep the paper's Llama-3.1 proportions instead:
+  ``chunk = 1/16`` of ``b`` (rounded up) and ``stabilizers = 2500/16384`` of ``b`` (rounded down), which
+  are the paper's values at its budget (``b`` = 16,384 gives ``B`` = 1,024 and ``n_s`` = 2,500). An
+  int is a token count as in the paper (``chunk=1024`` gives its fixed chunk at every budget).
 * **Positions.** ``positions="original"`` (default): keys stay post-RoPE at their original
   positions (kvjax's cache convention; evicted tokens leave gaps). The reference caches pre-RoPE
   keys and re-applies RoPE at contiguous positions of the compacted cache on every step;
@@ -58,8 +62,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from kvjax.artifacts import installed_artifact, load_artifact, require_artifact
-from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, buffer_read_bytes, check_schedule, evict_decoding,
-                                   init_bounded, paged_facts, prefill_in_pieces)
+from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, buffer_read_bytes, check_schedule, chunk_tokens,
+                                   evict_decoding, init_bounded, paged_facts, prefill_in_pieces)
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
 from kvjax.methods.base import BoundedEvictionMethod
@@ -67,6 +71,10 @@ from kvjax.retaining_heads import KIND, apply_head, check_heads, head_features, 
 from kvjax.selection import pool1d
 
 HEADS = ("trained", "random")
+# The paper's Llama-3.1-8B setting (Table 2): b = 16384, B = 1024, n_s = 2500, as fractions of b.
+PAPER_BUDGET_TOKENS = 16384
+PAPER_CHUNK_FRACTION = 1024 / PAPER_BUDGET_TOKENS
+PAPER_STABILIZER_FRACTION = 2500 / PAPER_BUDGET_TOKENS
 
 
 def pool_within_pieces(scores, real, chunk: int, kernel: int):
@@ -94,9 +102,11 @@ class Locret(BoundedEvictionMethod):
     Args:
       budget: tokens kept per KV head (int) or fraction of the prompt's KV bytes (float), the local
         window included (``b = budget - local``).
-      chunk: ``B``, tokens prefilled between evictions (the paper's 1024 for Llama-3.1).
+      chunk: ``B``, tokens prefilled between evictions: an int (tokens) or a float fraction of ``b``
+        (default 1/16: the paper's 1024 at its Llama-3.1 budget of 16,384; module docstring).
       stabilizers: ``n_s``, the last tokens forced into the kept set after each chunk but the last:
-        an int (tokens) or a float fraction of ``b`` in [0, 1).
+        an int (tokens) or a float fraction of ``b`` in [0, 1) (default 2500/16384, the paper's
+        Llama-3.1 proportion).
       local: ``n_loc``, the last prompt tokens prefilled without eviction (the paper's 100).
       heads: "trained" (the artifact given, else the heads shipped for the model), "random"
         (untrained heads of the shipped heads' size, seeded: the paper's Table 6 control), or the path
@@ -112,8 +122,8 @@ class Locret(BoundedEvictionMethod):
     """
 
     budget: int | float = 0.25
-    chunk: int = 1024
-    stabilizers: int | float = 0.25
+    chunk: int | float = PAPER_CHUNK_FRACTION
+    stabilizers: int | float = PAPER_STABILIZER_FRACTION
     local: int = 100
     heads: str = "trained"
     seed: int = 0
@@ -137,6 +147,10 @@ class Locret(BoundedEvictionMethod):
     def sizes(self, spec: CacheSpec) -> tuple[int, int]:
         """``(b, n_s)`` for the longest row of ``spec`` (validated)."""
         return bounded_sizes(self.name, self.budget, self.local, self.stabilizers, spec)
+
+    def chunk_tokens(self, spec: CacheSpec) -> int:
+        """``B`` in tokens for ``spec``'s longest row."""
+        return chunk_tokens(self.chunk, self.sizes(spec)[0])
 
     # -- protocol
     def artifact_for(self, spec: CacheSpec, artifact: Any = None):
@@ -165,13 +179,13 @@ class Locret(BoundedEvictionMethod):
         return art
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
-        """Bounded working buffers of ``budget + chunk`` tokens per KV head; the heads travel as the artifact."""
+        """Bounded working buffers of ``budget + B`` tokens per KV head; the heads travel as the artifact."""
         art = self.artifact_for(spec, artifact)
         layers = init_bounded(spec, self.name, self.budget, self.chunk, self.local, self.stabilizers,
                               positions=self.positions)
         return Cache.create(layers, self, spec, artifact=art)
 
-    def token_scores(self, v, ctx: AttendContext):
+    def token_scores(self, v, ctx: AttendContext, chunk: int):
         """Each new token's score ``[B, T, Hkv]`` from the layer's retaining head (its own pre-RoPE q, k and v),
         max-pooled within pieces of ``chunk`` tokens when ``pool > 1``."""
         heads = ctx.artifact.arrays
@@ -179,11 +193,11 @@ class Locret(BoundedEvictionMethod):
         if self.pool == 1:
             return scores
         real = ctx.start + jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :] >= ctx.pad[:, None]  # [B, T]
-        return pool_within_pieces(scores, real, self.chunk, self.pool)
+        return pool_within_pieces(scores, real, chunk, self.pool)
 
     def prefill_chunk(self, state: BoundedPrefill, q, k, v, ctx: AttendContext):
         """Score the call's tokens once with the layer's retaining head, then the bounded schedule (:mod:`kvjax.bounded_prefill`)."""
-        return prefill_in_pieces(state, q, k, v, ctx, self.token_scores(v, ctx))
+        return prefill_in_pieces(state, q, k, v, ctx, self.token_scores(v, ctx, state.buffer.chunk))
 
     def finish_prefill(self, state: BoundedPrefill, ctx: FinishContext):
         """The survivors into page pools with room for later tokens (the buffer itself when decoding evicts)."""
@@ -194,18 +208,19 @@ class Locret(BoundedEvictionMethod):
     def decode_attend(self, state, q, k, v, ctx: AttendContext):
         """Append without eviction (the paper's decoding; paged kernel on accelerators), or evict to the budget."""
         if self.evict_during_decode:
-            if q.shape[1] > self.chunk:
+            if q.shape[1] > state.buffer.chunk:
                 raise ValueError(f"locret with evict_during_decode: {q.shape[1]} tokens after the prompt in one call "
-                                 f"exceed the buffer's chunk of {self.chunk}")
-            return evict_decoding(state, q, k, v, ctx, self.token_scores(v, ctx))
+                                 f"exceed the buffer's chunk of {state.buffer.chunk}")
+            return evict_decoding(state, q, k, v, ctx, self.token_scores(v, ctx, state.buffer.chunk))
         return super().decode_attend(state, q, k, v, ctx)
 
     def stats(self, cache: Cache) -> dict:
         """Sizes (b, n_s, n_loc, B), the prefill buffer bound, kept tokens per head and the page pools' bytes."""
         b, n_s = self.sizes(cache.spec)
-        facts = {"b": b, "stabilizers": n_s, "local": self.local, "chunk": self.chunk, "heads": self.heads,
+        B = chunk_tokens(self.chunk, b)
+        facts = {"b": b, "stabilizers": n_s, "local": self.local, "chunk": B, "heads": self.heads,
                  "head_hidden": int(cache.artifact.arrays["w1"].shape[2]),
-                 "prefill_buffer_tokens_per_head": b + self.local + self.chunk,
+                 "prefill_buffer_tokens_per_head": b + self.local + B,
                  "evicts_during_decode": self.evict_during_decode, "positions": self.positions, "pool": self.pool,
                  **budget_facts(self.budget, cache.spec.longest_row)}
         if self.evict_during_decode:
