@@ -37,13 +37,9 @@ practice, within a few dozen tokens of it.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import importlib
-import inspect
 import random
-import re
 import statistics
 import weakref
 from typing import Sequence

@@ -148,6 +148,32 @@ class LayerLocal:
         return cache
 
 
+class NoArtifact:
+    """A method that takes no artifact (trained or calibrated arrays): a given one is an error."""
+
+    def artifact_for(self, spec: CacheSpec, artifact: Any = None) -> None:
+        """No artifact (a given one is an error)."""
+        no_artifact(artifact, self.name)
+
+
+class StagedPrefill(NoArtifact):
+    """A method without artifact that prefills into the shared dense staging (:mod:`kvjax.staging`) with what
+    :meth:`recording` asks for, and compresses in ``finish_prefill``."""
+
+    def check_spec(self, spec: CacheSpec) -> None:
+        """Reject a spec the method cannot serve (clear errors before any array is made); nothing by default."""
+
+    def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
+        """Dense staging of the prompt (and room for the answer); the compressed layout comes in ``finish_prefill``."""
+        self.artifact_for(spec, artifact)
+        self.check_spec(spec)
+        return Cache.create(init_staging(spec, self.recording()), self, spec)
+
+    def prefill_chunk(self, state: StagedKV, q, k, v, ctx: AttendContext):
+        """Write the staging, record, attend causally."""
+        return stage_chunk(state, q, k, v, ctx)
+
+
 class BoundedEvictionMethod(LayerLocal):
     """Base of the methods that evict during a bounded chunked prefill (:mod:`kvjax.bounded_prefill`; frozen
     dataclasses with ``page_size`` and ``implementation`` fields): their own prefill (no shared staging), the
@@ -226,7 +252,7 @@ class PagedAppend:
 
 # ------------------------------------------------------------------------------- the composition
 @dataclasses.dataclass(frozen=True)
-class PromptCompression(LayerLocal):
+class PromptCompression(StagedPrefill, LayerLocal):
     """Evict once after prefill: scorer + allocator + selector + layout (see :mod:`kvjax.selection`).
 
     The lifecycle is fixed: prefill into a dense staging (recording what the scorer needs), then per
@@ -271,19 +297,9 @@ class PromptCompression(LayerLocal):
             self.check_capacity(c)
         return caps
 
-    def artifact_for(self, spec: CacheSpec, artifact: Any = None) -> None:
-        """No artifact (a given one is an error)."""
-        no_artifact(artifact, self.name)
-
-    def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
-        """Dense staging of the prompt; pages are allocated by ``finish_prefill``."""
-        self.artifact_for(spec, artifact)
+    def check_spec(self, spec: CacheSpec) -> None:
+        """The head capacities of ``spec`` are valid."""
         self.head_capacities(spec)
-        return Cache.create(init_staging(spec, self.recording()), self, spec)
-
-    def prefill_chunk(self, state, q, k, v, ctx):
-        """Write the staging, record, attend causally."""
-        return stage_chunk(state, q, k, v, ctx)
 
     def keep_mask(self, state: StagedKV, ctx: FinishContext):
         """(keep mask ``[B, Hkv, S]``, scores ``[B, Hkv, S]``) of one layer: score, allocate per head and row, select."""

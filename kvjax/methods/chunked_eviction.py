@@ -31,12 +31,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from kvjax.artifacts import no_artifact
 from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, check_schedule, chunk_tokens, init_bounded, paged_facts,
                                    prefill_in_pieces)
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec
-from kvjax.methods.base import BoundedEvictionMethod
+from kvjax.methods.base import BoundedEvictionMethod, NoArtifact
 from kvjax.selection import AccumulatedAttentionScores, RecencyScores, WindowAttentionScores
 
 SCORERS = ("snapkv", "h2o", "streaming_llm")
@@ -44,7 +43,7 @@ DEFAULT_STABILIZERS = {"h2o": 0.5, "streaming_llm": 0}
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkedEviction(BoundedEvictionMethod):
+class ChunkedEviction(NoArtifact, BoundedEvictionMethod):
     """A baseline's scores under Locret's bounded chunked prefill (see module docstring).
 
     Args:
@@ -102,10 +101,6 @@ class ChunkedEviction(BoundedEvictionMethod):
         return self.scores().held_scores(buf.scores, probs, buf.slots)
 
     # -- protocol
-    def artifact_for(self, spec: CacheSpec, artifact: Any = None) -> None:
-        """No artifact."""
-        no_artifact(artifact, self.name)
-
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Bounded working buffers of ``budget + chunk`` tokens per KV head."""
         self.artifact_for(spec, artifact)

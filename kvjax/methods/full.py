@@ -7,13 +7,12 @@ import dataclasses
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.artifacts import no_artifact
 from kvjax.attention import (causal_cache_attention, contiguous_decode_attention, kernel_reads_contiguous,
                              resolve_implementation)
 from kvjax.cache import Cache, CacheSpec
-from kvjax.methods.base import LayerLocal
+from kvjax.methods.base import LayerLocal, StagedPrefill
 from kvjax.sharding import ROWS_HEADS
-from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition, write_slots
+from kvjax.staging import Recording, StagedKV, staged_partition, write_slots
 
 
 @struct.dataclass
@@ -25,8 +24,9 @@ class DenseKV:
 
 
 @dataclasses.dataclass(frozen=True)
-class FullCache(LayerLocal):
-    """Keep every token of the prompt and of the answer on the device.
+class FullCache(StagedPrefill, LayerLocal):
+    """Keep every token of the prompt and of the answer on the device: the staging (``[B, Hkv, round_up(prompt + room,
+    block), D]`` per layer) becomes the cache.
 
     Args:
       block: key-block size of the prefill attention (memory O(T * block)); the cache holds a
@@ -49,19 +49,6 @@ class FullCache(LayerLocal):
     def recording(self) -> Recording:
         """The plain staging (it already has room for the answer)."""
         return Recording(block=self.block)
-
-    def artifact_for(self, spec: CacheSpec, artifact=None) -> None:
-        """No artifact (a given one is an error)."""
-        no_artifact(artifact, self.name)
-
-    def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
-        """Zero-filled ``[B, Hkv, round_up(prompt + room, block), D]`` per layer."""
-        self.artifact_for(spec, artifact)
-        return Cache.create(init_staging(spec, self.recording()), self, spec)
-
-    def prefill_chunk(self, state: StagedKV, q, k, v, ctx):
-        """Write k, v at slots ``ctx.start..`` and attend causally."""
-        return stage_chunk(state, q, k, v, ctx)
 
     def finish_prefill(self, state: StagedKV, ctx) -> DenseKV:
         """Nothing to compress: the staging buffer becomes the cache (no copy)."""

@@ -45,11 +45,10 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from kvjax.artifacts import no_artifact
 from kvjax.attention import MASK_VALUE, causal_cache_attention, resolve_implementation
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import Cache, CacheSpec
-from kvjax.methods.base import LayerLocal, PagedAppend
+from kvjax.methods.base import LayerLocal, NoArtifact, PagedAppend
 from kvjax.selection import keep_to_indices
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 
@@ -90,7 +89,7 @@ class KVzipPrefill:
 
 
 @dataclasses.dataclass(frozen=True)
-class KVzip(LayerLocal):
+class KVzip(NoArtifact, LayerLocal):
     """Keep each KV head's pairs that the model's reconstruction of the context attends most.
 
     Args:
@@ -137,10 +136,6 @@ class KVzip(LayerLocal):
     def recording(self) -> None:
         """Its own prefill (its state carries the scores)."""
         return None
-
-    def artifact_for(self, spec: CacheSpec, artifact=None) -> None:
-        """No artifact (a given one is an error)."""
-        no_artifact(artifact, self.name)
 
     def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
         """The dense staging plus zero scores per layer."""

@@ -19,15 +19,14 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from kvjax.artifacts import no_artifact
 from kvjax.budgets import budget_facts, check_budget, tokens_per_head
 from kvjax.cache import Cache, CacheSpec
-from kvjax.methods.base import LayerLocal, check_common
+from kvjax.methods.base import LayerLocal, StagedPrefill, check_common
 from kvjax.paged import (
     PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes, paged_partition,
 )
 from kvjax.selection import gqa_aggregate
-from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
+from kvjax.staging import Recording, StagedKV, staged_partition
 
 
 @struct.dataclass
@@ -82,7 +81,7 @@ def select_pages(q, st: QuestKV, gqa: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest(LayerLocal):
+class Quest(StagedPrefill, LayerLocal):
     """Quest: full cache, per-step top pages by key bounds.
 
     Args:
@@ -120,19 +119,9 @@ class Quest(LayerLocal):
         """The plain staging."""
         return Recording(block=self.block)
 
-    def artifact_for(self, spec: CacheSpec, artifact=None) -> None:
-        """No artifact (a given one is an error)."""
-        no_artifact(artifact, self.name)
-
-    def init_cache(self, spec: CacheSpec, artifact=None) -> Cache:
-        """Dense staging; ``finish_prefill`` moves every real token into pages."""
-        self.artifact_for(spec, artifact)
+    def check_spec(self, spec: CacheSpec) -> None:
+        """The budget holds at least one page (``finish_prefill`` moves every real token into pages)."""
         self.pages_per_step(spec)
-        return Cache.create(init_staging(spec, self.recording()), self, spec)
-
-    def prefill_chunk(self, state, q, k, v, ctx):
-        """Write the staging and attend causally."""
-        return stage_chunk(state, q, k, v, ctx)
 
     def finish_prefill(self, state: StagedKV, ctx) -> QuestKV:
         """Every real prompt token into pages (room included) and the page bounds."""
