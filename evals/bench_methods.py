@@ -135,19 +135,15 @@ def default_out(model: str) -> str:
 
 
 def parse_compiler_option(text: str) -> tuple[str, bool | int | float | str]:
-    """``KEY=VALUE`` -> (key, value): ``true``/``false`` -> bool, then int, float, else the string."""
+    """``KEY=VALUE`` -> (key, value), the value read as a method spec's (:func:`kvjax.methods.parse_value`)."""
+    from kvjax.methods import parse_value
+
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (an XLA option, e.g. xla_gpu_enable_latency_hiding_scheduler=false), got {text!r}")
-    value = value.strip()
-    if value.lower() in ("true", "false"):
-        return key.strip(), value.lower() == "true"
-    for kind in (int, float):
-        try:
-            return key.strip(), kind(value)
-        except ValueError:
-            pass
-    return key.strip(), value
+    if value.strip().lower() == "none":
+        raise argparse.ArgumentTypeError(f"an XLA option needs a value, got {text!r}")
+    return key.strip(), parse_value(value.strip())
 
 
 def decode_options(args) -> dict:

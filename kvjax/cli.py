@@ -58,9 +58,10 @@ def methods_help() -> str:
 
 def method_from_args(args):
     """The method a parsed command line names (``--method`` with ``--budget``, ``--implementation`` and HCAttention's flags); ValueError for flags that do not apply."""
-    from kvjax.methods import get_method
+    from kvjax.methods import get_method, parse_method_spec
 
-    if args.method.split(":")[0] == "full":
+    base = parse_method_spec(args.method)[0]
+    if base == "full":
         if args.budget is not None:
             raise ValueError("--budget does not apply to --method full (it keeps every token)")
         return get_method(args.method, implementation=args.implementation)
@@ -68,7 +69,7 @@ def method_from_args(args):
     if args.budget is not None:
         kwargs["budget"] = args.budget
     given = {k: getattr(args, k) for k in HCATTENTION_OPTIONS if getattr(args, k) is not None}
-    if given and args.method.split(":")[0] != "hcattention":
+    if given and base != "hcattention":
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         raise ValueError(f"{flags} apply to --method hcattention only, not {args.method}")
     return get_method(args.method, **kwargs, **given)

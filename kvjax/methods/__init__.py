@@ -75,7 +75,8 @@ def get_method(name: str, **kwargs) -> Method:
         raise ValueError(f"{base}: {e}; its hyper-parameters are {', '.join(fields)}") from None
 
 
-def _literal(text: str):
+def parse_value(text: str):
+    """A spec's value: ``true``/``false`` -> bool, ``none`` -> None, then int, float, else the text."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -97,9 +98,9 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"bad method spec {spec!r}: expected name:key=value[:key=value...]")
-        kwargs[key.strip()] = _literal(value.strip())
+        kwargs[key.strip()] = parse_value(value.strip())
     return name.strip(), kwargs
 
 
 __all__ = ["Method", "PromptCompression", "FullCache", "SnapKV", "StreamingLLM", "H2O", "PyramidKV", "HBW", "Quest", "HeteroCache", "SyncKV", "HCAttention", "Locret", "ChunkedEviction", "KVzip",
-           "METHODS", "PRESETS", "get_method", "parse_method_spec", "preset_options"]
+           "METHODS", "PRESETS", "get_method", "parse_method_spec", "parse_value", "preset_options"]
