@@ -186,7 +186,8 @@ def render_markdown(summary: dict, config: dict) -> str:
         lines += ["", f"Samples per cell: {', '.join(map(str, n_per))}. KV MiB = device bytes of one sample's cache after "
                   "compression (including the pre-allocated room for the answer), without a method's trained or "
                   "calibrated arrays, which are weights held once per model whatever the batch"
-                  + (" (" + ", ".join(f"{m}: {w / mib:.1f} MiB" for m, w in with_weights) + ")" if with_weights else "")
+                  + (" (" + ", ".join(f"{m}: {w / mib:.1f} MiB" if w >= mib / 10 else f"{m}: {w / 1024:.1f} KiB"
+                                   for m, w in with_weights) + ")" if with_weights else "")
                   + ". Quest keeps the whole prompt on the "
                   "device plus per-page key bounds (it saves bandwidth, not memory); its bytes differ from the full "
                   "cache's by those bounds and by the full cache's rounding of its buffer to 256-slot blocks.", ""]
