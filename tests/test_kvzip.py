@@ -48,7 +48,7 @@ def tiny(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------- kvpress, reproduced
 def kvpress_kvzip_kept(hf, context_ids, prompt: ReconstructionPrompt, compression_ratio: float, *, layerwise=False,
-                       n_sink=4, chunk_size=2048, prev_postfix_size=8, aggregate="max"):
+                       n_sink=4, chunk_size=2048, prev_postfix_size=8, aggregate="max", scores_only=False):
     """The keep mask ``[layers, Hkv, len(context_ids)]`` of kvpress' ``KVzipPress`` for one context (batch 1).
 
     ``aggregate="mean"`` replaces the max over the query group and the queries by a mean: the mutation the parity
@@ -117,6 +117,8 @@ def kvpress_kvzip_kept(hf, context_ids, prompt: ReconstructionPrompt, compressio
     finally:
         for h in hooks:
             h.remove()
+    if scores_only:
+        return score_val[:, 0].numpy()  # [layers, Hkv, context]
     # compress_post()
     n_layer, bsz, _, ctx_len = score_val.shape
     if layerwise:
@@ -182,6 +184,23 @@ def test_parity_fails_when_the_score_or_the_aggregation_changes(tiny):
 
 
 # ----------------------------------------------------------------------------------------------- hand-made
+def test_locret_reconstruction_labels_are_the_log_of_kvpress_scores(tiny):
+    """``kvjax train-locret --target reconstruction``: each prompt token's label is log(KVzip score), laid out at the
+    sample's padding, against the torch reproduction of kvpress' scores."""
+    from kvjax.train.labels import RECONSTRUCTION_FLOOR, reconstruction_labels
+
+    model, hf = tiny
+    ids = [int(x) for x in np.random.default_rng(7).integers(40, 97, size=70)]
+    want = np.log(np.maximum(kvpress_kvzip_kept(hf, ids, PROMPT, 0.0, scores_only=True), RECONSTRUCTION_FLOOR))
+    got = reconstruction_labels(model, ids, length=90, pad=12, reconstruction=PROMPT)
+    assert got.shape == (model.config.num_layers, model.config.num_kv_heads, 90)
+    assert not got[:, :, :12].any() and not got[:, :, 82:].any()
+    np.testing.assert_allclose(got[:, :, 12:82], want, rtol=1e-4, atol=1e-4)
+    assert (got[:, :, 12:15] == 0).all()  # the chat prefix (3 tokens, within the 4 sinks) scores 1: log 1 = 0
+    with pytest.raises(ValueError, match="does not fit"):
+        reconstruction_labels(model, ids, length=60, pad=0, reconstruction=PROMPT)
+
+
 def test_reconstruction_attention_on_a_hand_made_case():
     """One KV head, two query heads, a 6-slot prompt (one padding slot), a 3-token pass whose last token is
     padding: the output and the scores against float64 numpy written from the definition."""

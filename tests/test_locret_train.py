@@ -180,3 +180,7 @@ def test_bad_input(tiny, dataset, tmp_path):
         train(dataset, tmp_path / "x", TrainConfig(hidden=8, steps=2, heldout=6))
     with pytest.raises(ValueError, match="not a Locret training set"):
         open_dataset(tmp_path)
+    with pytest.raises(ValueError, match="unknown target"):
+        build_dataset(model, [], tmp_path / "y", tokens=8, answer_max=4, target="oracle")
+    with pytest.raises(ValueError, match="reconstruction prompt"):
+        build_dataset(model, [], tmp_path / "y", tokens=8, answer_max=4, target="reconstruction")

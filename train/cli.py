@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvjax.models import DEFAULT_MODEL
     from kvjax.train.corpora import CORPORA
     from kvjax.train.data import KINDS
+    from kvjax.train.dataset import TARGETS
 
     p = argparse.ArgumentParser(prog="kvjax train-locret", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model name, HF directory or .gguf file (default {DEFAULT_MODEL})")
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokens", type=int, default=4096, help="prompt length of each sample, in the model's tokens")
     d.add_argument("--answer-max", type=int, default=128, help="answer tokens that label the prompt (longer answers are cut)")
     d.add_argument("--data-seed", type=int, default=0, help="seed of the QA generator")
+    d.add_argument("--target", default="attention", choices=TARGETS,
+                   help="labels: attention (the paper's causal importance from the answer) or reconstruction (the log of "
+                   "KVzip's query-agnostic score, as NVIDIA's KVzap; kvjax.train.labels)")
     d.add_argument("--data-dir", default=None, help="where the features and labels are stored (default: kvjax cache dir)")
     t = p.add_argument_group("training")
     t.add_argument("--hidden", type=int, default=128, help="d_R, the heads' hidden size (paper: 1024)")
@@ -68,6 +72,7 @@ def main(argv=None) -> int:
     from kvjax.retaining_heads import KIND
     from kvjax.models import load_model
     from kvjax.models.registry import cache_dir
+    from kvjax.models.tokenizer import reconstruction_prompt
     from kvjax.train.data import describe, qa_samples
     from kvjax.train.dataset import build_dataset
     from kvjax.train.locret import TrainConfig, train
@@ -83,13 +88,16 @@ def main(argv=None) -> int:
     model_id = model_identity(model.config)
     name = model_id.split(":")[0]
     data_dir = Path(args.data_dir or Path(cache_dir()) / "locret-data" /
-                    f"{name}-{args.corpus}-{'-'.join(kinds)}-{args.samples}x{args.tokens}-a{args.answer_max}-seed{args.data_seed}")
+                    f"{name}-{args.corpus}-{'-'.join(kinds)}-{args.samples}x{args.tokens}-a{args.answer_max}-seed{args.data_seed}"
+                    + ("" if args.target == "attention" else f"-{args.target}"))
     samples = qa_samples(model.tokenizer, count=args.samples, tokens=args.tokens, seed=args.data_seed, kinds=kinds,
                          corpus=args.corpus, progress=True)
     settings = {"generator": "kvjax.train.data.qa_samples", "count": args.samples, "tokens": args.tokens,
-                "seed": args.data_seed, "kinds": list(kinds), "corpus": args.corpus}
+                "seed": args.data_seed, "kinds": list(kinds), "corpus": args.corpus, "target": args.target}
     t_data = time.time()
-    build_dataset(model, samples, data_dir, tokens=args.tokens, answer_max=args.answer_max, settings=settings, progress=True)
+    reconstruction = reconstruction_prompt(model.tokenizer, chat=True) if args.target == "reconstruction" else None
+    build_dataset(model, samples, data_dir, tokens=args.tokens, answer_max=args.answer_max, settings=settings, progress=True,
+                  target=args.target, reconstruction=reconstruction)
     t_labels = time.time()
     metrics = train(data_dir, args.out, cfg, resume=not args.no_resume, progress=True)
     t_train = time.time()

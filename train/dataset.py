@@ -6,7 +6,8 @@ never change the model's activations, so each sample's inputs and targets are co
 (:func:`kvjax.train.labels.collect`) and stored:
 
 * ``features.npy`` float16 ``[n, L, N, F]`` (memory-mapped; the heads' inputs, pre-RoPE [Q, K, V]);
-* ``labels.npy`` float32 ``[n, L, H_kv, N]``;
+* ``labels.npy`` float32 ``[n, L, H_kv, N]``: the ``target``'s (``"attention"``: the paper's causal importance from the
+  answer; ``"reconstruction"``: the logarithm of KVzip's query-agnostic score, :mod:`kvjax.train.labels`);
 * ``mask.npy`` bool ``[n, N]``: the prompt tokens (left padding and the answer are not trained on);
 * ``dataset.json``: model identity, layout (``N = tokens + answer_max``), data settings and progress.
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from kvjax.artifacts import model_identity
 from kvjax.retaining_heads import feature_size
-from kvjax.train.labels import collect
+from kvjax.train.labels import collect, reconstruction_labels
 
 FORMAT = 1
 
@@ -35,14 +36,23 @@ def dataset_meta(path) -> dict:
     return json.loads(f.read_text())
 
 
+TARGETS = ("attention", "reconstruction")
+
+
 def build_dataset(model, samples, path, *, tokens: int, answer_max: int, settings: dict | None = None,
-                  progress: bool = False) -> dict:
+                  progress: bool = False, target: str = "attention", reconstruction=None) -> dict:
     """Write the features, labels and masks of ``samples`` (:class:`kvjax.train.data.QASample`) under ``path``.
 
     Each sample is laid out at ``N = tokens + answer_max`` slots (prompt left-padded, answer last;
     answers longer than ``answer_max`` tokens are cut: only their first tokens label the prompt).
-    ``settings`` (the data generator's arguments) is recorded. Returns the dataset's metadata.
+    ``settings`` (the data generator's arguments) is recorded. ``target``: "attention" (the paper's labels) or
+    "reconstruction" (KVzip's scores; ``reconstruction`` is then the model's reconstruction prompt,
+    ``kvjax.models.tokenizer.reconstruction_prompt(tokenizer, chat=True)``). Returns the dataset's metadata.
     """
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; allowed: {', '.join(TARGETS)}")
+    if (target == "reconstruction") != (reconstruction is not None):
+        raise ValueError("the reconstruction target needs the model's reconstruction prompt (and only it does)")
     c = model.config
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -50,10 +60,11 @@ def build_dataset(model, samples, path, *, tokens: int, answer_max: int, setting
     shape_f = (n, c.num_layers, N, feature_size(c.num_heads, c.num_kv_heads, c.head_dim))
     meta = {"format": FORMAT, "model_id": model_identity(c), "samples": n, "tokens": tokens, "answer_max": answer_max,
             "length": N, "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "features": shape_f[-1],
-            "settings": settings or {}, "kinds": [s.kind for s in samples], "done": 0}
+            "settings": settings or {}, "kinds": [s.kind for s in samples], "target": target, "done": 0}
     f_meta = path / "dataset.json"
     if f_meta.exists():
         old = json.loads(f_meta.read_text())
+        old.setdefault("target", "attention")  # datasets written before targets existed
         if {k: old.get(k) for k in meta if k != "done"} != {k: v for k, v in meta.items() if k != "done"}:
             raise ValueError(f"{path} holds a different training set ({f_meta}); use another directory")
         meta["done"] = old["done"]
@@ -71,6 +82,8 @@ def build_dataset(model, samples, path, *, tokens: int, answer_max: int, setting
     for i in todo:
         s = samples[i]
         f, lab, pad, start = collect(model, s.prompt_ids, s.answer_ids[:answer_max], length=N, answer_max=answer_max)
+        if target == "reconstruction":
+            lab = reconstruction_labels(model, s.prompt_ids, length=N, pad=pad, reconstruction=reconstruction)
         feats[i] = f.astype(np.float16)
         labels[i] = lab
         mask[i] = (np.arange(N) >= pad) & (np.arange(N) < start)
@@ -92,4 +105,4 @@ def open_dataset(path):
             np.load(path / "mask.npy", mmap_mode="r"), meta)
 
 
-__all__ = ["build_dataset", "open_dataset", "dataset_meta", "FORMAT"]
+__all__ = ["build_dataset", "open_dataset", "dataset_meta", "FORMAT", "TARGETS"]

@@ -15,6 +15,12 @@ cache protocol's dense prefill), so the model is untouched and its parameters ar
 
 Samples are laid out at one fixed length ``N`` (one compilation for a whole dataset): the prompt is
 left-padded and the answer ends the sequence, at most ``answer_max`` tokens long.
+
+An alternative target (:func:`reconstruction_labels`, ``kvjax train-locret --target reconstruction``): KVzip's
+query-agnostic score of each prompt token (the attention it receives while the model repeats the prompt,
+:mod:`kvjax.methods.kvzip`), as NVIDIA's KVzap trains its small per-layer heads. The label is the score's natural
+logarithm (scores are attention probabilities spanning orders of magnitude; the logarithm keeps each head's ranking,
+the only thing inference uses); it does not depend on the answer.
 """
 
 from __future__ import annotations
@@ -157,4 +163,27 @@ def collect(model, prompt: Sequence[int], answer: Sequence[int], *, length: int,
     return feats, labels, pad, start
 
 
-__all__ = ["LabelRecorder", "LabelState", "layout", "collect"]
+RECONSTRUCTION_FLOOR = 1e-9  # scores below it (a token nothing attends to) are labelled log(1e-9)
+
+
+def reconstruction_labels(model, prompt: Sequence[int], *, length: int, pad: int, reconstruction) -> np.ndarray:
+    """Labels ``[L, Hkv, length]`` (numpy float32) of one prompt laid out from slot ``pad`` on: the logarithm of KVzip's
+    score of each prompt token per layer and KV head (``reconstruction``: the prompt's
+    :class:`kvjax.methods.kvzip.ReconstructionPrompt`, ``kvjax.models.tokenizer.reconstruction_prompt``); 0 elsewhere."""
+    from kvjax.decoding import prefill_prompt
+    from kvjax.methods.kvzip import KVzip, reconstruct
+
+    n = len(prompt)
+    if pad < 0 or pad + n > length:
+        raise ValueError(f"a prompt of {n} tokens from slot {pad} does not fit {length} slots")
+    tokens = np.asarray([list(prompt)], np.int32)
+    cache = KVzip(budget=1.0).init_cache(CacheSpec.for_model(model.config, 1, n, 0, model.dtype))
+    _, cache = prefill_prompt(model.graphdef, model.params, jnp.asarray(tokens), cache)
+    cache = reconstruct(model.graphdef, model.params, cache, tokens, reconstruction)
+    scores = np.stack([np.asarray(st.scores[0], np.float32) for st in cache.layers])  # [L, Hkv, n]
+    labels = np.zeros((scores.shape[0], scores.shape[1], length), np.float32)
+    labels[:, :, pad:pad + n] = np.log(np.maximum(scores, RECONSTRUCTION_FLOOR))
+    return labels
+
+
+__all__ = ["LabelRecorder", "LabelState", "RECONSTRUCTION_FLOOR", "layout", "collect", "reconstruction_labels"]
