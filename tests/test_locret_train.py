@@ -184,3 +184,15 @@ def test_bad_input(tiny, dataset, tmp_path):
         build_dataset(model, [], tmp_path / "y", tokens=8, answer_max=4, target="oracle")
     with pytest.raises(ValueError, match="reconstruction prompt"):
         build_dataset(model, [], tmp_path / "y", tokens=8, answer_max=4, target="reconstruction")
+
+
+def test_default_data_dir_names_every_data_setting(monkeypatch, tmp_path):
+    from kvjax.train.cli import build_parser, default_data_dir
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    args = build_parser().parse_args(["--model", "m", "--out", "o", "--corpus", "django-docs", "--kinds", "fact,record",
+                                      "--samples", "8", "--tokens", "512", "--target", "reconstruction"])
+    got = default_data_dir("qwen", args)
+    assert got.parent == tmp_path / "locret-data"
+    assert got.name == f"qwen-django-docs-fact-record-8x512-a{args.answer_max}-seed{args.data_seed}-reconstruction"
+    args = build_parser().parse_args(["--model", "m", "--out", "o", "--kinds", "fact"])
+    assert not default_data_dir("qwen", args).name.endswith("-attention")

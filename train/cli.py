@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_data_dir(model_name: str, args: argparse.Namespace) -> Path:
+    """Where the training set for these data settings is cached (one folder per model, corpus, kinds, size, target)."""
+    from kvjax.models.registry import cache_dir
+    kinds = "-".join(k for k in args.kinds.split(",") if k)
+    name = (f"{model_name}-{args.corpus}-{kinds}-{args.samples}x{args.tokens}-a{args.answer_max}-seed{args.data_seed}"
+            + ("" if args.target == "attention" else f"-{args.target}"))
+    return Path(cache_dir()) / "locret-data" / name
+
+
 def main(argv=None) -> int:
     """Entry point of ``kvjax train-locret``."""
     args = build_parser().parse_args(argv)
@@ -87,9 +96,7 @@ def main(argv=None) -> int:
     model = load_model(args.model, "float32")
     model_id = model_identity(model.config)
     name = model_id.split(":")[0]
-    data_dir = Path(args.data_dir or Path(cache_dir()) / "locret-data" /
-                    f"{name}-{args.corpus}-{'-'.join(kinds)}-{args.samples}x{args.tokens}-a{args.answer_max}-seed{args.data_seed}"
-                    + ("" if args.target == "attention" else f"-{args.target}"))
+    data_dir = Path(args.data_dir or default_data_dir(name, args))
     samples = qa_samples(model.tokenizer, count=args.samples, tokens=args.tokens, seed=args.data_seed, kinds=kinds,
                          corpus=args.corpus, progress=True)
     settings = {"generator": "kvjax.train.data.qa_samples", "count": args.samples, "tokens": args.tokens,
