@@ -35,9 +35,9 @@ import shlex
 import sys
 import time
 
-DEFAULT_METHODS = ("full,synckv:recall_schedule=whole,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,"
+DEFAULT_METHODS = ("full,synckv:recall_schedule=whole,synckv:recall_schedule=spread,"
                    "synckv:recall_schedule=pipelined,heterocache:recall_schedule=whole,heterocache:recall_schedule=spread,"
-                   "heterocache:recall_schedule=ahead,heterocache:recall_schedule=pipelined")
+                   "heterocache:recall_schedule=pipelined")
 DEFAULT_OUT = "docs/results/gpu_schedule_{target}/report_jax{jax}.md"
 
 # XLA's description of each target (xla.stream_executor.GpuTargetConfigProto, text format): the SXM parts' published

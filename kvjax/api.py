@@ -224,11 +224,14 @@ def compare_tokens(
     max_new_tokens: int = 64, sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
     eos_ids: Sequence[int] = (), pad_id: int = 0, progress: bool = False,
     question_rows: Sequence[Sequence[int]] | None = None, reconstruction=None,
+    on_token: Callable[[np.ndarray], None] | None = None,
 ) -> list[tuple]:
     """:func:`generate_tokens` for each of ``methods`` on the same rows, one result per method, with **one**
     prefill for every method that can share it (:mod:`kvjax.shared_prefill`: the full cache and the
     evict-after-prefill methods); the others run their own. The shared methods' ``timings`` carry the shared
-    prefill's ``prefill_s`` and ``prefill_shared_by`` (how many methods it served)."""
+    prefill's ``prefill_s`` and ``prefill_shared_by`` (how many methods it served). With ``on_token`` each method
+    decodes step by step, calling it with every token, and its timings separate the first step (with its
+    compilation) from the steady state (:func:`compress_and_decode`)."""
     from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
 
     methods = [_resolve_method(m) for m in methods]
@@ -239,7 +242,7 @@ def compare_tokens(
         raise ValueError(f"need one artifact (or None) per method: {len(artifacts)} for {len(methods)} methods")
     tokens, pad, question, spec = batch_for(model, token_rows, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                                             pad_id=pad_id, question_rows=question_rows)
-    decode = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids)
+    decode = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids, on_token=on_token)
     shared = [i for i, m in enumerate(methods) if can_share_prefill(m)]
     if len(shared) < 2:
         shared = []
@@ -325,19 +328,22 @@ def generate(
 def compare(
     model, prompt: str | Sequence[str], methods: Sequence, *, max_new_tokens: int = 64, chat: bool = False,
     chunk_size: int | None = None, question: str | Sequence[str] | None = None, artifacts: Sequence | None = None,
-    progress: bool = False,
+    progress: bool = False, steady_timings: bool = False,
 ) -> list[GenerationResult]:
     """:func:`generate` (greedy) with each of ``methods`` on the same prompt(s): one result per method, in order.
 
     The methods that can share a prefill (the full cache and the evict-after-prefill methods) share **one**; the
     others run their own. Each result equals that method's :func:`generate` (the same tokens); a shared
-    prefill's time is in every result it served, with ``timings["prefill_shared_by"]``.
+    prefill's time is in every result it served, with ``timings["prefill_shared_by"]``. With ``steady_timings``
+    each method decodes step by step, and its timings add ``first_step_s`` (the first step, with its compilation)
+    and ``decode_steady_ms_per_token`` (the steps after it), as :func:`generate` does when streaming.
     """
     tok = model.tokenizer
     rows, question_rows, eos, pad_id = text_batch(tok, prompt, question, chat)
     outputs = compare_tokens(model, rows, methods, artifacts=artifacts, max_new_tokens=max_new_tokens,
                              chunk_size=chunk_size, eos_ids=eos, pad_id=pad_id, progress=progress,
-                             question_rows=question_rows, reconstruction=reconstruction_prompt(tok, chat))
+                             question_rows=question_rows, reconstruction=reconstruction_prompt(tok, chat),
+                             on_token=(lambda _: None) if steady_timings else None)
     return [text_result(tok, out, count, cache, timings, rows, question_rows, eos)
             for out, count, cache, timings in outputs]
 

@@ -120,7 +120,8 @@ def _decode_speed(timings: dict) -> str:
     return f"{timings['decode_ms_per_token']:.1f} ms/token (incl. compilation)"
 
 
-DEMO_METHODS = ("snapkv:budget=0.1", "locret:budget=0.1")
+# the five seed methods (the tuned presets where they have one) and SnapKV, the baseline their papers compare against
+DEMO_METHODS = ("snapkv", "hbw", "heterocache:preset=tuned", "synckv:preset=tuned", "hcattention:preset=tuned", "locret")
 
 
 def demo_methods(specs) -> list[tuple[str, object]]:
@@ -143,14 +144,49 @@ def demo_table(rows) -> str:
     """The demo's side-by-side table: one line per (protocol, method)."""
     from kvjax.cache import format_bytes
 
-    head = f"{'question':<17} {'method':<24} {'answer':<14} {'ok':<3} {'device KV':>10} {'host KV':>10} {'prefill s':>9} {'decode ms/tok':>13}"
-    lines = [head, "-" * len(head)]
+    return "\n".join(" ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, DEMO_COLUMNS))
+                     for cells in demo_cells(rows))
+
+
+# the demo table's columns: (title, console width, alignment)
+DEMO_COLUMNS = (("question", 17, "<"), ("method", 34, "<"), ("answer", 14, "<"), ("ok", 3, "<"),
+                ("device KV", 10, ">"), ("host KV", 10, ">"), ("prefill s", 9, ">"), ("1st step s", 10, ">"),
+                ("decode ms/tok", 13, ">"))
+
+
+def demo_cells(rows) -> list[list[str]]:
+    """The demo table as text cells: the header, a rule, then one line per (protocol, method)."""
+    from kvjax.cache import format_bytes
+
+    out = [[title for title, _, _ in DEMO_COLUMNS], ["-" * width for _, width, _ in DEMO_COLUMNS]]
     for r in rows:
-        lines.append(f"{r['protocol']:<17} {r['method']:<24} {r['answer'][:14]:<14} {'yes' if r['ok'] else 'NO':<3} "
-                     f"{format_bytes(r['device_bytes']):>10} {format_bytes(r['host_bytes']):>10} "
-                     f"{('*' if r.get('prefill_shared') else '') + format(r['prefill_s'], '.2f'):>9} "
-                     f"{r['decode_ms_per_token']:>13.1f}")
-    return "\n".join(lines)
+        out.append([r["protocol"], r["method"], r["answer"][:14], "yes" if r["ok"] else "NO",
+                    format_bytes(r["device_bytes"]), format_bytes(r["host_bytes"]),
+                    ("*" if r.get("prefill_shared") else "") + format(r["prefill_s"], ".2f"),
+                    format(r["first_step_s"], ".2f"), format(r["decode_ms_per_token"], ".1f")])
+    return out
+
+
+def demo_png(rows, path, title: str) -> None:
+    """The demo table as a PNG (for the README)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cells = demo_cells(rows)
+    head, body = cells[0], cells[2:]
+    fig = Figure(figsize=(12, 0.32 * (len(body) + 3)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.axis("off")
+    ax.set_title(title, fontsize=9, loc="left")
+    table = ax.table(cellText=body, colLabels=head, loc="center", cellLoc="left")
+    table.auto_set_font_size(False)
+    table.set_fontsize(8)
+    table.auto_set_column_width(list(range(len(head))))
+    for (i, j), cell in table.get_celld().items():
+        if i > 0 and body[i - 1][3] == "NO":
+            cell.set_facecolor("#fde0dc")
+    fig.savefig(path, dpi=130, bbox_inches="tight")
 
 
 def cmd_demo(args) -> int:
@@ -172,19 +208,42 @@ def cmd_demo(args) -> int:
         runs = [(label, m) for label, m in methods if question is None or label != "full"]
         print(f"  question {protocol}: {', '.join(label for label, _ in runs)} ...", flush=True)
         results = kvjax.compare(model, prompt, [m for _, m in runs], question=question, max_new_tokens=16, chat=True,
-                                chunk_size=args.chunk_size)
+                                chunk_size=args.chunk_size, steady_timings=True)
         for (label, _), r in zip(runs, results):
             rows.append({"protocol": protocol, "method": label, "answer": r.text.strip().replace("\n", " "),
                          "ok": sample.answer in r.text, "device_bytes": r.cache_stats["device_bytes"],
                          "host_bytes": r.cache_stats["host_bytes"], "prefill_s": r.timings["prefill_s"],
                          "prefill_shared": r.timings.get("prefill_shared_by", 1) > 1,
-                         "decode_ms_per_token": r.timings["decode_ms_per_token"]})
+                         "first_step_s": r.timings["first_step_s"],
+                         "decode_ms_per_token": r.timings["decode_steady_ms_per_token"]})
     print()
     print(demo_table(rows))
-    print("\ndevice/host KV: the bytes the cache holds after compression; times include compilation (one per method); "
-          "* one prefill shared by the methods so marked (kvjax.compare). With the question after compression a method "
-          "keeps what it can without knowing the question.")
+    print("\n" + DEMO_NOTE)
+    if args.png:
+        demo_png(rows, args.png, f"kvjax demo: {args.model}, {sample.num_tokens}-token pass-key prompt, "
+                 f"needle at {sample.depth:.0%}, {args.dtype}, jax {jax_version()}, {platform_name()}")
+        print(f"table: {args.png}")
     return 0
+
+
+DEMO_NOTE = ("device/host KV: the bytes the cache holds after compression; prefill s includes compiling the prefill "
+             "(once per method; * one prefill shared by the methods so marked, kvjax.compare); 1st step s: the first "
+             "decode step with its compilation; decode ms/tok: the steps after it. With the question after compression "
+             "a method keeps what it can without knowing the question.")
+
+
+def jax_version() -> str:
+    import jax
+
+    return jax.__version__
+
+
+def platform_name() -> str:
+    """The default device's platform and kind, e.g. ``cpu (cpu)``."""
+    import jax
+
+    d = jax.devices()[0]
+    return f"{d.platform} ({d.device_kind})"
 
 
 def run_bench(argv) -> int:
@@ -274,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1]")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--chunk-size", type=int, default=1024)
+    d.add_argument("--png", default=None, help="also write the table as a PNG to this path")
     add_mesh_args(d)
     d.set_defaults(func=cmd_demo)
 

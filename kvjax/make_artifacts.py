@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-KINDS = ("heterocache", "synckv", "hcattention")
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -59,11 +58,12 @@ def shadow_note(out: Path, kind: str, model_id: str, variant: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Options of ``kvjax calibrate``."""
+    from kvjax.calibration.registry import CALIBRATORS
     from kvjax.models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="kvjax calibrate", description="offline head calibration for HeteroCache / SyncKV "
                                 "(`kvjax calibrate hcattention --help`: PQ key codebooks for HCAttention)")
-    p.add_argument("kind", choices=KINDS)
+    p.add_argument("kind", choices=[*CALIBRATORS, "hcattention"])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--samples", type=int, default=4, help="calibration samples (slices of stdlib docstrings)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per sample")
@@ -73,9 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-layers", default="1,auto",
                    help="comma list of group sizes (adjacent layers clustered together), one artifact each from one "
                         "recording: 1 = the papers' per-layer version; auto = ceil(16 / KV heads), the shipped default")
-    p.add_argument("--tau-sim", type=float, default=0.5, help="HeteroCache similarity threshold")
-    p.add_argument("--tau-stable", type=float, default=0.5, help="HeteroCache stability threshold")
-    p.add_argument("--seed", type=int, default=0, help="SyncKV k-means seed")
+    for calibrator in CALIBRATORS.values():
+        calibrator.add_options(p)
     add_output_args(p)
     p.add_argument("--report-dir", default="docs/results/calibration",
                    help="plots and summaries go to <report-dir>/<kind>-<model>-g<G>/")
@@ -87,6 +86,7 @@ def main(argv=None) -> int:
     import kvjax
     from kvjax.artifacts import model_identity, save_artifact
     from kvjax.calibration import auto_group_layers, calibration_rows, head_statistics, record_sets
+    from kvjax.calibration.registry import CALIBRATORS
 
     if argv is None:
         argv = sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:]
@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.kind == "hcattention":  # options before the kind
         raise ValueError("give the kind first: `kvjax calibrate hcattention [options]`")
+    calibrator = CALIBRATORS[args.kind]
     if not 0 < args.topk_fraction < 1:
         raise ValueError(f"--topk-fraction must be in (0, 1), got {args.topk_fraction}")
     model = kvjax.load(args.model, "float32", progress=True)
@@ -110,8 +111,7 @@ def main(argv=None) -> int:
     topk = max(1, int(args.topk_fraction * (args.tokens - 1)))
     t0 = time.perf_counter()
     rows = calibration_rows(model.tokenizer, args.samples, args.tokens)
-    gqa = "mean" if args.kind == "heterocache" else "max"  # reference code: group mean; SyncKV B.1: group max-pooling
-    records = record_sets(model, rows, decode_steps=args.decode_steps, topk=topk, gqa=gqa, progress=True)
+    records = record_sets(model, rows, decode_steps=args.decode_steps, topk=topk, gqa=calibrator.gqa, progress=True)
     record_s = time.perf_counter() - t0
     mid = model_identity(cfg)
     name = mid.split(":")[0]
@@ -119,66 +119,29 @@ def main(argv=None) -> int:
     for group in groups:
         t1 = time.perf_counter()
         stats = head_statistics(records, topk=topk, group_layers=group, tokens=args.tokens)
-        if args.kind == "heterocache":
-            from kvjax.methods.recall.heterocache import heterocache_artifact
-
-            art = heterocache_artifact(stats, mid, tau_sim=args.tau_sim, tau_stable=args.tau_stable)
-        else:
-            from kvjax.methods.recall.synckv import synckv_artifact
-
-            art = synckv_artifact(stats, mid, seed=args.seed, default_representatives=paper_representatives(cfg))
+        art = calibrator.build(stats, mid, args, cfg)
         wall = record_s + time.perf_counter() - t1
         out = artifact_out(args, args.kind, mid, f"g{group}", ".json")
         out.parent.mkdir(parents=True, exist_ok=True)
         save_artifact(art, out)
         report = Path(args.report_dir) / f"{args.kind}-{name}-g{group}"
         report.mkdir(parents=True, exist_ok=True)
-        lines = write_report(report, args.kind, stats, art, cfg, command=command, wall_s=wall)
+        lines = write_report(report, calibrator, stats, art, cfg, command=command, wall_s=wall)
         print("\n".join(lines))
         print(f"artifact: {out}\nreport: {report}")
         print(shadow_note(out, args.kind, mid, f"g{group}"))
     return 0
 
 
-def paper_representatives(cfg) -> int:
-    """SyncKV's N_r as its paper sets it per model family: 1 for Qwen, 2 for Llama."""
-    return 1 if "qwen" in cfg.architecture.lower() else 2
-
-
-def feasibility(kind: str, art, cfg) -> list[str]:
-    """Head counts and the smallest budget the artifact allows (rho N > F)."""
-    meta = art.meta_dict()
-    N = cfg.num_layers * cfg.num_kv_heads
-    out = []
-    if kind == "heterocache":
-        roles = meta["roles"]
-        counts = {r: sum(row.count(r) for row in roles) for r in ("pivot", "satellite", "anchor", "volatile")}
-        F = counts["pivot"] + counts["volatile"]
-        out.append(f"roles over {N} KV heads: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
-        out.append(f"full heads F = {F}: budgets must exceed F / N = {F / N:.3f}")
-    else:
-        for n_r, roles, _ in meta["clusters"]:
-            F = sum(row.count("R") for row in roles)
-            out.append(f"N_r = {n_r}: {F} R-heads of {N}; budgets must exceed {F / N:.3f}")
-    return out
-
-
-def write_report(report: Path, kind: str, stats, art, cfg, *, command: str, wall_s: float) -> list[str]:
+def write_report(report: Path, calibrator, stats, art, cfg, *, command: str, wall_s: float) -> list[str]:
     """summary.md, stats.json and the plots; returns the summary lines."""
-    from kvjax.calibration import few_heads_warning
-
-    group = stats.group_layers
+    kind, group = calibrator.kind, stats.group_layers
     lines = [f"# {kind} calibration: {cfg.name}, groups of {group} layer(s)", "",
              f"Command: `{command}`", "",
              f"{stats.samples} samples x {stats.tokens} tokens of stdlib docstrings, {stats.decode_steps} greedy decode "
              f"steps, attended sets of {stats.topk} tokens; {wall_s:.0f} s on this machine (2-core CPU).", ""]
-    lines += [f"- {x}" for x in feasibility(kind, art, cfg)]
-    for n_r in ((1, 2) if kind == "synckv" else ()):
-        w = few_heads_warning(cfg.num_kv_heads, group, n_r)
-        if w:
-            lines.append(f"- WARNING: {w}")
-    if kind == "heterocache" and group == 1:
-        lines.append(f"- per-layer clustering on {cfg.num_kv_heads} KV heads per layer (the papers' models have 8)")
+    lines += [f"- {x}" for x in calibrator.feasibility(art, cfg)]
+    lines += [f"- WARNING: {w}" for w in calibrator.warnings(cfg, group)]
     lines += ["", f"Stability (median overlap with the prefill set): mean {stats.stability.mean():.3f}, "
               f"min {stats.stability.min():.3f}, max {stats.stability.max():.3f}.",
               f"Similarity score S_sim: mean {stats.similarity.mean():.3f}.", ""]
@@ -188,26 +151,21 @@ def write_report(report: Path, kind: str, stats, art, cfg, *, command: str, wall
         "stability_curve_mean": np.round(stats.stability_curve.mean(axis=(1, 2)), 4).tolist(),
         "group_layers": group, "topk": stats.topk, "samples": stats.samples, "decode_steps": stats.decode_steps,
     }, indent=1) + "\n")
-    plot(report, kind, stats, art)
+    plot(report, calibrator, stats, art)
     return lines
 
 
-def plot(report: Path, kind: str, stats, art) -> None:
+def plot(report: Path, calibrator, stats, art) -> None:
     """roles.png (per-layer classes), stability.png (per head), similarity.png (a few groups)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     L, H = stats.stability.shape
-    meta = art.meta_dict()
+    kind = calibrator.kind
     fig = Figure(figsize=(10, 3.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    if kind == "heterocache":
-        classes = ("pivot", "satellite", "anchor", "volatile")
-        roles = meta["roles"]
-    else:
-        classes = ("R", "NR")
-        roles = dict((c[0], c[1]) for c in meta["clusters"]).get(2) or meta["clusters"][0][1]
+    classes, roles = calibrator.layer_roles(art)
     bottom = np.zeros(L)
     for c in classes:
         n = np.array([row.count(c) for row in roles], float)

@@ -11,14 +11,14 @@
 #                                         # 10% and 25%, batch 1 and the plan's largest batch, caches built directly,
 #                                         # vs the full cache and the plan (docs/results/plan/)
 #   scripts/gpu_checks.sh kernels         # the Pallas kernel and host-tier tests, compiled for the GPU
-#   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall (whole, spread, ahead,
+#   scripts/gpu_checks.sh bench           # HeteroCache / SyncKV decode with and without recall (whole, spread,
 #                                         # pipelined) vs the full cache, 30K (decode compiled with kvjax's GPU options;
 #                                         # BENCH_METHODS overrides the methods)
 #   scripts/gpu_checks.sh bench-xla-default  # the same for full, SyncKV pipelined / without recall, compiled with XLA's
 #                                         # default schedule (no latency-hiding scheduler)
 #   scripts/gpu_checks.sh recall-micro    # where a step's recall time goes: cond / unconditional / prefetch / pages,
 #                                         # fixed indices and indices from the step's compute (dep-*)
-#   scripts/gpu_checks.sh profile         # a jax.profiler trace of a few decode steps: full, SyncKV (spread, ahead, pipelined), 30K
+#   scripts/gpu_checks.sh profile         # a jax.profiler trace of a few decode steps: full, SyncKV (spread, pipelined), 30K
 #   scripts/gpu_checks.sh locret-memory   # Locret vs the full cache: measured peak memory during prefill, 8K and 32K
 #   scripts/gpu_checks.sh locret-bench    # Locret vs the full cache: chunked prefill and decode time, 30K
 #   scripts/gpu_checks.sh pack NAME       # HERE, not there: split a ready model's GGUF into .gpu/ for carrying
@@ -56,7 +56,7 @@ kernels)
     ;;
 bench)
     "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
-        --methods "${BENCH_METHODS:-full,heterocache,heterocache:recall_schedule=spread,heterocache:recall_schedule=ahead,heterocache:recall_schedule=pipelined,heterocache:retrieval=false,synckv,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,synckv:recall_schedule=pipelined,synckv:anticipation=false,heterocache:preset=tuned:recall_schedule=pipelined,heterocache:preset=tuned:retrieval=false,synckv:preset=tuned:recall_schedule=pipelined,synckv:preset=tuned:anticipation=false}" \
+        --methods "${BENCH_METHODS:-full,heterocache,heterocache:recall_schedule=spread,heterocache:recall_schedule=pipelined,heterocache:retrieval=false,synckv,synckv:recall_schedule=spread,synckv:recall_schedule=pipelined,synckv:anticipation=false,heterocache:preset=tuned:recall_schedule=pipelined,heterocache:preset=tuned:retrieval=false,synckv:preset=tuned:recall_schedule=pipelined,synckv:preset=tuned:anticipation=false}" \
         --chunk-size 2048 --new-tokens 64 --repeats "${REPEATS:-3}" --dtype "${DTYPE:-bfloat16}" --out "$out/bench_recall_gpu.md"
     ;;
 bench-xla-default)
@@ -75,7 +75,7 @@ profile)
     # under 16 MiB): open them in ui.perfetto.dev; profile_summary.md is `python -m kvjax.evals.trace_summary` of them
     rm -rf /tmp/kvjax-profile
     "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
-        --methods full,synckv:recall_schedule=spread,synckv:recall_schedule=ahead,synckv:recall_schedule=pipelined --chunk-size 2048 --new-tokens "${NEW_TOKENS:-8}" \
+        --methods full,synckv:recall_schedule=spread,synckv:recall_schedule=pipelined --chunk-size 2048 --new-tokens "${NEW_TOKENS:-8}" \
         --repeats 1 --dtype "${DTYPE:-bfloat16}" --no-plot --profile /tmp/kvjax-profile --out "$out/bench_profile_gpu.md"
     (cd /tmp/kvjax-profile && find . -name '*.trace.json.gz' | tar czf "$out/profile_traces.tgz" -T -)
     "$py" -m kvjax.evals.trace_summary /tmp/kvjax-profile --out "$out/profile_summary.md" > /dev/null

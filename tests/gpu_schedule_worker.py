@@ -29,7 +29,7 @@ def main() -> None:
     programs = {
         "heterocache-pipelined": (HeteroCache(budget=0.5, block=32, recall_schedule="pipelined"), hetero),
         "synckv-pipelined": (SyncKV(budget=0.5, num_representatives=3, block=32, recall_schedule="pipelined"), sync),
-        "synckv-ahead": (SyncKV(budget=0.5, num_representatives=3, block=32, recall_schedule="ahead"), sync),
+        "synckv-spread": (SyncKV(budget=0.5, num_representatives=3, block=32, recall_schedule="spread"), sync),
     }
     windows, conditionals, step_copies = {}, {}, {}
     for name, (method, artifact) in programs.items():

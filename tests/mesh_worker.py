@@ -99,8 +99,8 @@ def methods():
         # drift forced at every check (tau_drift 1), anticipation every 2 steps: recalls happen on every mesh
         "heterocache": (HeteroCache(budget=0.5, window=2, tau_drift=1.0, block=32), hetero),
         "synckv": (SyncKV(budget=0.5, stride=2, num_representatives=3, block=32), sync),
-        # the spread moves, written one call after they are gathered (pending rows split like the host copy)
-        "synckv_ahead": (SyncKV(budget=0.5, stride=2, num_representatives=3, block=32, recall_schedule="ahead"), sync),
+        # a fixed number of moves per step, gathered and written in the layer's call
+        "synckv_spread": (SyncKV(budget=0.5, stride=2, num_representatives=3, block=32, recall_schedule="spread"), sync),
         # the same moves gathered one call after they are chosen, written the call after
         "synckv_pipelined": (SyncKV(budget=0.5, stride=2, num_representatives=3, block=32, recall_schedule="pipelined"),
                              sync),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvjax
-from kvjax.cli import demo_methods, demo_table, main as cli_main, methods_help
+from kvjax.cli import demo_methods, demo_png, demo_table, main as cli_main, methods_help
 from kvjax.methods import FullCache, Locret, SnapKV
 
 
@@ -22,6 +22,14 @@ def test_demo_methods_default_budget_and_spec_budget():
     got = demo_methods(("snapkv", "locret:budget=0.25", "full"))
     assert [label for label, _ in got] == ["full", "snapkv @ 0.1", "locret @ 0.25"]
     assert isinstance(got[0][1], FullCache) and got[1][1] == SnapKV(budget=0.1) and got[2][1] == Locret(budget=0.25)
+    # by default: the five seed methods (their presets where they have one) and SnapKV, at 10%
+    from kvjax.cli import DEMO_METHODS
+
+    got = demo_methods(DEMO_METHODS)
+    assert sorted(m.name for _, m in got) == sorted(["full", "snapkv", "hbw", "heterocache", "synckv", "hcattention",
+                                                     "locret"])
+    assert all(m.budget == 0.1 for _, m in got[1:])
+    assert got[3][1].group_layers == 24 and got[5][1].local == 64  # the presets'
 
 
 @pytest.mark.parametrize("argv", [
@@ -36,16 +44,21 @@ def test_bad_specs_fail_before_the_model_loads(argv, no_model_load, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_demo_table_rows():
+def test_demo_table_rows(tmp_path):
     rows = [{"protocol": "in the prompt", "method": "full", "answer": "60494", "ok": True, "device_bytes": 102 * 2**20,
-             "host_bytes": 0, "prefill_s": 25.97, "decode_ms_per_token": 532.44},
+             "host_bytes": 0, "prefill_s": 25.97, "first_step_s": 3.21, "decode_ms_per_token": 32.44},
             {"protocol": "after compression", "method": "snapkv @ 0.1", "answer": "6049", "ok": False,
-             "device_bytes": 10 * 2**20 + 2**19, "host_bytes": 3 * 2**10, "prefill_s": 28.1, "decode_ms_per_token": 861.0}]
+             "device_bytes": 10 * 2**20 + 2**19, "host_bytes": 3 * 2**10, "prefill_s": 28.1, "prefill_shared": True,
+             "first_step_s": 4.0, "decode_ms_per_token": 21.0}]
     lines = demo_table(rows).splitlines()
     assert len(lines) == 4 and lines[0].split()[:3] == ["question", "method", "answer"]
-    assert lines[2].split() == ["in", "the", "prompt", "full", "60494", "yes", "102.0", "MiB", "0", "B", "25.97", "532.4"]
+    assert lines[2].split() == ["in", "the", "prompt", "full", "60494", "yes", "102.0", "MiB", "0", "B", "25.97", "3.21",
+                                "32.4"]
     assert lines[3].split() == ["after", "compression", "snapkv", "@", "0.1", "6049", "NO", "10.5", "MiB", "3.0", "KiB",
-                                "28.10", "861.0"]
+                                "*28.10", "4.00", "21.0"]
+    png = tmp_path / "demo.png"
+    demo_png(rows, png, "title")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_generate_help_lists_every_method_its_defaults_and_presets():

@@ -155,7 +155,7 @@ def test_recall_decode_has_no_host_syncs(monkeypatch, schedule):
 def test_pipelined_recall_gathers_only_what_the_loop_carries(monkeypatch):
     """``recall_schedule="pipelined"``: HeteroCache's and SyncKV's per-step host gather (one for every layer with
     followers, outside any conditional) takes its indices from the loop carry, so on a GPU it can start when the
-    step starts. With ``"ahead"`` the gathers (one per layer) depend on the same step's attention (the leader's
+    step starts. With ``"spread"`` the gathers (one per layer) depend on the same step's attention (the leader's
     choice), which the check sees: it can fail."""
     hetero, sync = recall_artifacts(CONFIG_D16)
 
@@ -167,4 +167,4 @@ def test_pipelined_recall_gathers_only_what_the_loop_carries(monkeypatch):
         return out
 
     assert gathers("pipelined") == [[False]] * 2
-    assert gathers("ahead") == [[True] * CONFIG_D16.num_layers] * 2
+    assert gathers("spread") == [[True] * CONFIG_D16.num_layers] * 2

@@ -15,12 +15,12 @@ from kvjax.artifacts import Artifact, model_identity
 from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.decoding import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
-from kvjax.methods.recall.layout import publish_anchor
 from kvjax.methods.recall.schedules import SpreadRecall, apply_anchors, spread_moves
 from kvjax.methods.recall.scores import leader_probs, leader_queries, prompt_only, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
-from kvjax.methods.recall.heterocache import classify_group, head_capacities, spread_capped, star_clustering
-from kvjax.methods.recall.synckv import cluster_group, kmeans
+from kvjax.calibration.heterocache import classify_group, star_clustering
+from kvjax.calibration.synckv import cluster_group, kmeans
+from kvjax.methods.recall.heterocache import head_capacities, spread_capped
 from kvjax.paged import build_paged
 from kvjax.models import load_model
 from tests.tiny import save_tiny
@@ -251,8 +251,7 @@ def _held_rows(state, b, h):
 
 @pytest.mark.parametrize("which,schedule", [("heterocache", "whole"), ("heterocache-reanchor", "whole"),
                                             ("heterocache-pivot", "whole"), ("synckv", "whole"),
-                                            ("heterocache", "pipelined"), ("synckv", "spread"), ("synckv", "ahead"),
-                                            ("synckv", "pipelined")])
+                                            ("heterocache", "pipelined"), ("synckv", "spread"), ("synckv", "pipelined")])
 def test_budget_one_equals_full_cache_under_chunk_padding_and_ragged_batch(tiny, which, schedule):
     rng = np.random.default_rng(11)
     rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=20))]
@@ -291,28 +290,6 @@ def test_token_budget_above_the_prompt_keeps_it_whole(tiny, which):
     np.testing.assert_array_equal(got, full)
     assert cache.stats()["budget_note"] == ("budget of 60 tokens per head is above the prompt's 40 tokens: "
                                             "the whole prompt is kept")
-
-
-@pytest.mark.parametrize("which", ["heterocache", "synckv"])
-def test_ahead_schedule_generates_the_spread_schedules_tokens(tiny, which):
-    """``recall_schedule="ahead"`` writes each step's rows one call later, before the layer attends: at half the
-    prompt, with a new choice every 2 steps, in a ragged batch, it generates exactly ``"spread"``'s tokens and
-    moves as many rows; its device bytes exceed them by the pending buffer alone."""
-    rng = np.random.default_rng(12)
-    rows = [list(rng.integers(0, 97, size=L)), list(rng.integers(0, 97, size=L - 13))]
-    out = {}
-    for schedule in ("spread", "ahead"):
-        if which == "heterocache":
-            method, art = HeteroCache(budget=0.5, block=16, window=2, tau_drift=1.0, recall_schedule=schedule), hc_artifact(tiny)
-        else:
-            method, art = SyncKV(budget=0.5, block=16, stride=2, num_representatives=1, recall_schedule=schedule), sk_artifact(tiny)
-        got, _, cache, _ = generate_tokens(tiny, rows, method=method, max_new_tokens=10, artifact=art)
-        out[schedule] = got, cache.stats(), cache
-    (spread, s_stats, _), (ahead, a_stats, cache) = out["spread"], out["ahead"]
-    np.testing.assert_array_equal(ahead, spread)
-    assert a_stats["rows_recalled"] == s_stats["rows_recalled"] > 0
-    pending = sum(x.nbytes for st in cache.layers if st.pending is not None for x in jax.tree.leaves(st.pending))
-    assert pending > 0 and a_stats["device_bytes"] == s_stats["device_bytes"] + pending
 
 
 def test_heterocache_recall_writes_the_pivots_picks(tiny):
@@ -368,15 +345,13 @@ def test_spread_moves_hand_case():
     assert pos[0, :1].tolist() == [1] and pos[1].tolist() == [1, 3]
 
 
-@pytest.mark.parametrize("which,schedule", [("heterocache", "spread"), ("synckv", "spread"), ("heterocache", "ahead"),
-                                            ("synckv", "ahead"), ("heterocache", "pipelined"), ("synckv", "pipelined"),
-                                            ("synckv", "pipelined-kernel")])
+@pytest.mark.parametrize("which,schedule", [("heterocache", "spread"), ("synckv", "spread"), ("heterocache", "pipelined"),
+                                            ("synckv", "pipelined"), ("synckv", "pipelined-kernel")])
 def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which, schedule):
     """``recall_schedule="spread"`` with a new choice every m=3 steps: m steps after it, each follower's region
     holds exactly the host rows of its leader's choice (matched to host rows in numpy, as a set, no row twice),
-    same-layer and cross-layer followers; after the first of those steps only part of it. ``"ahead"`` holds the
-    same once the rows a step gathered are written (at the next call: the schedule's ``land``), and not before;
-    ``"pipelined"`` once the next call has chosen them (from the loop carry, before its layers) and written them
+    same-layer and cross-layer followers; after the first of those steps only part of it. ``"pipelined"`` holds the
+    same once the next call has chosen them (from the loop carry, before its layers) and written them
     (after its layers), and not before; also when it writes them with the row-write kernel (``"pipelined-kernel"``:
     the method's implementation ``"pallas_interpret"``, the kernel's GPU form interpreted)."""
     rng = np.random.default_rng(5)
@@ -396,7 +371,7 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
 
     def written(layers):  # every move chosen so far (pipelined: that the carry implies) written
         if schedule != "pipelined":
-            return [method.schedule.land(st, None, drain=True) for st in layers]
+            return list(layers)
         return method.schedule.write_moves(*method.schedule.gather_moves(layers, None, drain=False), None)
 
     def regions(state, landed=True):  # {follower: set of prompt slots its region holds}, no token held twice
@@ -416,10 +391,6 @@ def test_spread_recall_reaches_the_leaders_choice_without_duplicates(tiny, which
     for t in range(L, L + 5):  # the leader publishes at the 3rd step; the followers move at the 3rd, 4th, 5th
         _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
         per_step[t - L + 1] = regions(cache)
-        if schedule == "ahead" and t - L + 1 == 3:  # gathered in the 3rd step, not yet written
-            assert regions(cache, landed=False) == per_step[2]
-        if schedule == "ahead" and t - L + 1 == 4:  # the 4th step's call wrote them before it attended
-            assert regions(cache, landed=False) == per_step[3]
         if schedule == "pipelined" and t - L + 1 == 3:  # the choice at the 3rd step, its moves not yet chosen
             assert regions(cache, landed=False) == per_step[2]
         if schedule == "pipelined" and t - L + 1 == 4:  # chosen before the 4th step's layers, written after them
@@ -534,43 +505,7 @@ def test_pipelined_decisions_after_the_layers_equal_each_layers_own(tiny, monkey
     assert all((layer["version"] > 0).any() for layer in after_states[-1])  # both layers' leaders published
 
 
-def test_reanchoring_cancels_the_moves_in_flight(tiny):
-    """``recall_schedule="ahead"``: a re-anchoring applied while moves chosen from the old set are in flight
-    (gathered, not yet written) cancels them, and the next spread step moves nothing (the region holds the anchor's
-    tokens already). After the next call's landing, each of layer 1's followers holds exactly the host rows of the
-    anchor's kept set, in order (numpy), though a write of the cancelled moves would have changed it.
-    (Re-anchorings are applied in multi-token calls, which first write what is in flight, so the state is built by
-    hand: the leader layer re-anchors while layer 1 has moves in flight.)"""
-    rng = np.random.default_rng(13)
-    tokens = rng.integers(0, 97, size=(1, L + 3)).astype(np.int32)
-    method = SyncKV(budget=0.5, block=16, stride=3, num_representatives=1, recall_schedule="ahead")
-    cache = _prefilled(tiny, method, tokens[:, :L], sk_artifact(tiny))
-    key = jax.random.PRNGKey(0)
-    for t in range(L, L + 3):  # a choice at the 3rd step: its first moves gathered then
-        _, _, cache = decode_step(tiny.graphdef, tiny.params, jnp.asarray(tokens[:, t]), cache, key)
-    st0, st1 = cache.layers
-    schedule, p = method.schedule, st1.pending
-    assert int(p.fetched.count.sum()) > 0  # moves in flight
-    start = int(st1.region_start[0, 0])
-    assert (np.asarray(st1.region_start) == start).all()
-    K, R = st0.anchor_picks.shape[-1], st0.picks.shape[-1]
-    anchor = rng.permutation(L)[:K].astype(np.int32)  # the leader's new kept set, best first
-    lead = publish_anchor(st0, jnp.asarray(anchor)[None, None], jnp.asarray(anchor[start:start + R])[None, None])
-    # the moves in flight would put these tokens at these region positions
-    n, ids, dst = (np.asarray(x) for x in (p.fetched.count, p.fetched.idx, p.dst))
-    assert any(anchor[dst[i, j]] != ids[i, j] for i in range(len(n)) for j in range(n[i]))
-    new1 = apply_anchors(st1, (lead, st1), 1, None)
-    assert int(new1.pending.fetched.count.sum()) == 0  # cancelled
-    new1 = schedule.step(new1, (lead, new1), 1, None)
-    assert int(new1.pending.fetched.count.sum()) == 0  # the region already holds the anchor's: nothing to move
-    landed = schedule.land(new1, None, drain=True)
-    for i, f in enumerate(st1.plan.followers):
-        count = min(start + int(st1.region_count[0, i]), K)
-        host_k = np.asarray(st1.host.k)[st1.host.heads.index((0, f.head))]
-        np.testing.assert_array_equal(_held_rows(landed, 0, f.head)[:count], host_k[anchor[:count]])
-
-
-@pytest.mark.parametrize("schedule,reanchor", [("whole", True), ("whole", False), ("spread", True), ("ahead", True)])
+@pytest.mark.parametrize("schedule,reanchor", [("whole", True), ("whole", False), ("spread", True)])
 def test_synckv_recall_moves_the_dynamic_set_not_the_whole_capacity(tiny, monkeypatch, schedule, reanchor):
     """A one-token decode step's host transfer is as wide as what a follower refreshes: its dynamic set (whole
     schedule) or ceil(dynamic / m) rows (spread), not its whole capacity (static + dynamic), with or without
@@ -602,8 +537,6 @@ def test_synckv_recall_moves_the_dynamic_set_not_the_whole_capacity(tiny, monkey
     if reanchor:
         apply_anchors(after, (after, *cache.layers[1:]), 0, None)
         assert widths == [want, capacity]
-    if schedule == "ahead":  # the device buffer for the next call's rows is as wide as the transfer
-        assert after.pending.fetched.k.shape[1] == want and st.pending.fetched.k.shape[1] == want
 
 
 def _ref_attention(q, k, v):
@@ -962,9 +895,9 @@ def test_synckv_question_rehearsals_count(tiny, rehearsals):
         np.testing.assert_array_equal(np.asarray(s.paged.lengths), n + 4)
 
 
-@pytest.mark.parametrize("which", ["heterocache", "synckv", "synckv-ahead"])
+@pytest.mark.parametrize("which", ["heterocache", "synckv", "synckv-pipelined"])
 def test_decode_loop_compiles_once_without_host_callbacks(tiny, which):
-    schedule = "ahead" if which.endswith("ahead") else "whole"  # ahead: the pending rows are carried by the loop
+    schedule = "pipelined" if which.endswith("pipelined") else "whole"  # pipelined: the loop carries the query
     method, art = ((HeteroCache(budget=0.6, block=16, window=2), hc_artifact(tiny)) if which == "heterocache"
                    else (SyncKV(budget=0.5, block=16, stride=2, num_representatives=1, recall_schedule=schedule),
                          sk_artifact(tiny)))

@@ -123,7 +123,7 @@ def test_every_method_generates_the_same_tokens_on_every_mesh(mesh_run):
         # followers were refreshed from their host copies (same count as on one device: the same picks)
         assert runs["heterocache"]["recall_events"] == one["heterocache"]["recall_events"] > 0
         assert runs["synckv"]["recall_events"] == one["synckv"]["recall_events"] > 0
-        assert runs["synckv_ahead"]["rows_recalled"] == one["synckv_ahead"]["rows_recalled"] > 0
+        assert runs["synckv_spread"]["rows_recalled"] == one["synckv_spread"]["rows_recalled"] > 0
         assert runs["synckv_pipelined"]["rows_recalled"] == one["synckv_pipelined"]["rows_recalled"] > 0
     # SyncKV with a question after compression (rehearsed, then run): the same tokens and recalls on every mesh
     questions = mesh_run["questions"]
@@ -155,9 +155,8 @@ def test_caches_are_split_by_row_and_kv_head(mesh_run):
                    ".tracker.static", ".tracker.static_rows", ".tracker.keep_rows"}
     # padded per device block: pools of unequal capacities, follower slots (host copies and per-slot arrays)
     padded = {".paged.k_pages", ".paged.v_pages", ".host.k", ".host.v", ".region_start", ".region_count", ".applied",
-              ".held", ".pending.fetched.k", ".pending.fetched.v", ".pending.fetched.idx", ".pending.fetched.count",
-              ".pending.dst"}
-    recall_methods = ("heterocache", "synckv", "synckv_ahead", "synckv_pipelined")
+              ".held"}
+    recall_methods = ("heterocache", "synckv", "synckv_spread", "synckv_pipelined")
     for mesh in ("data=2,model=4", "data=1,model=8"):
         rows = parse_mesh(mesh)["data"]
         for name, run in meshes[mesh].items():

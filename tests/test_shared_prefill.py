@@ -120,3 +120,12 @@ def test_compare_gives_each_methods_own_tokens_with_one_shared_prefill(tiny):
         np.testing.assert_array_equal(count, ref_count)
         assert cache.method == m
         assert timings.get("prefill_shared_by") == (None if m.name == "chunked_eviction" else 3), m.name
+    # step by step (the demo's steady-state timings): the same tokens, every step handed over, the first step apart
+    seen = []
+    stepped = compare_tokens(tiny, rows, methods[:2], artifacts=artifacts[:2], max_new_tokens=STEPS, chunk_size=16,
+                             question_rows=question, on_token=seen.append)
+    for (out, count, _, timings), (ref, ref_count, _, _) in zip(stepped, got):
+        np.testing.assert_array_equal(out, ref)
+        np.testing.assert_array_equal(count, ref_count)
+        assert timings["first_step_s"] > 0 and timings["decode_steady_ms_per_token"] > 0
+    assert len(seen) == 2 * STEPS and all(t.shape == (2,) for t in seen)

@@ -14,7 +14,8 @@ only; those a question's last pass publishes for followers in layers before thei
 from __future__ import annotations
 
 import abc
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
@@ -42,11 +43,19 @@ def check_calibrated(kernel: int, group_layers, recall_schedule: str, rehearsals
         raise ValueError(f"rehearsals must be >= 0, got {rehearsals}")
 
 
+def auto_group_layers(num_kv_heads: int, target_units: int = 16) -> int:
+    """Adjacent layers per group so a group has at least ``target_units`` KV heads.
+
+    16 units: with one representative per group (SyncKV's N_r = 1, HeteroCache's usual single pivot)
+    the full heads are about 1/16 of all heads, so a 10% budget is feasible; groups of 8 (the
+    papers' heads per layer) would put the floor at 1/8."""
+    return max(1, -(-target_units // num_kv_heads))
+
+
 def calibrated_artifact(kind: str, spec, artifact, group_layers):
     """The given artifact checked against ``kind`` and the spec's model, or the one shipped for the model
-    (``-g<group_layers>``; None: :func:`kvjax.calibration.auto_group_layers`)."""
+    (``-g<group_layers>``; None: :func:`auto_group_layers`)."""
     from kvjax.artifacts import installed_artifact, require_artifact
-    from kvjax.calibration import auto_group_layers
 
     if artifact is None:
         artifact = installed_artifact(kind, spec.model_id, f"g{group_layers or auto_group_layers(spec.num_kv_heads)}")
@@ -68,11 +77,29 @@ def reanchor_then_attend(state: RecallKV, q, k, v, ctx, choose):
     return out, state
 
 
+@dataclasses.dataclass(frozen=True)
 class LeaderFollowerMethod(abc.ABC):
-    """Base of the leader/follower methods (frozen dataclasses with ``budget``, ``kernel``, ``group_layers``,
-    ``rehearsals``, ``recall_schedule``, ``page_size``, ``block`` and ``implementation`` fields)."""
+    """Base of the leader/follower methods: the hyper-parameters they share (a subclass adds its own after them).
 
-    name: str
+    Args:
+      budget: fraction of the prompt's KV kept on the device over all heads, or tokens per head.
+      kernel: pooling width of the leaders' attention scores (odd; 1: none).
+      group_layers: which shipped artifact to load when none is given (None: the model's default).
+      rehearsals: passes of a re-anchoring question before the one that counts.
+      recall_schedule: ``"whole"`` (the papers'), ``"spread"`` or ``"pipelined"``
+        (:mod:`kvjax.methods.recall.schedules`; the method's decision interval is theirs).
+      page_size, block, implementation: paged layout, prefill block, decode attention implementation.
+    """
+
+    budget: int | float = 0.25
+    kernel: int = 5
+    group_layers: int | None = None
+    rehearsals: int = 1
+    recall_schedule: str = "whole"
+    page_size: int = 16
+    block: int = 256
+    implementation: str = "auto"
+    name: ClassVar[str]
 
     # -- what a method supplies
     @property
@@ -150,14 +177,14 @@ class LeaderFollowerMethod(abc.ABC):
 
     def build(self, state: StagedKV, idx, lengths, ctx, plans: tuple, *, region_start, region_count, picks,
               tracker) -> RecallKV:
-        """The compressed layer from the kept slots per head (:func:`layout.build_layer`), with the schedule's
-        in-flight buffers."""
+        """The compressed layer from the kept slots per head (:func:`layout.build_layer`), with room for the query its
+        leaders decide on after the layers where the schedule lets them."""
         layer = build_layer(state, idx, lengths, ctx.pad, ctx.spec, plans[ctx.layer], page_size=self.page_size,
                             region_start=region_start, region_count=region_count, picks=picks, tracker=tracker)
         if self.schedule.decides_after_layers and layer.plan.leaders:
             B, H, D = state.k.shape[0], ctx.spec.num_heads, state.k.shape[-1]
             layer = layer.replace(query=jnp.zeros((B, 1, H, D), state.k.dtype))
-        return self.schedule.with_room(layer, plans)
+        return layer
 
     def around_layers(self, cache: Cache, tokens: int, run):
         """The layers inside the recall schedule's whole-cache work (:meth:`RecallSchedule.around_layers`); in a
@@ -213,10 +240,9 @@ class LeaderFollowerMethod(abc.ABC):
 
     def decode_attend(self, state: RecallKV, q, k, v, ctx):
         """Attend over every head's held tokens, let the leaders decide, recall by the schedule. A multi-token call
-        first writes everything in flight; with re-anchoring it publishes and recalls *before* it attends, and in a
-        rehearsal (``ctx.rehearsal``) returns the state without its tokens."""
+        with re-anchoring publishes and recalls *before* it attends, and in a rehearsal (``ctx.rehearsal``) returns
+        the state without its tokens."""
         schedule, multi = self.schedule, q.shape[1] > 1
-        state = schedule.land(state, ctx.mesh, drain=multi)
         if multi and self.reanchors:
             return reanchor_then_attend(state, q, k, v, ctx,
                                         lambda st: self.choose_for_question(st, q, ctx.pad, ctx.mesh))

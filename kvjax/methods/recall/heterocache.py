@@ -1,7 +1,7 @@
 """HeteroCache (Shi et al.): head roles from offline calibration, stability-weighted per-head budgets, and pivot
 heads that refresh their satellites from host memory when their attention drifts.
 
-Calibration (``kvjax calibrate heterocache``, :func:`heterocache_artifact`): per KV head the stability score (Eq. 2)
+Calibration (``kvjax calibrate heterocache``, :mod:`kvjax.calibration.heterocache`): per KV head the stability score (Eq. 2)
 and the overlap graph of its group (an edge when the pairwise overlap reaches ``tau_sim``); greedy star clustering (as
 the reference code): repeatedly the unassigned head with the most unassigned neighbours (ties: lowest index) becomes
 a *pivot* and those neighbours its *satellites*; the remaining heads are *anchors* (stability >= ``tau_stable``) or
@@ -61,67 +61,6 @@ PRESETS: dict[str, dict] = {
 }
 
 
-# ------------------------------------------------------------------------------------ calibration
-def star_clustering(adjacency: np.ndarray) -> list[tuple[int, list[int]]]:
-    """Greedy star clustering of a symmetric bool adjacency (no self loops): ``[(pivot, satellites), ...]``.
-
-    Repeatedly the unassigned node with the most unassigned neighbours (ties: lowest index) becomes
-    a pivot and its unassigned neighbours its satellites; stops when the best degree is 0.
-    """
-    adj = np.asarray(adjacency, bool).copy()
-    np.fill_diagonal(adj, False)
-    free = np.ones(len(adj), bool)
-    clusters = []
-    while True:
-        degree = np.where(free, (adj & free[None, :]).sum(axis=1), -1)
-        pivot = int(np.argmax(degree))
-        if degree[pivot] <= 0:
-            return clusters
-        sats = [int(j) for j in np.flatnonzero(adj[pivot] & free)]
-        free[pivot] = False
-        free[sats] = False
-        clusters.append((pivot, sats))
-
-
-def classify_group(stability: np.ndarray, similarity: np.ndarray, tau_sim: float, tau_stable: float):
-    """Roles of one group's units: (roles list, leader index per unit or -1) from stability ``[U]`` and overlaps ``[U, U]``."""
-    U = len(stability)
-    adj = (np.asarray(similarity) >= tau_sim) & ~np.eye(U, dtype=bool)
-    adj = adj & adj.T
-    roles, leader = [""] * U, [-1] * U
-    for pivot, sats in star_clustering(adj):
-        roles[pivot] = "pivot"
-        for s in sats:
-            roles[s], leader[s] = "satellite", pivot
-    for u in range(U):
-        if not roles[u]:
-            roles[u] = "anchor" if stability[u] >= tau_stable else "volatile"
-    return roles, leader
-
-
-def heterocache_artifact(stats, model_id: str, *, tau_sim: float = 0.5, tau_stable: float = 0.5) -> Artifact:
-    """Head roles, pivots and stability from calibration statistics (:class:`kvjax.calibration.HeadStatistics`)."""
-    L, H = stats.stability.shape
-    roles = [[""] * H for _ in range(L)]
-    leader = [[(-1, -1)] * H for _ in range(L)]
-    for gi, units in enumerate(stats.groups()):
-        stab = np.array([stats.stability[l, h] for l, h in units])
-        r, lead = classify_group(stab, stats.sim_median[gi], tau_sim, tau_stable)
-        for u, (l, h) in enumerate(units):
-            roles[l][h] = r[u]
-            if lead[u] >= 0:
-                leader[l][h] = units[lead[u]]
-    meta = (
-        ("roles", tuple(tuple(r) for r in roles)),
-        ("pivot_of", tuple(tuple(tuple(int(x) for x in p) for p in row) for row in leader)),
-        ("stability", tuple(tuple(round(float(x), 6) for x in row) for row in stats.stability)),
-        ("group_layers", stats.group_layers), ("tau_sim", tau_sim), ("tau_stable", tau_stable),
-        ("topk", stats.topk), ("samples", stats.samples), ("decode_steps", stats.decode_steps), ("tokens", stats.tokens),
-    )
-    arrays = {"stability": np.asarray(stats.stability, np.float32), "similarity": np.asarray(stats.similarity, np.float32)}
-    return Artifact(arrays=arrays, kind=KIND, model_id=model_id, meta=meta)
-
-
 def spread_capped(total: float, weights: np.ndarray, cap: int) -> np.ndarray:
     """Split ``total`` in proportion to ``weights``, no share above ``cap``; what capped shares cannot take goes to the others."""
     share = np.zeros(len(weights))
@@ -172,43 +111,29 @@ class PivotTracker:
 
 @dataclasses.dataclass(frozen=True)
 class HeteroCache(LeaderFollowerMethod):
-    """HeteroCache (see the module docstring).
+    """HeteroCache (see the module docstring); the shared hyper-parameters are :class:`LeaderFollowerMethod`'s.
 
     Args:
-      budget: fraction of the prompt's KV kept on the device over all heads (``rho``), or tokens per
-        head (``rho = budget / prompt``).
-      window: drift window ``W`` in decode steps (reference: 5).
-      tau_drift: drift threshold (paper: equal to tau_stable, 0.5).
+      budget: ``rho``, or tokens per head (``rho = budget / prompt``).
       kernel: pooling of the attention scores (reference: 5, average).
-      group_layers: which shipped artifact to load when none is given (None: the model's default,
-        cross-layer groups; 1: the paper's per-layer clustering).
+      group_layers: None: the model's default, cross-layer groups; 1: the paper's per-layer clustering.
+      window: drift window ``W`` in decode steps (reference: 5), the recall schedule's decision interval.
+      tau_drift: drift threshold (paper: equal to tau_stable, 0.5).
       allocation: inverse-stability budgets (False: ``base`` for every compressed head, the paper's "w/o allocation").
       retrieval: pivots refresh satellites (False: static after prefill, "w/o retrieval").
       reanchor: a question asked after compression makes every pivot publish its choice for the question's last
         query, recalled *before* the question attends, after ``rehearsals`` rehearsals of the question (a
         deviation, off by default).
-      rehearsals: passes of such a question before the one that counts (with ``reanchor``).
       prefill_from_pivot: each satellite's prefill set is its pivot's top-``l_i`` for the prompt's last query
         instead of its own (a deviation, off by default).
-      recall_schedule: ``"whole"`` (the paper's), ``"spread"``, ``"ahead"`` or ``"pipelined"``
-        (:mod:`kvjax.methods.recall.schedules`; ``window`` is their decision interval).
-      page_size, block, implementation: paged layout, prefill block, decode attention implementation.
     """
 
-    budget: int | float = 0.25
     window: int = 5
     tau_drift: float = 0.5
-    kernel: int = 5
-    group_layers: int | None = None
     allocation: bool = True
     retrieval: bool = True
     reanchor: bool = False
-    rehearsals: int = 1
     prefill_from_pivot: bool = False
-    recall_schedule: str = "whole"
-    page_size: int = 16
-    block: int = 256
-    implementation: str = "auto"
     name = "heterocache"
 
     def __post_init__(self):

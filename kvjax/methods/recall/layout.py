@@ -83,20 +83,8 @@ class LayerPlan:
     anchor_picks: int = 0
 
 
-# Partition specs of a follower gather (:func:`gather_followers`, :class:`PendingRecall`): split by device, like the
-# host copy it comes from.
+# Partition specs of a follower gather (:func:`gather_followers`): split by device, like the host copy it comes from.
 FETCHED_BY_DEVICE = Prefetch(k=BY_DEVICE, v=BY_DEVICE, idx=BY_DEVICE, count=BY_DEVICE)
-
-
-@struct.dataclass
-class PendingRecall:
-    """Follower rows gathered from the host in one decode call, written into their slots at the layer's next call
-    (``recall_schedule="ahead"``): the gather as a :class:`kvjax.host_tier.Prefetch` (one host head per (row,
-    follower slot), in :func:`kvjax.sharding.flatten_heads` order like the host copy; ``count`` 0: nothing
-    pending) and ``dst[B * n_slots, S]``, the region slot each row goes to."""
-
-    fetched: Prefetch
-    dst: jax.Array
 
 
 @struct.dataclass
@@ -119,9 +107,7 @@ class RecallKV:
     # leaders: a per-layer increment is a kernel launch of its own on a GPU)
     steps: jax.Array
     recalls: jax.Array  # int32 [] follower refreshes (summed over rows)
-    # int32 [] token rows brought from the host, counted when chosen (``"ahead"`` writes them a call later)
-    rows_moved: jax.Array
-    pending: PendingRecall | None = None  # rows in flight between calls (``recall_schedule="ahead"`` only)
+    rows_moved: jax.Array  # int32 [] token rows brought from the host
     # [B, 1, Hq, D] the query of the layer's last one-token call, where its leaders decide after every layer has run
     # (``recall_schedule="pipelined"``: :meth:`LeaderFollowerMethod.lead_layers`); None elsewhere
     query: jax.Array | None = None
@@ -217,7 +203,7 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
         applied=jnp.zeros((B, len(slots)), jnp.int32), prompt_len=(P - pad).astype(jnp.int32),
         picks=jnp.asarray(picks, jnp.int32), version=jnp.zeros((B, nl), jnp.int32),
         anchor_picks=jnp.zeros((B, nl, max(plan.anchor_picks, 1)), jnp.int32), anchor_at=jnp.zeros((B, nl), jnp.int32),
-        tracker=tracker, steps=zeros, recalls=zeros, rows_moved=zeros, pending=None, plan=plan,
+        tracker=tracker, steps=zeros, recalls=zeros, rows_moved=zeros, plan=plan,
     )
 
 
@@ -338,12 +324,9 @@ def recall_rows(state: RecallKV, picks, count, dst, mesh) -> PagedKV:
 def recall_partition(state: RecallKV, tracker) -> RecallKV:
     """Partition specs of a :class:`RecallKV` (see the module docstring), with the method's ``tracker`` specs."""
     host = None if state.host is None else state.host.replace(k=OnHost(BY_DEVICE), v=OnHost(BY_DEVICE))
-    pending = None
-    if state.pending is not None:
-        pending = PendingRecall(fetched=FETCHED_BY_DEVICE, dst=BY_DEVICE)
     rows = jax.sharding.PartitionSpec(DATA)
     query = None if state.query is None else jax.sharding.PartitionSpec(DATA, None, MODEL)  # [B, 1, Hq, D]
-    return state.replace(paged=paged_partition(state.paged), host=host, pending=pending, query=query,
+    return state.replace(paged=paged_partition(state.paged), host=host, query=query,
                          region_start=ROWS_HEADS, region_count=ROWS_HEADS, applied=ROWS_HEADS, held=ROWS_HEADS,
                          prompt_len=rows, picks=rows, version=rows, anchor_picks=rows, anchor_at=rows,
                          tracker=tracker, steps=REPLICATED, recalls=REPLICATED, rows_moved=REPLICATED)

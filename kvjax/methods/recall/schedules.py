@@ -8,8 +8,6 @@ is a host synchronisation per layer and serialises the recall it holds):
 * :class:`SpreadRecall`: every step, each follower replaces up to ``ceil(W / every)`` of the tokens its leader's
   latest choice dropped with chosen tokens it lacks, best first (:func:`spread_moves`), so a new choice lands over
   ``every`` steps and a token already on the device is never moved again.
-* :class:`AheadRecall`: the spread moves, gathered in the call that chooses them and written at the layer's next
-  call, before it attends (same attended tokens as ``SpreadRecall``): nothing in a call waits for its own gather.
 * :class:`PipelinedRecall`: the spread moves of every layer at once, around a call's layers
   (:meth:`RecallSchedule.around_layers`): chosen before them from the leaders' choices as the previous call left
   them (the loop carry), gathered in one host computation while the layers run, written after them. The layers' work
@@ -17,7 +15,7 @@ is a host synchronisation per layer and serialises the recall it holds):
   layer.
 
 Multi-token calls (a question) and the end of a question's last pass refresh whole regions and apply
-re-anchorings (:func:`apply_anchors`, :func:`refresh_regions`); a multi-token call first writes everything in flight.
+re-anchorings (:func:`apply_anchors`, :func:`refresh_regions`).
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.host_tier import empty_prefetch
-from kvjax.methods.recall.layout import (LayerPlan, PendingRecall, RecallKV, gather_block, gather_followers,
+from kvjax.methods.recall.layout import (RecallKV, gather_block, gather_followers,
                                          leader_plan, leader_values, recall_rows, write_followers, write_layers)
 from kvjax.sharding import flatten_heads
 
@@ -101,8 +98,7 @@ def followed(state: RecallKV, due, versions, count, tallies=None, **changes) -> 
 def apply_anchors(state: RecallKV, layers, layer: int, mesh) -> RecallKV:
     """Followers whose leader re-anchored since they last applied a version take the whole re-anchored set (their
     slots ``0 .. region_start + region_count``) from the host, in one fixed-size transfer (a no-op for a layer whose
-    leaders never re-anchor). Moves still in flight for those followers are cancelled: they were chosen from the set
-    the re-anchoring replaces."""
+    leaders never re-anchor)."""
     plan = state.plan
     if not plan.followers or not any(leader_plan(state, layers, layer, f).anchor_picks for f in plan.followers):
         return state
@@ -115,11 +111,7 @@ def apply_anchors(state: RecallKV, layers, layer: int, mesh) -> RecallKV:
     paged = recall_rows(state, anchor_picks, count, dst, mesh)
     at = jnp.clip(state.region_start[..., None] + jnp.arange(state.held.shape[-1]), 0, K - 1)
     held = jnp.where(due[..., None], jnp.take_along_axis(anchor_picks, at, axis=-1), state.held)
-    pending = state.pending
-    if pending is not None:
-        keep = ~flatten_heads(due, mesh)
-        pending = pending.replace(fetched=pending.fetched.replace(count=jnp.where(keep, pending.fetched.count, 0)))
-    return followed(state, due, anchor_at, count, paged=paged, held=held, pending=pending)
+    return followed(state, due, anchor_at, count, paged=paged, held=held)
 
 
 def refresh_regions(state: RecallKV, layers, layer: int, mesh) -> RecallKV:
@@ -192,23 +184,10 @@ class RecallSchedule:
     # after every layer has run (:meth:`kvjax.methods.recall.base.LeaderFollowerMethod.lead_layers`)
     decides_after_layers = False
 
-    def room(self, plans: tuple, plan: LayerPlan) -> int:
-        """Rows per follower kept in flight between calls (0: none)."""
-        return 0
-
-    def with_room(self, layer: RecallKV, plans: tuple) -> RecallKV:
-        """``layer`` (just built, nothing in flight) with its empty in-flight buffers, if the schedule keeps any."""
-        return layer
-
     def around_layers(self, cache, tokens: int, run):
         """A call on the compressed cache (``tokens`` per row): ``run(cache) -> (logits, cache)`` runs its layers,
         with recall work for every layer at once before or after (the base: none)."""
         return run(cache)
-
-    def land(self, state: RecallKV, mesh, *, drain: bool) -> RecallKV:
-        """At the start of a layer's call, before it attends: write what earlier calls gathered. ``drain`` (a
-        multi-token call): leave nothing in flight."""
-        return state
 
     def step(self, state: RecallKV, layers, layer: int, mesh) -> RecallKV:
         """A one-token call's recall, after the leaders' decision."""
@@ -228,16 +207,6 @@ class WholeRecall(RecallSchedule):
 
     def fetched_rows(self, state, layers, layer):
         return state.host.n_heads * chosen_width(state, layers, layer) if state.plan.followers else 0
-
-
-def pending_rows(plans: tuple, plan: LayerPlan, every: int) -> int:
-    """Rows per follower one spread step moves in the layer of ``plan`` (``plans``: every layer's): ``ceil(W /
-    every)``, ``W`` the most tokens a follower's region or its leader's choice holds."""
-    if not plan.followers:
-        return 0
-    held = max(plan.capacities[f.head] for f in plan.followers)
-    chosen = max(max(plans[f.leader_layer].picks, 1) for f in plan.followers)
-    return -(-min(held, chosen) // every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,36 +231,6 @@ class SpreadRecall(RecallSchedule):
         if not state.plan.followers:
             return 0
         return state.host.n_heads * -(-min(state.held.shape[-1], chosen_width(state, layers, layer)) // self.every)
-
-
-@dataclasses.dataclass(frozen=True)
-class AheadRecall(SpreadRecall):
-    """The spread moves, gathered in the call that chooses them and written at the layer's next call."""
-
-    def room(self, plans, plan):
-        return pending_rows(plans, plan, self.every)
-
-    def with_room(self, layer, plans):
-        rows = self.room(plans, layer.plan)
-        if not rows:
-            return layer
-        dst = jnp.zeros((layer.host.n_heads, rows), jnp.int32)
-        return layer.replace(pending=PendingRecall(fetched=empty_prefetch(layer.host, rows), dst=dst))
-
-    def land(self, state, mesh, *, drain):
-        p = state.pending
-        if p is None:
-            return state
-        paged = write_followers(state.paged, state.host, p.fetched, p.dst, mesh)
-        done = p.fetched.replace(count=jnp.zeros_like(p.fetched.count))
-        return state.replace(paged=paged, pending=p.replace(fetched=done))
-
-    def step(self, state, layers, layer, mesh):
-        if not state.plan.followers:
-            return state
-        state, ids, count, dst = self.moves(state, layers, layer, mesh)
-        check_room(state.pending, ids)
-        return state.replace(pending=PendingRecall(fetched=gather_followers(state.host, ids, count, mesh), dst=dst))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,15 +317,7 @@ class PipelinedRecall(SpreadRecall):
         return tuple(layers), (moving, block, dsts)
 
 
-def check_room(pending: PendingRecall | None, ids) -> None:
-    """Raise when a layer's in-flight buffer does not fit one step's moves ``ids[n, S]``."""
-    if pending is None or pending.dst.shape != ids.shape:
-        room = "none" if pending is None else pending.dst.shape[1]
-        raise ValueError(f"recall schedule: {ids.shape[1]} rows per follower to move, room for {room} "
-                         "(build the layer with the schedule's with_room)")
-
-
-SCHEDULES = {"whole": WholeRecall, "spread": SpreadRecall, "ahead": AheadRecall, "pipelined": PipelinedRecall}
+SCHEDULES = {"whole": WholeRecall, "spread": SpreadRecall, "pipelined": PipelinedRecall}
 RECALL_SCHEDULES = tuple(SCHEDULES)
 
 

@@ -1,7 +1,7 @@
 """SyncKV: representative heads (R-heads) keep the full cache and, every ``m`` steps, choose the tokens their
 cluster's other heads (NR-heads) hold; those come back from pinned host memory.
 
-Calibration (``kvjax calibrate synckv``, :func:`synckv_artifact`): per group of KV heads, the similarity matrix ``S``
+Calibration (``kvjax calibrate synckv``, :mod:`kvjax.calibration.synckv`): per group of KV heads, the similarity matrix ``S``
 (mean overlap coefficient of top-k attended sets over steps and samples, Eq. 2; GQA groups max-pooled as the paper's
 Appendix B.1), distance rows ``D = max(S) - S``, **K-means** (JAX, deterministic seed, k-means++ initialisation, best
 of several restarts) into ``N_r`` clusters; the R-head of a cluster is the head closest to its centroid. Assignments
@@ -58,99 +58,6 @@ PRESETS: dict[str, dict] = {
 MAX_REPRESENTATIVES = 4
 
 
-# ------------------------------------------------------------------------------------ calibration
-def kmeans(x, k: int, *, seed: int = 0, iterations: int = 100, restarts: int = 10):
-    """K-means of the rows of ``x[n, d]`` into ``k`` clusters (JAX, deterministic for a seed).
-
-    k-means++ initialisation, Lloyd iterations, the restart with the lowest inertia wins.
-    Returns ``(assignment int [n], centroids [k, d])`` as numpy arrays.
-    """
-    x = jnp.asarray(x, jnp.float32)
-    n = x.shape[0]
-    if not 1 <= k <= n:
-        raise ValueError(f"k-means needs 1 <= k <= {n} points, got k={k}")
-    keys = jax.random.split(jax.random.PRNGKey(seed), restarts)
-    assign, cents, inertia = _kmeans_restarts(x, keys, k, iterations)
-    best = int(jnp.argmin(inertia))
-    return np.asarray(assign[best]), np.asarray(cents[best])
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _kmeans_restarts(x, keys, k: int, iterations: int):
-    """One k-means++ + Lloyd run per key (vmapped); compiled once per (shape, k, iterations), so calibrating many
-    layer groups of one size compiles once."""
-    n = x.shape[0]
-
-    def one(key):
-        first = jax.random.randint(key, (), 0, n)
-        cents = jnp.zeros((k, x.shape[1]), jnp.float32).at[0].set(x[first])
-        for i in range(1, k):  # k-means++
-            key, sub = jax.random.split(key)
-            d2 = jnp.min(((x[:, None] - cents[None, :i]) ** 2).sum(-1), axis=1)
-            p = jnp.where(d2.sum() > 0, d2 / jnp.maximum(d2.sum(), 1e-12), jnp.ones(n) / n)
-            cents = cents.at[i].set(x[jax.random.choice(sub, n, p=p)])
-
-        def step(c, _):
-            a = jnp.argmin(((x[:, None] - c[None]) ** 2).sum(-1), axis=1)
-            onehot = jax.nn.one_hot(a, k)
-            counts = onehot.sum(0)
-            new = (onehot.T @ x) / jnp.maximum(counts, 1)[:, None]
-            return jnp.where(counts[:, None] > 0, new, c), None
-
-        cents, _ = lax.scan(step, cents, None, length=iterations)
-        assign = jnp.argmin(((x[:, None] - cents[None]) ** 2).sum(-1), axis=1)
-        inertia = ((x - cents[assign]) ** 2).sum()
-        return assign, cents, inertia
-
-    return jax.vmap(one)(keys)
-
-
-def cluster_group(similarity: np.ndarray, n_r: int, seed: int = 0):
-    """(roles "R"/"NR" per unit, representative index per unit) of one group from its similarity ``[U, U]``."""
-    S = np.asarray(similarity, np.float64)
-    D = S.max() - S
-    assign, cents = kmeans(D, n_r, seed=seed)
-    U = len(S)
-    rep = [-1] * U
-    for c in range(n_r):
-        members = np.flatnonzero(assign == c)
-        if len(members) == 0:
-            continue
-        r = int(members[np.argmin(((D[members] - cents[c]) ** 2).sum(-1))])
-        for m in members:
-            rep[int(m)] = r
-    roles = ["R" if rep[u] == u else "NR" for u in range(U)]
-    return roles, rep
-
-
-def synckv_artifact(stats, model_id: str, *, seed: int = 0, default_representatives: int = 2) -> Artifact:
-    """Clusters for ``N_r`` = 1..4 (where the groups allow it) from calibration statistics.
-
-    ``default_representatives`` is the ``N_r`` used when the method does not set one (the paper: 2
-    for Llama, 1 for Qwen)."""
-    L, H = stats.stability.shape
-    groups = stats.groups()
-    options = []
-    for n_r in range(1, MAX_REPRESENTATIVES + 1):
-        if any(n_r > len(u) for u in groups):
-            break
-        roles = [[""] * H for _ in range(L)]
-        leader = [[(-1, -1)] * H for _ in range(L)]
-        for gi, units in enumerate(groups):
-            r, rep = cluster_group(stats.sim_mean[gi], n_r, seed)
-            for u, (l, h) in enumerate(units):
-                roles[l][h] = r[u]
-                if r[u] == "NR":
-                    leader[l][h] = units[rep[u]]
-        options.append((n_r, tuple(tuple(r) for r in roles),
-                        tuple(tuple(tuple(int(x) for x in p) for p in row) for row in leader)))
-    meta = (("clusters", tuple(options)), ("group_layers", stats.group_layers), ("topk", stats.topk),
-            ("samples", stats.samples), ("decode_steps", stats.decode_steps), ("tokens", stats.tokens), ("seed", seed),
-            ("default_representatives", default_representatives))
-    arrays = {"similarity": np.asarray(stats.similarity, np.float32), "stability": np.asarray(stats.stability, np.float32)}
-    return Artifact(arrays=arrays, kind=KIND, model_id=model_id, meta=meta)
-
-
 # -------------------------------------------------------------------------------------- the method
 @struct.dataclass
 class RepresentativeTracker:
@@ -164,42 +71,31 @@ class RepresentativeTracker:
 
 @dataclasses.dataclass(frozen=True)
 class SyncKV(LeaderFollowerMethod):
-    """SyncKV (see the module docstring).
+    """SyncKV (see the module docstring); the shared hyper-parameters are :class:`LeaderFollowerMethod`'s.
 
     Args:
-      budget: fraction of the prompt's KV kept on the device over all heads (Mem%), or tokens per head.
-      stride: ``m``, decode steps between anticipation steps (paper: 5).
+      budget: Mem%, or tokens per head.
+      kernel: average pooling of the R-heads' scores over this many tokens (1: none, as the paper's equations).
+      rehearsals: passes of a question before the one that counts, each re-anchoring from the R-heads'
+        question queries of the pass before.
+      stride: ``m``, decode steps between anticipation steps (paper: 5), the recall schedule's decision interval.
       num_representatives: ``N_r`` R-heads per group (None: the artifact's default, the paper's choice for
         the model family: 2 for Llama, 1 for Qwen).
       static_ratio: ``rho``, the static share of the NR-heads' ``k`` tokens (paper: 0.5).
       anticipation: refresh the dynamic sets (False: the paper's "w/o anticipation").
       reanchor: a question after compression re-anchors the static and dynamic sets before it attends (a
         deviation; needs ``anticipation``).
-      kernel: average pooling of the R-heads' scores over this many tokens (1: none, as the paper's equations).
-      group_layers: which shipped artifact to load when none is given (None: the model's default).
-      rehearsals: passes of a question before the one that counts, each re-anchoring from the R-heads'
-        question queries of the pass before.
       question_window: re-anchoring scores a question's prompt tokens by the attention of its last
         ``question_window`` queries, summed (1: its last query, as Eq. 3 at prefill).
-      recall_schedule: ``"whole"`` (the paper's), ``"spread"``, ``"ahead"`` or ``"pipelined"``
-        (:mod:`kvjax.methods.recall.schedules`; ``stride`` is their decision interval).
-      page_size, block, implementation: paged layout, prefill block, decode attention implementation.
     """
 
-    budget: int | float = 0.25
+    kernel: int = 1  # the paper's equations pool nothing
     stride: int = 5
     num_representatives: int | None = None
     static_ratio: float = 0.5
     anticipation: bool = True
     reanchor: bool = True
-    kernel: int = 1
-    group_layers: int | None = None
-    rehearsals: int = 1
     question_window: int = 1
-    recall_schedule: str = "whole"
-    page_size: int = 16
-    block: int = 256
-    implementation: str = "auto"
     name = "synckv"
 
     def __post_init__(self):

@@ -1,4 +1,6 @@
-"""Offline head calibration shared by HeteroCache and SyncKV: which tokens each KV head attends to.
+"""Offline head calibration shared by HeteroCache and SyncKV: which tokens each KV head attends to. Each method's
+own step from these statistics to its artifact is a module here (:mod:`kvjax.calibration.heterocache`,
+:mod:`kvjax.calibration.synckv`), registered in :mod:`kvjax.calibration.registry`.
 
 The model runs on local calibration text (docstrings of the Python standard library's modules:
 *not* the evaluation haystacks, which come from ``pydoc_data.topics`` and filler sentences), one
@@ -23,9 +25,11 @@ another layer).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import inspect
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +37,11 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from kvjax.artifacts import no_artifact
+from kvjax.artifacts import Artifact, no_artifact
 from kvjax.attention import MASK_VALUE, causal_cache_attention
 from kvjax.cache import Cache, CacheSpec
 from kvjax.methods.base import LayerLocal
+from kvjax.methods.recall.base import auto_group_layers
 from kvjax.selection import gqa_aggregate, pool1d
 from kvjax.sharding import not_shardable
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, write_slots
@@ -281,15 +286,6 @@ def head_statistics(records, *, topk: int, group_layers: int, tokens: int = 0) -
     )
 
 
-def auto_group_layers(num_kv_heads: int, target_units: int = 16) -> int:
-    """Adjacent layers per group so a group has at least ``target_units`` KV heads.
-
-    16 units: with one representative per group (SyncKV's N_r = 1, HeteroCache's usual single pivot)
-    the full heads are about 1/16 of all heads, so a 10% budget is feasible; groups of 8 (the
-    papers' heads per layer) would put the floor at 1/8."""
-    return max(1, -(-target_units // num_kv_heads))
-
-
 def few_heads_warning(num_kv_heads: int, group_layers: int, representatives: int) -> str | None:
     """A sentence when per-group clustering cannot save anything (every head would be a representative)."""
     units = num_kv_heads * group_layers
@@ -300,6 +296,30 @@ def few_heads_warning(num_kv_heads: int, group_layers: int, representatives: int
     return None
 
 
-__all__ = ["CALIBRATION_MODULES", "calibration_corpus", "calibration_rows", "AttentionRecorder", "attended_set",
+@dataclasses.dataclass(frozen=True)
+class HeadRoleCalibrator:
+    """How one method turns the recorded statistics into its artifact (``kvjax calibrate <kind>``; registered in
+    :data:`kvjax.calibration.registry.CALIBRATORS`).
+
+    Attributes:
+      kind: the method's name, the artifact's kind.
+      gqa: how a group's query heads are pooled when recording attended sets (``"mean"`` or ``"max"``).
+      add_options: adds the method's own command-line options to ``kvjax calibrate``'s parser.
+      build: ``(statistics, model_id, parsed args, model config) -> Artifact``.
+      feasibility: ``(artifact, model config) -> lines``: head counts and the smallest budget the artifact allows.
+      warnings: ``(model config, group_layers) -> lines``: where the clustering cannot save much.
+      layer_roles: ``artifact -> (role names, each layer's role per KV head)``, for the report's plot.
+    """
+
+    kind: str
+    gqa: str
+    add_options: Callable[[argparse.ArgumentParser], None]
+    build: Callable[..., Artifact]
+    feasibility: Callable[..., list]
+    warnings: Callable[..., list]
+    layer_roles: Callable[[Artifact], tuple]
+
+
+__all__ = ["HeadRoleCalibrator", "CALIBRATION_MODULES", "calibration_corpus", "calibration_rows", "AttentionRecorder", "attended_set",
            "record_sets", "membership", "HeadStatistics", "unit_groups", "head_statistics",
            "auto_group_layers", "few_heads_warning"]
