@@ -177,7 +177,7 @@ def _prepare_out_dir(cfg: EvalConfig) -> None:
 
 def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     """Run every missing (sample, method, budget) record; returns how many records were written."""
-    from kvjax.cache import CacheSpec, bytes_by_memory_kind
+    from kvjax.cache import CacheSpec
     from kvjax.decoding import compress, decode_loop, prefill, prefill_prompt
     from kvjax.methods.base import round_up
     from kvjax.methods.kvzip import allocate, reconstruct
@@ -264,7 +264,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 stats = cache.stats()
                 # the artifact (codebooks, trained heads) is held once whatever the batch: counted whole in each record's
                 # device_bytes and given apart; reports count it as weights, not as cache (evals.report)
-                artifact_bytes = bytes_by_memory_kind(cache.artifact)[0]
+                artifact_bytes = stats["artifact_device_bytes"]
                 if agnostic:  # the question comes after compression, appended uncompressed
                     logits, cache = prefill(model.graphdef, model.params, place_rows(jnp.asarray(question), model.mesh), cache)
                     method_first = jnp.argmax(logits, axis=-1).astype(jnp.int32)

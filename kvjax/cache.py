@@ -196,13 +196,15 @@ class Cache:
         return bytes_by_memory_kind(self)[1]
 
     def stats(self) -> dict:
-        """Device and host bytes actually held (artifact included), the most any one device holds (a mesh
-        splits the cache), slots used, the method's own facts."""
+        """Device and host bytes actually held (artifact included; ``artifact_device_bytes``: its part, weights held
+        once per model whatever the batch), the most any one device holds (a mesh splits the cache), slots used, the
+        method's own facts."""
         device, host = bytes_by_memory_kind(self)
         return {
             "method": self.method.name,
             "stage": self.stage,
             "device_bytes": device,
+            "artifact_device_bytes": bytes_by_memory_kind(self.artifact)[0],
             "device_bytes_per_device": device_bytes_per_device(self),
             "host_bytes": host,
             "length": int(self.length),

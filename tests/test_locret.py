@@ -264,6 +264,10 @@ def test_memory_is_bounded_by_budget_plus_chunk(tiny):
     assert caches[0].device_bytes() == caches[1].device_bytes()
     full = [new_cache(FullCache(block=16), model.config, 1, L, 4, model.dtype).device_bytes() for L in (64, 400)]
     assert full[1] > full[0]
+    # the heads are weights: the statistics give their bytes apart from the cache's
+    heads = sum(x.nbytes for x in jax.tree_util.tree_leaves(art) if hasattr(x, "nbytes"))
+    assert heads > 0 and caches[0].stats()["artifact_device_bytes"] == heads
+    assert new_cache(FullCache(block=16), model.config, 1, 64, 4, model.dtype).stats()["artifact_device_bytes"] == 0
 
 
 def test_decode_loop_compiles_once_and_fractional_budgets(tiny):
