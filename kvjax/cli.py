@@ -173,12 +173,12 @@ def demo_png(rows, path, title: str) -> None:
 
     cells = demo_cells(rows)
     head, body = cells[0], cells[2:]
-    fig = Figure(figsize=(12, 0.32 * (len(body) + 3)))
+    fig = Figure(figsize=(11, 0.22 * (len(body) + 2)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     ax.axis("off")
     ax.set_title(title, fontsize=9, loc="left")
-    table = ax.table(cellText=body, colLabels=head, loc="center", cellLoc="left")
+    table = ax.table(cellText=body, colLabels=head, loc="upper center", cellLoc="left", bbox=(0, 0, 1, 1))
     table.auto_set_font_size(False)
     table.set_fontsize(8)
     table.auto_set_column_width(list(range(len(head))))
