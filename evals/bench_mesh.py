@@ -91,7 +91,7 @@ def calibrate_on_model(kind: str, model, *, groups: int = 32, centroids: int = 2
     records = record_sets(model, rows, decode_steps=8, topk=topk, gqa=gqa)
     stats = head_statistics(records, topk=topk, group_layers=auto_group_layers(c.num_kv_heads), tokens=CALIBRATION_TOKENS)
     if kind == "heterocache":
-        from kvjax.methods.recall.heterocache import heterocache_artifact
+        from kvjax.calibration.heterocache import heterocache_artifact
 
         # A random model's heads sit near chance (stability about 0.1, overlaps about 0.2), so the
         # paper's thresholds (0.5) make every head volatile. Thresholds at quantiles of the model's own
@@ -101,7 +101,7 @@ def calibrate_on_model(kind: str, model, *, groups: int = 32, centroids: int = 2
         return heterocache_artifact(stats, mid, tau_sim=float(np.quantile(pairs, 0.9)),
                                     tau_stable=float(np.quantile(stats.stability, 0.1)))
     if kind == "synckv":
-        from kvjax.methods.recall.synckv import synckv_artifact
+        from kvjax.calibration.synckv import synckv_artifact
 
         return synckv_artifact(stats, mid)
     raise ValueError(f"no calibration for {kind!r}; calibrated kinds: heterocache, synckv, hcattention")

@@ -18,7 +18,7 @@ step reads without them:
 * :func:`replicated_cache`: the same for many rows with one row staged: the row tiled to the batch (page tables offset
   per row), equal leaf for leaf to :func:`filled_cache` of a batch whose rows are identical.
 
-Decode from such a cache takes the time decode from a real prefill's cache takes (``python -m kvjax.evals.bench_scale
+Decode from such a cache takes the time decode from a real prefill's cache takes (``python -m research.bench_scale
 --compare-prefill``: 0.94-1.19 on this CPU, smollm2-135m shapes at 2K tokens). What random data cannot reproduce:
 which tokens a method keeps (selection from random scores is arbitrary, which does not change the bytes a step reads),
 and the per-step behaviour that depends on attention patterns: HeteroCache's drift trigger rate (the decode benchmark
@@ -96,8 +96,8 @@ def synthetic_artifact(method, spec: CacheSpec, seed: int = 0):
     model would have, so the cache it makes holds and moves the bytes a calibrated one would."""
     from kvjax.calibration import auto_group_layers
     from kvjax.methods import HCAttention, HeteroCache, Locret, SyncKV
-    from kvjax.methods.recall.heterocache import heterocache_artifact
-    from kvjax.methods.recall.synckv import synckv_artifact
+    from kvjax.calibration.heterocache import heterocache_artifact
+    from kvjax.calibration.synckv import synckv_artifact
     from kvjax.pq_codebooks import hcattention_artifact
     from kvjax.retaining_heads import random_heads_artifact
 

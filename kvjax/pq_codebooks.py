@@ -61,7 +61,7 @@ KIND = "hcattention"
 HIGHEST = lax.Precision.HIGHEST
 SCORE_CHUNK = 256  # most K-means batch points scored per chunk
 # the distance block of encoding and of the K-means assignments: on a CPU one that stays in its caches (8 MiB
-# encodes 1.6-2.5x faster than 512 MiB: kvjax.evals.bench_pq_encode; the c = 8192 fit's steps 1.6x faster than its
+# encodes 1.6-2.5x faster than 512 MiB: research.bench_pq_encode; the c = 8192 fit's steps 1.6x faster than its
 # earlier 256-point chunks, 256 MiB); elsewhere few large blocks (each block is one step of a sequential loop)
 DISTANCE_BLOCK_BYTES_CPU = 8 * 2**20
 DISTANCE_BLOCK_BYTES = 512 * 2**20
@@ -118,7 +118,7 @@ def _first_argmin(s):
 def _dots(x, cents):
     """``x . C`` over the last axis (``d``, a few dims) of ``x[..., 1, d]`` and ``cents[..., c, d]``, f32: the ``d``
     products summed in order, as elementwise work XLA fuses with what follows (a dot of 2-4 terms per output, as
-    ``einsum``, runs 2-8x slower on a CPU: :mod:`kvjax.evals.bench_pq_encode`)."""
+    ``einsum``, runs 2-8x slower on a CPU: :mod:`research.bench_pq_encode`)."""
     out = x[..., 0] * cents[..., 0]
     for i in range(1, x.shape[-1]):
         out = out + x[..., i] * cents[..., i]
@@ -247,7 +247,7 @@ def encode_keys(k, codebooks, *, chunk: int = 1024, block_bytes: int | None = No
     where the distance block, ``4 * B * H_kv * chunk * g * c`` bytes, would exceed ``block_bytes``
     (default: :func:`distance_block_bytes`). ``products``: ``k.C`` as the ``d`` products summed elementwise
     (``"sum"``, :func:`_dots`) or as a dot (``"dot"``: ``einsum``, HIGHEST precision, as the K-means
-    fit; :mod:`kvjax.evals.bench_pq_encode` compares them). uint8 codes for ``c <= 256``, else uint16. Jittable.
+    fit; :mod:`research.bench_pq_encode` compares them). uint8 codes for ``c <= 256``, else uint16. Jittable.
     """
     if products not in PRODUCT_FORMS:
         raise ValueError(f"products must be one of {', '.join(PRODUCT_FORMS)}, got {products!r}")

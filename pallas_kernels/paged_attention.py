@@ -59,7 +59,7 @@ Three kernel forms:
 * ``backend="mosaic_gpu"`` (Mosaic GPU, H100 / H200): the same split-K algorithm with TMA page copies into
   double-buffered shared memory (:mod:`kvjax.pallas_kernels.paged_attention_mgpu`). jax deprecates its Triton backend;
   on a GPU the Triton form stays the default (``backend=None``) until the two are timed against each other
-  (``kvjax.evals.bench_kernels``).
+  (``research.bench_kernels``).
 
 Numerics: every kernel matmul has ``precision=HIGHEST``, so f32 operands multiply in full f32
 (Triton ``inputPrecision = ieee`` rather than its TF32 default; Mosaic

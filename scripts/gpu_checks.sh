@@ -44,9 +44,9 @@ print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version
 print(jax.devices())"; } 2>&1 | tee "$out/env.txt"
     ;;
 scale)
-    timeout 210 "$py" -m kvjax.evals.bench_kernels --model llama-3.1-8b --tokens 8192 32768 131072 --batch 1 8 32 --dtypes bfloat16 float32 \
+    timeout 210 "$py" -m research.bench_kernels --model llama-3.1-8b --tokens 8192 32768 131072 --batch 1 8 32 --dtypes bfloat16 float32 \
         --pq-tokens 8192 131072 1048576 --warmup 2 --repeats 10 --out "$out/kernels_scale.md" || true
-    "$py" -m kvjax.evals.bench_scale --model llama-3.1-8b --lengths 131008,32768 --budgets 0.1,0.25 --batches 1,max \
+    "$py" -m research.bench_scale --model llama-3.1-8b --lengths 131008,32768 --budgets 0.1,0.25 --batches 1,max \
         --plan "${PLAN:-docs/results/plan/llama-3.1-8b_h100_128k_jax0.10.2.json,docs/results/plan/llama-3.1-8b_h100_32k_jax0.10.2.json}" --steps 16 --repeats 2 \
         --time-budget-s "${SCALE_SECONDS:-270}" --out "$out/scale_llama-3.1-8b.md"
     ;;
@@ -72,13 +72,13 @@ recall-micro)
     ;;
 profile)
     # NEW_TOKENS - 1 decode steps per trace; only the Perfetto / Chrome traces come back (a returned file must stay
-    # under 16 MiB): open them in ui.perfetto.dev; profile_summary.md is `python -m kvjax.evals.trace_summary` of them
+    # under 16 MiB): open them in ui.perfetto.dev; profile_summary.md is `python -m research.trace_summary` of them
     rm -rf /tmp/kvjax-profile
     "$py" -m kvjax.cli bench --model "$model" --random-weights --budget 0.25 --lengths "${LENGTHS:-30720}" \
         --methods full,synckv:recall_schedule=spread,synckv:recall_schedule=pipelined --chunk-size 2048 --new-tokens "${NEW_TOKENS:-8}" \
         --repeats 1 --dtype "${DTYPE:-bfloat16}" --no-plot --profile /tmp/kvjax-profile --out "$out/bench_profile_gpu.md"
     (cd /tmp/kvjax-profile && find . -name '*.trace.json.gz' | tar czf "$out/profile_traces.tgz" -T -)
-    "$py" -m kvjax.evals.trace_summary /tmp/kvjax-profile --out "$out/profile_summary.md" > /dev/null
+    "$py" -m research.trace_summary /tmp/kvjax-profile --out "$out/profile_summary.md" > /dev/null
     ls -l "$out"
     ;;
 locret-memory)

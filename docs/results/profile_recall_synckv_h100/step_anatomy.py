@@ -26,7 +26,7 @@ import pathlib
 import tarfile
 import tempfile
 
-from kvjax.evals.trace_summary import find_traces, load_events, overlap_length, union_length
+from research.trace_summary import find_traces, load_events, overlap_length, union_length
 
 
 def anatomy(events: list[dict]) -> dict:

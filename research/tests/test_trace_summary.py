@@ -1,4 +1,4 @@
-"""``kvjax.evals.trace_summary`` on a hand-built trace: busy time, top operations and overlaps computed by hand."""
+"""``research.trace_summary`` on a hand-built trace: busy time, top operations and overlaps computed by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvjax.evals.trace_summary import find_traces, main, overlap_length, summarise, union_length
+from research.trace_summary import find_traces, main, overlap_length, summarise, union_length
 
 
 def _trace():
@@ -62,7 +62,7 @@ def test_step_anatomy_counts_gpu_work_during_the_host_calls():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "docs/results/profile_recall_synckv_h100/step_anatomy.py"
+    path = pathlib.Path(__file__).parents[2] / "docs/results/profile_recall_synckv_h100/step_anatomy.py"
     spec = importlib.util.spec_from_file_location("step_anatomy", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

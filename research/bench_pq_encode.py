@@ -14,8 +14,8 @@ the dot form at the largest block (the two forms round ``k.C`` differently in th
 
 Usage::
 
-    python -m kvjax.evals.bench_pq_encode                                  # g = 32, c = 256, 4 rows of 4096 tokens
-    python -m kvjax.evals.bench_pq_encode --groups 16 --centroids 8192 --tokens 512
+    python -m research.bench_pq_encode                                  # g = 32, c = 256, 4 rows of 4096 tokens
+    python -m research.bench_pq_encode --groups 16 --centroids 8192 --tokens 512
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def best_seconds(fn, repeats: int) -> tuple[float, np.ndarray]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvjax.evals.bench_pq_encode", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m research.bench_pq_encode", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=4, help="batch rows")
     p.add_argument("--kv-heads", type=int, default=2, help="KV heads (the default model's 2)")
     p.add_argument("--head-dim", type=int, default=64, help="head dim D (the default model's 64)")
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                          "codes_differing": int((codes != reference).sum()), "codes": int(codes.size)})
             print(f"{form} {mib} MiB: {sec:.3f} s, {rows[-1]['codes_differing']} codes differ", file=sys.stderr)
     base = rows[0]["seconds"]
-    command = "python -m kvjax.evals.bench_pq_encode " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m research.bench_pq_encode " + " ".join(argv if argv is not None else sys.argv[1:])
     md = [f"# PQ key encoding: dot against elementwise sum ({jax.default_backend()})", "",
           f"- command: `{command.strip()}`",
           f"- jax {jax.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s), "

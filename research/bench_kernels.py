@@ -13,9 +13,9 @@ same run (``x + 1`` over a large array: read + write).
 
 Usage::
 
-    python -m kvjax.evals.bench_kernels                      # on a TPU/GPU: full run, 4K..128K tokens
-    python -m kvjax.evals.bench_kernels --smoke              # tiny sizes, Pallas in interpret mode
-    python -m kvjax.evals.bench_kernels --tokens 4096 65536 --out docs/results/kernels_gpu.md
+    python -m research.bench_kernels                      # on a TPU/GPU: full run, 4K..128K tokens
+    python -m research.bench_kernels --smoke              # tiny sizes, Pallas in interpret mode
+    python -m research.bench_kernels --tokens 4096 65536 --out docs/results/kernels_gpu.md
 
 On CPU without ``--smoke`` there is no compiled Pallas: only the XLA rows are timed (with a
 message saying so).  Results: a Markdown table at ``--out`` and JSON next to it (``.json``).
@@ -257,7 +257,7 @@ def _markdown(result) -> str:
 
 def main(argv=None):
     """Run the kernel benchmark; returns the result dict (also written to --out and .json)."""
-    ap = argparse.ArgumentParser(prog="python -m kvjax.evals.bench_kernels", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m research.bench_kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None,
                     help="Markdown output path (default docs/results/kernels_<backend>.md)")
@@ -334,7 +334,7 @@ def main(argv=None):
     paged = bench_paged(args, paged_forms, impl, dev_bw, log)
     pq = bench_pq(args, forms, impl, dev_bw, log)
     result = dict(
-        command="python -m kvjax.evals.bench_kernels " + " ".join(argv if argv is not None
+        command="python -m research.bench_kernels " + " ".join(argv if argv is not None
                                                             else sys.argv[1:]),
         backend=backend, device=jax.devices()[0].device_kind, jax_version=jax.__version__,
         python=platform.python_version(), copy_bandwidth_GBps=dev_bw / 1e9,

@@ -1,4 +1,4 @@
-"""`python -m kvjax.evals.bench_pq_encode`: both forms of ``encode_keys`` against a numpy nearest-centroid search, and the
+"""`python -m research.bench_pq_encode`: both forms of ``encode_keys`` against a numpy nearest-centroid search, and the
 report."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax.evals import bench_pq_encode
+from research import bench_pq_encode
 from kvjax.pq_codebooks import encode_keys
 
 

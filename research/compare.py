@@ -1,4 +1,4 @@
-"""Compare two evaluation runs record by record: ``python -m kvjax.evals.compare OLD_DIR NEW_DIR [--same-method NEW OLD] [--out FILE]``.
+"""Compare two evaluation runs record by record: ``python -m research.compare OLD_DIR NEW_DIR [--same-method NEW OLD] [--out FILE]``.
 
 Matches ``samples.jsonl`` records by (task, length, sample index, method, budget) and writes a
 Markdown report: per (method, budget) the mean accuracy of both runs over the records they share and how many
@@ -87,7 +87,7 @@ def compare_runs(old_dir: str, new_dir: str, same_method: Sequence[tuple[str, st
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: print (or write with ``--out``) the comparison."""
-    p = argparse.ArgumentParser(prog="python -m kvjax.evals.compare", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m research.compare", description=__doc__.splitlines()[0])
     p.add_argument("old")
     p.add_argument("new")
     p.add_argument("--same-method", nargs=2, action="append", default=[], metavar=("NEW", "OLD"),

@@ -1,6 +1,6 @@
 """Several evaluation runs of the same prompts in one table, ordered by device bytes.
 
-``python -m kvjax.evals.side_by_side RUN_DIR [RUN_DIR ...] [--out FILE.md] [--title TEXT] [--plot FILE.png]``
+``python -m research.side_by_side RUN_DIR [RUN_DIR ...] [--out FILE.md] [--title TEXT] [--plot FILE.png]``
 
 Each run directory holds the ``config.json`` and ``samples.jsonl`` of ``kvjax eval``. The runs must
 share model, dtype, seed, tasks, lengths and samples (checked), so their prompts are the same. Only
@@ -97,7 +97,7 @@ def plot(runs, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     """Print (or write) the side-by-side table of the given runs."""
-    p = argparse.ArgumentParser(prog="python -m kvjax.evals.side_by_side", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m research.side_by_side", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="run directories (docs/results/<run>)")
     p.add_argument("--out", default=None, help="write the Markdown here (default: print)")
     p.add_argument("--title", default="Evaluation runs side by side")
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         plot(runs, args.plot, args.title)
     fulls = {json.dumps(r["accuracy"], sort_keys=True) for run in runs for r in run["rows"] if r["method"] == "full"}
     cfg = runs[0]["config"]
-    lines = [f"# {args.title}", "", "Made with `python -m kvjax.evals.side_by_side " + " ".join(args.runs) + "`.", "",
+    lines = [f"# {args.title}", "", "Made with `python -m research.side_by_side " + " ".join(args.runs) + "`.", "",
              f"Model `{cfg['model']}` ({cfg['dtype']}), seed {cfg['seed']}; the {runs[0]['common']} (task, length, sample) "
              f"prompts present in every run (of {cfg['samples']} per task and length configured), "
              f"protocol(s): {', '.join(sorted({run['config'].get('protocol', 'query-aware') for run in runs}))}. Device / host MiB per prompt "

@@ -2,7 +2,7 @@
 (method spec, budget) — the paper's Table 3 / Fig. 3 (``tau``) and Table 4 (codebook size and group count at
 ``tau = 1``).
 
-``python -m kvjax.evals.hcattention_ablation RUN_DIR [RUN_DIR ...] --out FILE.md [--plot FILE.png]``
+``python -m research.hcattention_ablation RUN_DIR [RUN_DIR ...] --out FILE.md [--plot FILE.png]``
 
 Every HCAttention configuration of every run becomes a row: its ``tau`` (from the method spec, e.g.
 ``hcattention:tau=0.5``; the method's default otherwise), its key representation (recorded by the run), the
@@ -104,7 +104,7 @@ def plot(all_rows, path: Path) -> None:
 
 def main(argv=None) -> int:
     """Write the ablation table (and plot) for the given run directories."""
-    p = argparse.ArgumentParser(prog="python -m kvjax.evals.hcattention_ablation", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m research.hcattention_ablation", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="kvjax eval run directories")
     p.add_argument("--out", required=True, help="markdown file to write")
     p.add_argument("--plot", help="PNG of the per-layer selection ratios")
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     tasks = []
     for d in args.runs:
         tasks += [t for t in _records(Path(d))[0]["tasks"] if t not in tasks]
-    cmd = "python -m kvjax.evals.hcattention_ablation " + " ".join(args.runs) + f" --out {args.out}" + (
+    cmd = "python -m research.hcattention_ablation " + " ".join(args.runs) + f" --out {args.out}" + (
         f" --plot {args.plot}" if args.plot else "")
     lines = [f"# {args.title}", "", f"Made with `{cmd}` from the runs' `samples.jsonl` (each run's `config.json` "
              "and `README.md` give its command).", "",

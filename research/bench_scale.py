@@ -1,7 +1,7 @@
 """Decode at the papers' scale: every method's decode loop from caches built directly at the length, batch 1 and the
 largest batch that fits, against the full cache and against the plan compiled on the CPU.
 
-``python -m kvjax.evals.bench_scale [--model llama-3.1-8b] [--methods ...] [--budgets 0.1,0.25] [--lengths 131008]
+``python -m research.bench_scale [--model llama-3.1-8b] [--methods ...] [--budgets 0.1,0.25] [--lengths 131008]
 [--batches 1,max] [--plan docs/results/plan/...json] [--out FILE.md]``
 
 The model is shape-only (random bf16 weights made on the device, :func:`kvjax.models.llama.random_params`). Each cache is
@@ -89,7 +89,7 @@ def measure(args, save=lambda partial: None) -> dict:
     report so far after each cell (an interrupted run keeps what it measured)."""
     import jax
 
-    from kvjax.evals.bench_kernels import copy_bandwidth
+    from research.bench_kernels import copy_bandwidth
     from kvjax.evals.bench_methods import parse_methods
     from kvjax.evals.plan import TARGETS
     from kvjax.evals.synthetic import replicated_cache, synthetic_artifact
@@ -234,7 +234,7 @@ def render(report: dict) -> str:
 def main(argv=None) -> int:
     """Run the benchmark (or ``--compare-prefill``) and write Markdown + JSON."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m kvjax.evals.bench_scale", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m research.bench_scale", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--methods", default=DEFAULT_METHODS)
     p.add_argument("--budgets", default="0.1,0.25")
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         p.error("--steps and --repeats must be >= 1")
     import jax
 
-    report = {"command": "python -m kvjax.evals.bench_scale " + shlex.join(argv), "args": vars(args), "jax": jax.__version__,
+    report = {"command": "python -m research.bench_scale " + shlex.join(argv), "args": vars(args), "jax": jax.__version__,
               "date": _now(), "compare_prefill": args.compare_prefill}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 

@@ -1,11 +1,11 @@
-"""The decode-at-scale benchmark (:mod:`kvjax.evals.bench_scale`) end to end on a tiny model: the plan's largest batch is
+"""The decode-at-scale benchmark (:mod:`research.bench_scale`) end to end on a tiny model: the plan's largest batch is
 the one timed, every ratio is the row's own numbers, and the prefill comparison runs both caches."""
 
 import json
 
 import pytest
 
-from kvjax.evals.bench_scale import main, plan_rows
+from research.bench_scale import main, plan_rows
 from tests.tiny import save_tiny
 
 

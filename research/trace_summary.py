@@ -12,8 +12,8 @@ Python-level events (names starting with ``$``, recorded by the Python tracer) a
 
 Usage::
 
-    python -m kvjax.evals.trace_summary /tmp/kvjax-profile            # every trace under the folder
-    python -m kvjax.evals.trace_summary a.trace.json.gz --top 5 --out summary.md
+    python -m research.trace_summary /tmp/kvjax-profile            # every trace under the folder
+    python -m research.trace_summary a.trace.json.gz --top 5 --out summary.md
 """
 
 from __future__ import annotations
