@@ -35,6 +35,8 @@ import shlex
 import sys
 import time
 
+from kvjax.evals.hlo import branch_computations, loop_bodies, parse_module, shape_bytes
+
 DEFAULT_METHODS = ("full,synckv:recall_schedule=whole,synckv:recall_schedule=spread,"
                    "synckv:recall_schedule=pipelined,heterocache:recall_schedule=whole,heterocache:recall_schedule=spread,"
                    "heterocache:recall_schedule=pipelined")
@@ -75,67 +77,25 @@ TARGETS = {
 # HLO operations that launch nothing on the device (bookkeeping, or the async pair's own halves)
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "custom-call-start", "custom-call-done",
          "after-all", "opt-barrier", "partition-id", "replica-id", "iota"}
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \(")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9-]*)\(")
-_HOST_START = re.compile(r'custom_call_target="HostExecute"')
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "f64": 8}
-_ARRAY = re.compile(r"\b(f32|bf16|f16|s32|u32|s8|u8|pred|s64|f64)\[([0-9,]*)\]")
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of every array in an HLO shape string (a tuple counts all its elements)."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _BYTES[dtype]
-    return total
-
-
 def host_call_windows(hlo: str) -> list[dict]:
     """Every ``HostExecute`` start/done pair of a scheduled HLO module, in program order: its computation, whether
     that computation is a loop body (``loop_body``) or a conditional's branch (``in_branch``), the device operations
     of the computation before the start, between start and done, after the done and in all, and the bytes the call
     returns."""
-    bodies, branches = set(), set()
-    for m in re.finditer(r"\bbody=%(\S+?)[,}\s]", hlo):
-        bodies.add(m.group(1))
-    for m in re.finditer(r"branch_computations=\{([^}]*)\}", hlo):
-        branches.update(name.strip().lstrip("%") for name in m.group(1).split(","))
-    for m in re.finditer(r"(?:true|false)_computation=%(\S+?)[,}\s]", hlo):
-        branches.add(m.group(1))
-    found, computation, ops = [], None, []
-
-    def close():
+    bodies, branches = loop_bodies(hlo), branch_computations(hlo)
+    found = []
+    for computation, ops in parse_module(hlo).items():
         starts = {}
-        for i, (name, shape, opcode, line) in enumerate(ops):
-            if opcode == "custom-call-start" and _HOST_START.search(line):
-                starts[name] = i
-            elif opcode == "custom-call-done":
-                operand = re.search(r"custom-call-done\(%(\S+?)\)", line)
-                if operand and operand.group(1) in starts:
-                    s = starts.pop(operand.group(1))
-                    device = [opc not in _FREE for _, _, opc, _ in ops]
-                    found.append({"computation": computation, "loop_body": computation in bodies,
-                                  "in_branch": computation in branches, "before": sum(device[:s]),
-                                  "between": sum(device[s + 1:i]), "after": sum(device[i + 1:]), "total": sum(device),
-                                  "bytes": shape_bytes(shape)})
-
-    for line in hlo.splitlines():
-        head = _COMPUTATION.match(line)
-        if head:
-            computation, ops = head.group(1), []
-            continue
-        if computation is None:
-            continue
-        if line.startswith("}"):
-            close()
-            computation = None
-            continue
-        inst = _INSTRUCTION.match(line)
-        if inst:
-            ops.append((inst.group(1), inst.group(2), inst.group(3), line))
+        device = [i.op not in _FREE for i in ops]
+        for k, i in enumerate(ops):
+            if i.op == "custom-call-start" and 'custom_call_target="HostExecute"' in i.tail:
+                starts[i.name] = k
+            elif i.op == "custom-call-done" and i.operands and i.operands[0] in starts:
+                s = starts.pop(i.operands[0])
+                found.append({"computation": computation, "loop_body": computation in bodies,
+                              "in_branch": computation in branches, "before": sum(device[:s]),
+                              "between": sum(device[s + 1:k]), "after": sum(device[k + 1:]), "total": sum(device),
+                              "bytes": shape_bytes(i.shape)})
     return found
 
 
@@ -143,16 +103,8 @@ def loop_conditionals(hlo: str) -> int:
     """``conditional`` operations in the loop bodies of a scheduled HLO module (a decode step's; those nested in a
     branch are not counted). On a GPU each one copies its predicate to the host and waits for it: a host
     synchronisation per step."""
-    bodies = set(re.findall(r"\bbody=%(\S+?)[,}\s]", hlo))
-    computation, count = None, 0
-    for line in hlo.splitlines():
-        head = _COMPUTATION.match(line)
-        if head:
-            computation = head.group(1)
-            continue
-        inst = _INSTRUCTION.match(line)
-        count += bool(computation in bodies and inst and inst.group(3) == "conditional")
-    return count
+    bodies = loop_bodies(hlo)
+    return sum(i.op == "conditional" for name, ops in parse_module(hlo).items() if name in bodies for i in ops)
 
 
 def compile_only_cuda() -> None:
@@ -250,8 +202,7 @@ def _decode_inputs(model, method, length: int, room: int, artifact):
     import jax
     import jax.numpy as jnp
 
-    from kvjax.evals.plan import cpu_mesh
-    from kvjax.evals.synthetic import abstract_compressed_cache
+    from kvjax.evals.synthetic import abstract_compressed_cache, cpu_mesh
     from kvjax.cache import CacheSpec
 
     spec = CacheSpec.for_model(model.config, 1, length, room, model.dtype)

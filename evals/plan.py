@@ -42,6 +42,8 @@ import shlex
 import sys
 import time
 
+from kvjax.evals.hlo import ARRAY, DTYPE_BYTES, Instruction, memory_bytes, parse_module
+
 DEFAULT_METHODS = ("full,snapkv,streaming_llm,h2o,pyramidkv,hbw,quest,chunked_eviction,locret,hcattention,heterocache,"
                    "synckv,synckv:num_representatives=1")
 DEFAULT_OUT = "docs/results/plan_{model}_jax{jax}.md"
@@ -125,67 +127,10 @@ def lowering_for(target: Target):
 
 
 # ----------------------------------------------------------------------------------------------- bytes from HLO
-_COMP = re.compile(r"^(?:ENTRY )?%(\S+) \(")
-_INST = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9-]*)\((.*)$")
-_ARR = re.compile(r"\b(f32|bf16|f16|s32|u32|s8|u8|u16|s16|pred|s64|u64|f64)\[([0-9,]*)\](\{[^}]*\})?")
-_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "u16": 2, "s16": 2, "pred": 1, "s64": 8,
-         "u64": 8, "f64": 8}
 _NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
               "partition-id", "replica-id", "custom-call-done", "while", "conditional", "call", "copy-done",
               "send-done", "recv-done", "async-done", "slice-done", "add-dependency", "domain"}  # *-done: its start counts
 _SLICING = {"dynamic-slice", "slice", "gather"}
-
-
-def _arrays(shape: str) -> tuple[int, int]:
-    """(device memory bytes, host bytes) of the arrays of an HLO shape: ``S(5)`` in a layout is host memory, ``S(1)``
-    a TPU core's on-chip memory (VMEM: neither)."""
-    dev = host = 0
-    for dtype, dims, layout in _ARR.findall(shape):
-        n = _SIZE[dtype]
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        if layout and "S(5)" in layout:
-            host += n
-        elif not (layout and "S(1)" in layout):
-            dev += n
-    return dev, host
-
-
-@dataclasses.dataclass
-class _Inst:
-    name: str
-    shape: str
-    op: str
-    operands: list
-    args: str  # the text between the parentheses
-    tail: str  # attributes after them
-    root: bool
-
-
-def _parse(hlo: str) -> dict:
-    """Computations of an HLO module: name -> its instructions (:class:`_Inst`)."""
-    comps, current = {}, None
-    for line in hlo.splitlines():
-        head = _COMP.match(line)
-        if head:
-            current = comps.setdefault(head.group(1), [])
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        inst = _INST.match(line) if current is not None else None
-        if inst:
-            rest = inst.group(4)
-            depth, end = 1, len(rest)
-            for i, ch in enumerate(rest):
-                depth += (ch == "(") - (ch == ")")
-                if depth == 0:
-                    end = i
-                    break
-            args = rest[:end]
-            current.append(_Inst(inst.group(1), inst.group(2), inst.group(3), re.findall(r"%([\w.\-]+)", args), args,
-                                 rest[end:], line.lstrip().startswith("ROOT ")))
-    return comps
 
 
 # In-place fusion roots (the output aliases operand 0) and the operand holding what they write.
@@ -217,13 +162,13 @@ def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_sh
     dev = host = 0
     for k, operand in enumerate(operands):
         pname = by_index.get(k)
-        full = _arrays(shapes.get(operand, ""))
+        full = memory_bytes(shapes.get(operand, ""))
         uses = users.get(pname, [])
         if in_place and root.operands[0] == pname and all(u is root for u in uses):
             continue  # updated in place: neither read nor rewritten
         reads = _reads_through_bitcasts(users, pname)
         if reads and all(u.op in _SLICING and u.operands and u.operands[0] == via for u, via in reads):
-            part = [_arrays(u.shape) for u, _ in reads]
+            part = [memory_bytes(u.shape) for u, _ in reads]
             dev += min(sum(d for d, _ in part), full[0])
             host += min(sum(h for _, h in part), full[1])
         else:
@@ -232,33 +177,33 @@ def _fusion_bytes(comps: dict, shapes: dict, callee: str, operands: list, out_sh
     if in_place:
         written = root.operands[_IN_PLACE[root.op]]
         update = next((i for i in insts if i.name == written), None)
-        out = _arrays(update.shape) if update is not None else (0, 0)
+        out = memory_bytes(update.shape) if update is not None else (0, 0)
     else:
-        out = _arrays(out_shape)
+        out = memory_bytes(out_shape)
     return dev + out[0], host + out[1]
 
 
-def _instruction_own_bytes(comps: dict, shapes: dict, i: _Inst) -> tuple[int, int]:
+def _instruction_own_bytes(comps: dict, shapes: dict, i: Instruction) -> tuple[int, int]:
     if i.op == "slice-start":  # a TPU's async slice ((operand), slice, context): reads the slice where it lies
         found = re.match(r"\(\((.*)\), (.*), [su]32\[\]", i.shape)
         if found:
-            src = _arrays(found.group(1))
-            size = sum(_SIZE[t] * math.prod(int(d) for d in dims.split(",") if d)
-                       for t, dims, _ in _ARR.findall(found.group(2)))
+            src = memory_bytes(found.group(1))
+            size = sum(DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+                       for t, dims, _ in ARRAY.findall(found.group(2)))
             read = (size, 0) if src[0] else (0, size if src[1] else 0)  # read where the operand lies
-            dst = _arrays(found.group(2))  # written: nothing when on-chip (S(1))
+            dst = memory_bytes(found.group(2))  # written: nothing when on-chip (S(1))
             return read[0] + dst[0], read[1] + dst[1]
     if i.op == "copy-start":  # (destination, source, context): each side in device or host memory, once
         found = re.match(r"\((\S+), (\S+), [su]32\[\]", i.shape)
         if found:
-            dst, src = _arrays(found.group(1)), _arrays(found.group(2))
+            dst, src = memory_bytes(found.group(1)), memory_bytes(found.group(2))
             return dst[0] + src[0], dst[1] + src[1]
     if i.op in _IN_PLACE and len(i.operands) > _IN_PLACE[i.op]:  # unfused (a TPU's): updates its operand in place
         d = h = 0
         for o in i.operands[1:]:
-            od, oh = _arrays(shapes.get(o, ""))
+            od, oh = memory_bytes(shapes.get(o, ""))
             d, h = d + od, h + oh
-        ud, uh = _arrays(shapes.get(i.operands[_IN_PLACE[i.op]], ""))
+        ud, uh = memory_bytes(shapes.get(i.operands[_IN_PLACE[i.op]], ""))
         return d + ud, h + uh
     callee = re.search(r"calls=%([\w.\-]+)", i.tail)
     if i.op == "fusion" and callee:
@@ -269,12 +214,12 @@ def _instruction_own_bytes(comps: dict, shapes: dict, i: _Inst) -> tuple[int, in
         d = h = 0
         for k, o in enumerate(i.operands):
             if k not in aliased:
-                od, oh = _arrays(shapes.get(o, ""))
+                od, oh = memory_bytes(shapes.get(o, ""))
                 d, h = d + 2 * od, h + 2 * oh
         return d, h
-    d, h = _arrays(i.shape)
+    d, h = memory_bytes(i.shape)
     for o in i.operands:
-        od, oh = _arrays(shapes.get(o, ""))
+        od, oh = memory_bytes(shapes.get(o, ""))
         d, h = d + od, h + oh
     return d, h
 
@@ -320,7 +265,7 @@ def _walk(comps: dict, shapes: dict, comp: str, times: int, on_host: bool, stack
 
 def _walk_entry(hlo: str):
     """:func:`_walk` from a compiled (optimized) HLO module's entry computation (nothing without one)."""
-    comps = _parse(hlo)
+    comps = parse_module(hlo)
     shapes = {i.name: i.shape for insts in comps.values() for i in insts}
     entry = re.search(r"^ENTRY %(\S+) \(", hlo, re.M)
     return _walk(comps, shapes, entry.group(1), 1, False) if entry else iter(())
@@ -364,17 +309,6 @@ def hlo_bytes(hlo: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ compiling
-def cpu_mesh():
-    """A one-device ``(data, model)`` mesh of the CPU."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    from kvjax.sharding import AXES
-
-    return Mesh(np.array(jax.devices("cpu")[:1]).reshape(1, 1), AXES)
-
-
 def abstract_params(config, dtype, mesh):
     """(graphdef, abstract parameters placed on ``mesh``: tensor parallel on its model axis, as
     :func:`kvjax.models.sharding.shard_model` lays them out)."""
@@ -423,7 +357,7 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from kvjax.evals.synthetic import abstract_compressed_cache
+    from kvjax.evals.synthetic import abstract_compressed_cache, cpu_mesh
     from kvjax.cache import CacheSpec, bytes_by_memory_kind
     from kvjax.decoding import decode_compiler_options, decode_step_jit
     from kvjax.sharding import DATA, is_split

@@ -247,5 +247,14 @@ def replicated_cache(method, spec: CacheSpec, artifact=None, seed: int = 0) -> C
     return cache.replace(pad=jnp.zeros((B,), jnp.int32))
 
 
+def cpu_mesh():
+    """A one-device ``(data, model)`` mesh of the CPU (where an abstract cache is built for a compile-only target)."""
+    from jax.sharding import Mesh
+
+    from kvjax.sharding import AXES
+
+    return Mesh(np.array(jax.devices("cpu")[:1]).reshape(1, 1), AXES)
+
+
 __all__ = ["PAPER_CLASS_COUNTS", "planned_method", "synthetic_group_layers", "synthetic_head_statistics", "synthetic_artifact",
            "compressed_structure", "abstract_compressed_cache", "fill_random", "filled_cache", "replicated_cache"]

@@ -252,10 +252,11 @@ def test_plan_finds_the_largest_batch_that_compiles_when_the_estimate_does_not(m
     from jax.sharding import PartitionSpec as P
 
     from kvjax.evals import plan
+    from kvjax.evals.synthetic import cpu_mesh
 
     GIB_ = plan.GIB
     target = plan.Target("toy", "tpu", "none", 1, 100 * GIB_, 1e12)
-    mesh = plan.cpu_mesh()
+    mesh = cpu_mesh()
     params = [jax.ShapeDtypeStruct((GIB_ // 4,), jnp.float32, sharding=NamedSharding(mesh, P()))]  # 1 GiB fixed
     compiled = []
 

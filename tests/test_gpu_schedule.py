@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from kvjax.evals.gpu_schedule import host_call_windows, loop_conditionals, render, shape_bytes, summarize
+from kvjax.evals.gpu_schedule import host_call_windows, loop_conditionals, render, summarize
+from kvjax.evals.hlo import shape_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

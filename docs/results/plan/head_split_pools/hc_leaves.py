@@ -3,7 +3,7 @@ os.environ["JAX_PLATFORMS"]="cpu"
 import jax, numpy as np
 from kvjax.evals.bench_methods import make_methods, parse_methods, bench_artifacts
 from kvjax.evals.synthetic import abstract_compressed_cache
-from kvjax.evals.plan import cpu_mesh
+from kvjax.evals.synthetic import cpu_mesh
 from kvjax.cache import CacheSpec
 from kvjax.models import load_model
 m = load_model("llama-3.1-8b", "bfloat16", tokenizer=False, random_weights=True)
