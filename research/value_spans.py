@@ -1,0 +1,128 @@
+"""Which tokens of a RULER needle's value a compressed cache still holds, per layer and KV head.
+
+``python -m research.value_spans --task niah_single_1 --index 0 [--split dev] [--length 4096]
+[--methods snapkv:budget=0.25,...] [--out FILE.md]``
+
+The sample's context (without the question: the query-agnostic protocol) is prefilled once and shared by the full cache
+and every method (:mod:`kvjax.shared_prefill`; methods that cannot share a prefill are refused). For each method the
+compressed cache's held keys are matched, row by row, to the full cache's keys of the same layer and KV head, which
+gives the prompt positions each head holds. The answer's characters are located in the context by decoding it token by
+token. Printed per method: for each of the value's tokens, the share of (layer, KV head) pairs holding it, and how many
+pairs hold the whole value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+import numpy as np
+
+DEFAULT_METHODS = "snapkv:budget=0.1,snapkv:budget=0.25,hbw:budget=0.25,heterocache:preset=tuned:budget=0.1,synckv:preset=tuned:budget=0.1"
+
+
+def value_tokens(tokenizer, ids, answer: str) -> list[int]:
+    """Indices into ``ids`` of the tokens whose decoded text overlaps the last occurrence of ``answer``."""
+    pieces = [tokenizer.decode([t]) for t in ids]
+    text = "".join(pieces)
+    at = text.rfind(answer)
+    if at < 0:
+        raise ValueError(f"answer {answer!r} not found in the decoded context")
+    out, pos = [], 0
+    for i, p in enumerate(pieces):
+        if pos < at + len(answer) and pos + len(p) > at:
+            out.append(i)
+        pos += len(p)
+    return out
+
+
+def held_positions(layer_state, full_k, pad: int) -> list[np.ndarray]:
+    """Per KV head, the prompt positions (0 = the context's first token) whose keys the compressed layer holds, found
+    by exact match against the full cache's keys ``full_k[H, S, D]`` of the same layer."""
+    paged = layer_state.paged if hasattr(layer_state, "paged") else layer_state
+    k_pages, table, lengths = (np.asarray(x) for x in (paged.k_pages, paged.block_table, paged.lengths))
+    out = []
+    for h in range(table.shape[1]):
+        where = {row.tobytes(): s for s, row in enumerate(full_k[h])}
+        rows = k_pages[table[0, h]].reshape(-1, k_pages.shape[-1])[: int(lengths[0, h])]
+        found = (where.get(r.tobytes()) for r in rows)
+        out.append(np.asarray(sorted(s - pad for s in found if s is not None and s >= pad)))
+    return out
+
+
+def main(argv=None) -> int:
+    import jax.numpy as jnp
+
+    import kvjax
+    from kvjax.cache import CacheSpec
+    from kvjax.decoding import compress, prefill_prompt
+    from kvjax.evals.suites import get_suite
+    from kvjax.methods import FullCache, get_method
+    from kvjax.methods.base import round_up
+    from kvjax.models import DEFAULT_MODEL
+    from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
+
+    p = argparse.ArgumentParser(prog="python -m research.value_spans", description=__doc__.splitlines()[0])
+    p.add_argument("--task", required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--split", default="dev")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of method specs with their budgets")
+    p.add_argument("--chunk-size", type=int, default=1024)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    methods = [(spec, get_method(spec)) for spec in args.methods.split(",") if spec]
+    for spec, m in methods:
+        if not can_share_prefill(m):
+            raise ValueError(f"{spec}: runs its own prefill; this script compares methods that share one")
+    model = kvjax.load(args.model, "float32")
+    tok = model.tokenizer
+    sample = get_suite("ruler").samples(args.task, tok, args.length, args.index + 1, args.split)[args.index]
+    context = list(sample.prompt_ids[: sample.question_start])
+    L = round_up(len(context), args.chunk_size)
+    pad = L - len(context)
+    tokens = np.full((1, L), tok.pad_token_id or 0, np.int32)
+    tokens[0, pad:] = context
+    spec = CacheSpec.for_model(model.config, 1, L, 64, model.dtype, longest_row=len(context))
+    full_method = FullCache()
+    staged = init_shared_cache([full_method] + [m for _, m in methods], spec).replace(pad=jnp.asarray([pad], jnp.int32))
+    _, staged = prefill_prompt(model.graphdef, model.params, jnp.asarray(tokens), staged, chunk_size=args.chunk_size)
+    full = compress(cache_for(staged, full_method))
+    full_k = [np.asarray(layer.k)[0] for layer in full.layers]  # [H, S, D]
+    answer = sample.answers[0]
+    span = value_tokens(tok, context, answer)
+    pieces = [tok.decode([context[i]]) for i in span]
+    lines = [f"# Value tokens held: RULER {args.split} `{args.task}` #{args.index}, {len(context)} context tokens",
+             "", f"Command: `python -m research.value_spans {shlex.join(argv if argv is not None else sys.argv[1:])}`",
+             "", f"Answer `{answer}`: context tokens {span[0]}..{span[-1]} ({len(span)} tokens). Each cell: the share of "
+             f"the {model.config.num_layers} x {model.config.num_kv_heads} (layer, KV head) pairs that hold the token; "
+             "`whole`: pairs holding every token of the value.", "",
+             "| method | " + " | ".join(f"`{p.strip() or repr(p)}`" for p in pieces) + " | whole |",
+             "|---|" + "---:|" * (len(span) + 1)]
+    per_layer = []
+    for spec_text, method in methods:
+        cache = compress(cache_for(staged, method))
+        held = [held_positions(state, full_k[i], pad) for i, state in enumerate(cache.layers)]
+        pairs = [set(h.tolist()) for layer in held for h in layer]
+        share = [sum(i in s for s in pairs) / len(pairs) for i in span]
+        whole = sum(all(i in s for i in span) for s in pairs)
+        lines.append(f"| {spec_text} | " + " | ".join(f"{x:.0%}" for x in share) + f" | {whole} |")
+        # per layer and KV head: how many of the value's tokens it holds
+        per_layer.append((spec_text, [[sum(i in set(h.tolist()) for i in span) for h in layer] for layer in held]))
+    lines += ["", f"Value tokens held (of {len(span)}) per layer, its KV heads separated by `/`:", "",
+              "| method | " + " | ".join(f"L{i}" for i in range(model.config.num_layers)) + " |",
+              "|---|" + "---:|" * model.config.num_layers]
+    for spec_text, layers in per_layer:
+        lines.append(f"| {spec_text} | " + " | ".join("/".join(str(n) for n in heads) for heads in layers) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
