@@ -1,11 +1,8 @@
 """HeteroCache (Shi et al.): head roles from offline calibration, stability-weighted per-head budgets, and pivot
 heads that refresh their satellites from host memory when their attention drifts.
 
-Calibration (``kvjax calibrate heterocache``, :mod:`kvjax.calibration.heterocache`): per KV head the stability score (Eq. 2)
-and the overlap graph of its group (an edge when the pairwise overlap reaches ``tau_sim``); greedy star clustering (as
-the reference code): repeatedly the unassigned head with the most unassigned neighbours (ties: lowest index) becomes
-a *pivot* and those neighbours its *satellites*; the remaining heads are *anchors* (stability >= ``tau_stable``) or
-*volatile*.
+Calibration (``kvjax calibrate heterocache``, :mod:`kvjax.calibration.heterocache`): each KV head is a *pivot*, a
+*satellite* of one pivot, an *anchor* or *volatile*, from its stability and its overlaps with the heads of its group.
 
 Runtime:
 

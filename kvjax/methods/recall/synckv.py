@@ -1,11 +1,9 @@
 """SyncKV: representative heads (R-heads) keep the full cache and, every ``m`` steps, choose the tokens their
 cluster's other heads (NR-heads) hold; those come back from pinned host memory.
 
-Calibration (``kvjax calibrate synckv``, :mod:`kvjax.calibration.synckv`): per group of KV heads, the similarity matrix ``S``
-(mean overlap coefficient of top-k attended sets over steps and samples, Eq. 2; GQA groups max-pooled as the paper's
-Appendix B.1), distance rows ``D = max(S) - S``, **K-means** (JAX, deterministic seed, k-means++ initialisation, best
-of several restarts) into ``N_r`` clusters; the R-head of a cluster is the head closest to its centroid. Assignments
-for ``N_r`` = 1..4 are stored in one artifact, and the method's ``num_representatives`` picks one.
+Calibration (``kvjax calibrate synckv``, :mod:`kvjax.calibration.synckv`): K-means over each group's similarity rows
+makes ``N_r`` clusters (1..4 stored, the method's ``num_representatives`` picks one); the head closest to a centroid is
+its R-head.
 
 Runtime (Algorithm 1):
 
