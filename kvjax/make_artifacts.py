@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 
-
 def add_output_args(p: argparse.ArgumentParser) -> None:
     """Where the artifact goes: this machine's artifacts (default), the shipped location, or a directory."""
     where = p.add_mutually_exclusive_group()
