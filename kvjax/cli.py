@@ -142,7 +142,6 @@ def demo_methods(specs) -> list[tuple[str, object]]:
 
 def demo_table(rows) -> str:
     """The demo's side-by-side table: one line per (protocol, method)."""
-
     return "\n".join(" ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, DEMO_COLUMNS))
                      for cells in demo_cells(rows))
 
@@ -210,7 +209,8 @@ def cmd_demo(args) -> int:
                                 chunk_size=args.chunk_size, steady_timings=True)
         for (label, _), r in zip(runs, results):
             rows.append({"protocol": protocol, "method": label, "answer": r.text.strip().replace("\n", " "),
-                         "ok": sample.answer in r.text, "device_bytes": r.cache_stats["device_bytes"] - r.cache_stats["artifact_device_bytes"],
+                         "ok": sample.answer in r.text,
+                         "device_bytes": r.cache_stats["device_bytes"] - r.cache_stats["artifact_device_bytes"],
                          "host_bytes": r.cache_stats["host_bytes"], "prefill_s": r.timings["prefill_s"],
                          "prefill_shared": r.timings.get("prefill_shared_by", 1) > 1,
                          "first_step_s": r.timings["first_step_s"],
@@ -226,13 +226,14 @@ def cmd_demo(args) -> int:
 
 
 DEMO_NOTE = ("device/host KV: the bytes the cache holds after compression, without a method's trained or calibrated "
-             "arrays, which are weights held once per model (Locret's retaining heads); prefill s includes compiling the prefill "
-             "(once per method; * one prefill shared by the methods so marked, kvjax.compare); 1st step s: the first "
+             "arrays, which are weights held once per model (Locret's retaining heads, HCAttention's codebooks); prefill s "
+             "includes compiling the prefill (once per method; * one prefill shared by the methods so marked, kvjax.compare); 1st step s: the first "
              "decode step with its compilation; decode ms/tok: the steps after it. With the question after compression "
              "a method keeps what it can without knowing the question.")
 
 
 def jax_version() -> str:
+    """The running jax's version."""
     import jax
 
     return jax.__version__
