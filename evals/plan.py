@@ -42,7 +42,7 @@ import shlex
 import sys
 import time
 
-from kvjax.evals.hlo import ARRAY, DTYPE_BYTES, Instruction, memory_bytes, parse_module
+from kvjax.evals.hlo import Instruction, memory_bytes, parse_module, shape_bytes
 
 DEFAULT_METHODS = ("full,snapkv,streaming_llm,h2o,pyramidkv,hbw,quest,chunked_eviction,locret,hcattention,heterocache,"
                    "synckv,synckv:num_representatives=1")
@@ -188,8 +188,7 @@ def _instruction_own_bytes(comps: dict, shapes: dict, i: Instruction) -> tuple[i
         found = re.match(r"\(\((.*)\), (.*), [su]32\[\]", i.shape)
         if found:
             src = memory_bytes(found.group(1))
-            size = sum(DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
-                       for t, dims, _ in ARRAY.findall(found.group(2)))
+            size = shape_bytes(found.group(2))
             read = (size, 0) if src[0] else (0, size if src[1] else 0)  # read where the operand lies
             dst = memory_bytes(found.group(2))  # written: nothing when on-chip (S(1))
             return read[0] + dst[0], read[1] + dst[1]

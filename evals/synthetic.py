@@ -257,4 +257,4 @@ def cpu_mesh():
 
 
 __all__ = ["PAPER_CLASS_COUNTS", "planned_method", "synthetic_group_layers", "synthetic_head_statistics", "synthetic_artifact",
-           "compressed_structure", "abstract_compressed_cache", "fill_random", "filled_cache", "replicated_cache"]
+           "compressed_structure", "abstract_compressed_cache", "fill_random", "filled_cache", "replicated_cache", "cpu_mesh"]

@@ -219,8 +219,12 @@ def cmd_demo(args) -> int:
     print(demo_table(rows))
     print("\n" + DEMO_NOTE)
     if args.png:
+        import jax
+
+        device = jax.devices()[0]
         demo_png(rows, args.png, f"kvjax demo: {args.model}, {sample.num_tokens}-token pass-key prompt, "
-                 f"needle at {sample.depth:.0%}, {args.dtype}, jax {jax_version()}, {platform_name()}")
+                 f"needle at {sample.depth:.0%}, {args.dtype}, jax {jax.__version__}, "
+                 f"{device.platform} ({device.device_kind})")
         print(f"table: {args.png}")
     return 0
 
@@ -230,21 +234,6 @@ DEMO_NOTE = ("device/host KV: the bytes the cache holds after compression, witho
              "includes compiling the prefill (once per method; * one prefill shared by the methods so marked, kvjax.compare); 1st step s: the first "
              "decode step with its compilation; decode ms/tok: the steps after it. With the question after compression "
              "a method keeps what it can without knowing the question.")
-
-
-def jax_version() -> str:
-    """The running jax's version."""
-    import jax
-
-    return jax.__version__
-
-
-def platform_name() -> str:
-    """The default device's platform and kind, e.g. ``cpu (cpu)``."""
-    import jax
-
-    d = jax.devices()[0]
-    return f"{d.platform} ({d.device_kind})"
 
 
 def run_bench(argv) -> int:

@@ -104,13 +104,13 @@ def main(argv=None) -> int:
     per_layer = []
     for spec_text, method in methods:
         cache = compress(cache_for(staged, method))
-        held = [held_positions(state, full_k[i], pad) for i, state in enumerate(cache.layers)]
-        pairs = [set(h.tolist()) for layer in held for h in layer]
+        held = [[set(h.tolist()) for h in held_positions(state, full_k[i], pad)] for i, state in enumerate(cache.layers)]
+        pairs = [s for layer in held for s in layer]
         share = [sum(i in s for s in pairs) / len(pairs) for i in span]
         whole = sum(all(i in s for i in span) for s in pairs)
         lines.append(f"| {spec_text} | " + " | ".join(f"{x:.0%}" for x in share) + f" | {whole} |")
         # per layer and KV head: how many of the value's tokens it holds
-        per_layer.append((spec_text, [[sum(i in set(h.tolist()) for i in span) for h in layer] for layer in held]))
+        per_layer.append((spec_text, [[sum(i in s for i in span) for s in layer] for layer in held]))
     lines += ["", f"Value tokens held (of {len(span)}) per layer, its KV heads separated by `/`:", "",
               "| method | " + " | ".join(f"L{i}" for i in range(model.config.num_layers)) + " |",
               "|---|" + "---:|" * model.config.num_layers]
