@@ -53,6 +53,7 @@ import numpy as np
 from kvjax.evals.bench_machine import (GIB, MIB, effective_chunk, machine_info, peak_rss_kib, prompt_tokens, reset_peak_rss,
                                  rss_now_kib, versions, worker_bandwidth)
 from kvjax.cache import new_cache as make_cache
+from kvjax.reports import MISSING, number, table, write_report
 
 DEFAULT_OUT = os.path.join("docs", "results", "foundation_bench.md")
 FRAMEWORKS = ("kvjax", "transformers")
@@ -484,10 +485,6 @@ def target_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _f(x, fmt="{:.1f}"):
-    return "—" if x is None else fmt.format(x)
-
-
 def _gib(kib):
     return None if kib is None else kib * 1024 / GIB
 
@@ -495,16 +492,16 @@ def _gib(kib):
 def _cell(row, fw, key, fmt="{:.1f}"):
     r = row.get(fw)
     if r is None:
-        return "—"
+        return MISSING
     if "error" in r:
         return "error"
-    return _f(r.get(key), fmt)
+    return number(r.get(key), fmt)
 
 
 def _mem_cell(row, fw):
     r = row.get(fw)
     if r is None:
-        return "—"
+        return MISSING
     if "error" in r:
         return "error"
     m = r["memory"]
@@ -524,32 +521,30 @@ def render_markdown(report: dict) -> str:
         f"{cfg['repeats']} decode run(s) (median), {cfg['prefill_repeats']} prefill run(s) (best), after warm-up.",
         "",
         f"- machine: {m['cpu']}, {m['usable_cores']} usable cores ({m['logical_cores']} logical), "
-        f"{_f(m['memory_bytes'] and m['memory_bytes'] / GIB)} GiB RAM, {m['os']}",
+        f"{number(m['memory_bytes'] and m['memory_bytes'] / GIB, '{:.1f}')} GiB RAM, {m['os']}",
         f"- versions: python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
         f"- command: `{report['command']}`",
         f"- date: {report['date']}, total time {report['total_s'] / 60:.1f} min",
-        f"- contention: other processes kept {_f(report['other_cores_busy_max'], '{:.2f}')} cores busy on average "
+        f"- contention: other processes kept {number(report['other_cores_busy_max'])} cores busy on average "
         f"during the worst measurement (of {m['logical_cores']}; should be ~0 for clean numbers, torch's threads "
         "suffer most from it)",
         "",
-        "| dtype | prompt tokens | kvjax prefill tok/s | transformers prefill tok/s | prefill speed-up | "
-        "kvjax decode ms/tok | transformers decode ms/tok | decode speed-up | limit ms/tok | kvjax ÷ limit | "
-        "transformers ÷ limit | kvjax compile s | kvjax RSS GiB (loaded / run peak) | "
-        "transformers RSS GiB (loaded / run peak) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in report["rows"]:
-        lines.append("| " + " | ".join([
-            row["dtype"], str(row["prompt_tokens"]),
-            _cell(row, "kvjax", "prefill_tok_s", "{:.0f}"), _cell(row, "transformers", "prefill_tok_s", "{:.0f}"),
-            _f(row.get("prefill_speedup"), "{:.2f}×"),
-            _cell(row, "kvjax", "decode_ms_per_token"), _cell(row, "transformers", "decode_ms_per_token"),
-            _f(row.get("decode_speedup"), "{:.2f}×"),
-            _f(row.get("limit_ms_per_token"), "{:.1f}"),
-            _f(row.get("kvjax_over_limit"), "{:.2f}"), _f(row.get("transformers_over_limit"), "{:.2f}"),
-            _cell(row, "kvjax", "compile_s"),
-            _mem_cell(row, "kvjax"), _mem_cell(row, "transformers"),
-        ]) + " |")
+    head = ["dtype", "prompt tokens", "kvjax prefill tok/s", "transformers prefill tok/s", "prefill speed-up",
+            "kvjax decode ms/tok", "transformers decode ms/tok", "decode speed-up", "limit ms/tok", "kvjax ÷ limit",
+            "transformers ÷ limit", "kvjax compile s", "kvjax RSS GiB (loaded / run peak)",
+            "transformers RSS GiB (loaded / run peak)"]
+    lines += table(head, [[
+        row["dtype"], row["prompt_tokens"],
+        _cell(row, "kvjax", "prefill_tok_s", "{:.0f}"), _cell(row, "transformers", "prefill_tok_s", "{:.0f}"),
+        number(row.get("prefill_speedup"), "{:.2f}×"),
+        _cell(row, "kvjax", "decode_ms_per_token"), _cell(row, "transformers", "decode_ms_per_token"),
+        number(row.get("decode_speedup"), "{:.2f}×"),
+        number(row.get("limit_ms_per_token"), "{:.1f}"),
+        number(row.get("kvjax_over_limit")), number(row.get("transformers_over_limit")),
+        _cell(row, "kvjax", "compile_s"),
+        _mem_cell(row, "kvjax"), _mem_cell(row, "transformers"),
+    ] for row in report["rows"]], align="l" + "r" * 13)
 
     lines += ["", "## Targets", ""] + target_lines(report["rows"])
     lines += ["", "## Decode limit", ""]
@@ -704,13 +699,7 @@ def main(argv=None) -> int:
             default=None),
     }
     md = render_markdown(report)
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(md)
-    json_path = os.path.splitext(args.out)[0] + ".json"
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=1)
+    _, json_path = write_report(args.out, md, report)
     print(md)
     _log(f"[bench] wrote {args.out} and {json_path} in {report['total_s'] / 60:.1f} min")
     failed = any("error" in r for r in results.values()) or "error" in bandwidth

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
 import time
 
 import numpy as np
+
+from kvjax.reports import table, write_report
 
 DEFAULT_OUT = os.path.join("docs", "results", "matvec_bf16.md")
 MIB = 1024 ** 2
@@ -178,18 +179,14 @@ def main(argv=None) -> int:
         f"{measured['threads']} threads {measured['numpy_threaded_sum'] / 1e9:.1f} GB/s over a {args.bandwidth_mib} MiB "
         f"f32 array, best of {args.bandwidth_repeats}).",
         "",
-        "| variant | weight MiB read per step | ms/step | GB/s achieved | limit ms/step | ÷ limit | time ÷ f32 dot |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        lines.append(f"| {r['variant']} | {r['weight_bytes'] / MIB:.0f} | {r['ms_per_step']:.2f} | {r['gb_s']:.1f} | "
-                     f"{r['limit_ms']:.2f} | {r['over_limit']:.2f} | {r['ms_per_step'] / f32['ms_per_step']:.2f} |")
+    lines += table(["variant", "weight MiB read per step", "ms/step", "GB/s achieved", "limit ms/step", "÷ limit",
+                    "time ÷ f32 dot"],
+                   [[r["variant"], f"{r['weight_bytes'] / MIB:.0f}", f"{r['ms_per_step']:.2f}", f"{r['gb_s']:.1f}",
+                     f"{r['limit_ms']:.2f}", f"{r['over_limit']:.2f}", f"{r['ms_per_step'] / f32['ms_per_step']:.2f}"]
+                    for r in rows], align="l" + "r" * 6)
     md = "\n".join(lines) + "\n"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(md)
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, md, report)
     print(md)
     return 0
 

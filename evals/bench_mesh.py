@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
+
+from kvjax.reports import table, write_report
 
 DEFAULT_MESHES = ("data=1,model=1", "data=2,model=4", "data=8,model=1", "data=1,model=8")
 DEFAULT_METHODS = ("full", "snapkv", "quest", "locret")
@@ -217,19 +218,20 @@ def markdown(report: dict) -> str:
     if report["platform"] == "cpu":
         lines += ["CPU devices are simulated on this machine's cores: the bytes show what each device holds; the "
                   "times show the cost of the partitioned program on one machine, not the speed of a real mesh.", ""]
-    lines += ["| mesh | method | decode ms/token | vs full | vs one device | cache MiB (all) | cache MiB per device | "
-              "per device vs one device | host MiB | weights MiB per device | same tokens as one device |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    head = ["mesh", "method", "decode ms/token", "vs full", "vs one device", "cache MiB (all)", "cache MiB per device",
+            "per device vs one device", "host MiB", "weights MiB per device", "same tokens as one device"]
+    rows = []
     for r in report["rows"]:
         if "error" in r:
-            lines.append(f"| {r['mesh']} | {r['method']} | error: {r['error']} | | | | | | | | |")
+            rows.append([r["mesh"], r["method"], f"error: {r['error']}"] + [""] * 8)
             continue
-        lines.append(
-            f"| {r['mesh']} | {r['method']} | {r['decode_ms_per_token']:.1f} | {r.get('decode_vs_full', float('nan')):.2f} | "
-            f"{r.get('decode_vs_one_device', float('nan')):.2f} | {r['device_bytes'] / mib:.1f} | "
-            f"{r['device_bytes_per_device'] / mib:.2f} | {r.get('bytes_per_device_vs_one_device', float('nan')):.3f} | "
-            f"{r.get('host_bytes', 0) / mib:.1f} | {r['weights_bytes_per_device'] / mib:.1f} | {r.get('same_tokens_as_one_device', '')} |")
-    return "\n".join(lines) + "\n"
+        rows.append([
+            r["mesh"], r["method"], f"{r['decode_ms_per_token']:.1f}", f"{r.get('decode_vs_full', float('nan')):.2f}",
+            f"{r.get('decode_vs_one_device', float('nan')):.2f}", f"{r['device_bytes'] / mib:.1f}",
+            f"{r['device_bytes_per_device'] / mib:.2f}", f"{r.get('bytes_per_device_vs_one_device', float('nan')):.3f}",
+            f"{r.get('host_bytes', 0) / mib:.1f}", f"{r['weights_bytes_per_device'] / mib:.1f}",
+            r.get("same_tokens_as_one_device", "")])
+    return "\n".join(lines + table(head, rows)) + "\n"
 
 
 def main(argv=None) -> int:
@@ -239,13 +241,9 @@ def main(argv=None) -> int:
     args.command = "kvjax bench mesh " + " ".join(argv)
     report = run(args)
     out = args.out or os.path.join("docs", "results", f"bench_mesh_{report['platform']}.md")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     for r in report["rows"]:
         r.pop("tokens", None)
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(markdown(report))
-    with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_report(out, markdown(report), report)
     print(out)
     return 0 if all("error" not in r for r in report["rows"]) else 1
 

@@ -4,10 +4,11 @@ plot (decode ms/token and device KV bytes vs context length) and the files they 
 
 from __future__ import annotations
 
-import json
 import os
 
 from kvjax.evals.bench_machine import GIB, MIB
+from kvjax.reports import MISSING, figure, number, save_figure, table
+from kvjax.reports import write_report as write_files
 
 REFERENCE = "full"  # the method every ratio is against
 KIB_PER_GIB = 1024 ** 2
@@ -44,8 +45,21 @@ def add_derived(rows: list[dict], weights: dict, bandwidth: float | None) -> Non
 # Markdown, plot and files
 
 
-def _f(x, fmt="{:.2f}"):
-    return "—" if x is None else fmt.format(x)
+def _method_cells(r: dict) -> list:
+    """The main table's cells of one measured row (an error: its message, the rest marked missing)."""
+    head = [r["prompt_tokens"], r["method"]]
+    if "error" in r:
+        return head + ["error"] + [MISSING] * 11
+    c = r["compile_s"]
+    return head + [
+        number(r["prefill_s"]), number(r["prefill_ratio"]), number(r["compress_s"], "{:.3f}"),
+        number(r["decode_ms_per_token"]), number(r["decode_speedup"], "{:.2f}×"),
+        number(r["limit_ms_per_token"]), number(r["over_limit"]),
+        number(r["device_bytes"] / MIB, "{:.1f}"), number(r["device_bytes_ratio"], "{:.3f}"),
+        number(r["host_bytes"] / MIB, "{:.1f}"),
+        f"{r['prefill_memory']['peak_kib'] / KIB_PER_GIB:.2f} / {r['decode_memory']['peak_kib'] / KIB_PER_GIB:.2f}",
+        f"{c['prefill'] + c['compress']:.1f} / {c['decode']:.1f}",
+    ]
 
 
 def render_markdown(report: dict) -> str:
@@ -64,7 +78,7 @@ def render_markdown(report: dict) -> str:
         "",
         f"- command: `{report['command']}`",
         f"- machine: {m['cpu']}, {m['usable_cores']} usable cores ({m['logical_cores']} logical), "
-        f"{_f(m['memory_bytes'] and m['memory_bytes'] / GIB, '{:.1f}')} GiB RAM, {m['os']}; "
+        f"{number(m['memory_bytes'] and m['memory_bytes'] / GIB, '{:.1f}')} GiB RAM, {m['os']}; "
         f"JAX backend {report['backend']} ({', '.join(report['devices'])})",
         f"- versions: python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
         f"- date: {report['date']}, total time {report['total_s'] / 60:.1f} min",
@@ -96,25 +110,11 @@ def render_markdown(report: dict) -> str:
         "",
         f"## {a['model']} {a['dtype']}",
         "",
-        "| L | method | prefill s | prefill ÷ full | compress s | decode ms/tok | decode speed-up vs full | "
-        "limit ms/tok | ÷ limit | device KV MiB | ÷ full bytes | host KV MiB | peak RSS GiB (prefill / decode) | "
-        "compile s (prefill / decode) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in report["rows"]:
-        head = [str(r["prompt_tokens"]), r["method"]]
-        if "error" in r:
-            lines.append("| " + " | ".join(head + ["error"] + ["—"] * 12) + " |")
-            continue
-        c = r["compile_s"]
-        lines.append("| " + " | ".join(head + [
-            _f(r["prefill_s"]), _f(r["prefill_ratio"]), _f(r["compress_s"], "{:.3f}"),
-            _f(r["decode_ms_per_token"]), _f(r["decode_speedup"], "{:.2f}×"),
-            _f(r["limit_ms_per_token"]), _f(r["over_limit"]),
-            _f(r["device_bytes"] / MIB, "{:.1f}"), _f(r["device_bytes_ratio"], "{:.3f}"), _f(r["host_bytes"] / MIB, "{:.1f}"),
-            f"{r['prefill_memory']['peak_kib'] / KIB_PER_GIB:.2f} / {r['decode_memory']['peak_kib'] / KIB_PER_GIB:.2f}",
-            f"{c['prefill'] + c['compress']:.1f} / {c['decode']:.1f}",
-        ]) + " |")
+    head = ["L", "method", "prefill s", "prefill ÷ full", "compress s", "decode ms/tok", "decode speed-up vs full",
+            "limit ms/tok", "÷ limit", "device KV MiB", "÷ full bytes", "host KV MiB", "peak RSS GiB (prefill / decode)",
+            "compile s (prefill / decode)"]
+    lines += table(head, [_method_cells(r) for r in report["rows"]], align="rl" + "r" * 12)
 
     recall_rows = [r for r in report["rows"] if "recall_events" in (r.get("cache_stats_after_decode") or {})]
     if recall_rows:
@@ -122,16 +122,16 @@ def render_markdown(report: dict) -> str:
                   "From `cache.stats()` after the timed decode loop (N - 1 steps): refreshes of follower heads "
                   "(summed over layers), their rate per (follower head, step), token rows and K+V bytes brought "
                   "from host memory (written into follower slots), those bytes per decode step, and the bytes one "
-                  "decode step transfers from the host (the schedule's fixed size, used or not).", "",
-                  "| L | method | recall events | trigger rate | rows recalled | KiB recalled | KiB / step | "
-                  "KiB fetched / step |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+                  "decode step transfers from the host (the schedule's fixed size, used or not).", ""]
+        cells = []
         for r in recall_rows:
             a = r["cache_stats_after_decode"]
             steps = max(a["decode_steps"], 1)
-            lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['recall_events']} | {a['recall_trigger_rate']:.3f} | "
-                         f"{a['rows_recalled']} | {a['bytes_recalled'] / 1024:.1f} | {a['bytes_recalled'] / 1024 / steps:.1f} | "
-                         f"{a['bytes_fetched_per_step'] / 1024:.1f} |")
+            cells.append([r["prompt_tokens"], r["method"], a["recall_events"], f"{a['recall_trigger_rate']:.3f}",
+                          a["rows_recalled"], f"{a['bytes_recalled'] / 1024:.1f}", f"{a['bytes_recalled'] / 1024 / steps:.1f}",
+                          f"{a['bytes_fetched_per_step'] / 1024:.1f}"])
+        lines += table(["L", "method", "recall events", "trigger rate", "rows recalled", "KiB recalled", "KiB / step",
+                        "KiB fetched / step"], cells, align="rl" + "r" * 6)
     value_rows = [r for r in report["rows"] if "selection_ratio" in (r.get("cache_stats_after_decode") or {})]
     if value_rows:
         lines += ["", "## Values in host memory (HCAttention)", "",
@@ -141,15 +141,15 @@ def render_markdown(report: dict) -> str:
                   "are weighted on the host, host path: the call's transfer size), and the bytes crossing between "
                   "host and device per decode step over all layers: with `value_path=host` the row ids and weights "
                   "go to the host and the weighted sums come back; with `device` the value rows come to the "
-                  "device.", "",
-                  "| L | method | keys | tau | value path | selected | value rows selected / head / call | "
-                  "value rows fetched / head / call | KiB moved / step |",
-                  "|---:|---|---|---:|---|---:|---:|---:|---:|"]
+                  "device.", ""]
+        cells = []
         for r in value_rows:
             a = r["cache_stats_after_decode"]
-            lines.append(f"| {r['prompt_tokens']} | {r['method']} | {a['key_representation']} | {a['tau']} | {a['value_path']} | "
-                         f"{a['selection_ratio']:.3f} | {a['value_rows_per_head_per_call']:.1f} | "
-                         f"{a['value_rows_fetched_per_head_per_call']:.1f} | {a['bytes_moved_per_call'] / 1024:.1f} |")
+            cells.append([r["prompt_tokens"], r["method"], a["key_representation"], a["tau"], a["value_path"],
+                          f"{a['selection_ratio']:.3f}", f"{a['value_rows_per_head_per_call']:.1f}",
+                          f"{a['value_rows_fetched_per_head_per_call']:.1f}", f"{a['bytes_moved_per_call'] / 1024:.1f}"])
+        lines += table(["L", "method", "keys", "tau", "value path", "selected", "value rows selected / head / call",
+                        "value rows fetched / head / call", "KiB moved / step"], cells, align="rllrlrrrr")
     own = sorted({r["method"] for r in report["rows"] if r.get("staging") == "own prefill" and r["method"] != REFERENCE})
     lines += ["", "## Prefill sharing", "", "- full: its own `FullCache().init_cache` prefill."]
     if own:
@@ -196,13 +196,9 @@ def render_markdown(report: dict) -> str:
 
 def plot(report: dict, path: str) -> None:
     """PNG: decode ms/token vs context length per method (+ the full cache's limit, dashed), device KV bytes vs length."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     rows = [r for r in report["rows"] if "error" not in r]
     a = report["args"]
-    fig = Figure(figsize=(12, 4.8))
-    FigureCanvasAgg(fig)
+    fig = figure((12, 4.8))
     ax1, ax2 = fig.subplots(1, 2)
     for name in a["methods"]:
         rs = sorted((r for r in rows if r["method"] == name), key=lambda r: r["prompt_tokens"])
@@ -228,19 +224,14 @@ def plot(report: dict, path: str) -> None:
         ax.legend(fontsize=8)
     ax2.set_yscale("log")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120, tight=False)
 
 
 def write_report(report: dict, out: str, with_plot: bool = True) -> tuple[str, list[str]]:
     """Write the Markdown at ``out``, the JSON (and the PNG plot) next to it with the same stem: (Markdown, paths)."""
     md = render_markdown(report)
     stem = os.path.splitext(out)[0]
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    written = [out, stem + ".json"]
+    written = write_files(out, md, report)
     if with_plot:
         plot(report, stem + ".png")
         written.append(stem + ".png")

@@ -36,6 +36,7 @@ import sys
 import time
 
 from kvjax.evals.hlo import branch_computations, loop_bodies, parse_module, shape_bytes
+from kvjax.reports import table, write_report
 
 DEFAULT_METHODS = ("full,synckv:recall_schedule=whole,synckv:recall_schedule=spread,"
                    "synckv:recall_schedule=pipelined,heterocache:recall_schedule=whole,heterocache:recall_schedule=spread,"
@@ -273,23 +274,21 @@ def render(report: dict) -> str:
         "/ step`: conditionals in the loop body, each a host synchronisation on a GPU (it reads its predicate on the "
         "host).",
         "",
-        "| method | XLA options | host calls / step | ops before start | ops between start and done | ops after done | "
-        "ops in the step | MiB returned / step | in conditionals | conditionals / step | compile s |",
-        "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|",
     ]
+    head = ["method", "XLA options", "host calls / step", "ops before start", "ops between start and done",
+            "ops after done", "ops in the step", "MiB returned / step", "in conditionals", "conditionals / step",
+            "compile s"]
+    rows = []
     for row in report["rows"]:
         if "error" in row:
-            lines.append(f"| {row['method']} | {row['options']} | error: {row['error']} ||||||||")
+            rows.append([row["method"], row["options"], f"error: {row['error']}"] + [""] * 8)
             continue
         s = row["summary"]
-        if not s["calls"]:
-            lines.append(f"| {row['method']} | {row['options']} | 0 | | | | | | {row['in_branches']} | "
-                         f"{row['conditionals']} | {row['compile_s']:.1f} |")
-            continue
-        lines.append(f"| {row['method']} | {row['options']} | {s['calls']} | {', '.join(map(str, s['before']))} | "
-                     f"{', '.join(map(str, s['between']))} | {', '.join(map(str, s['after']))} | {s['total']} | "
-                     f"{s['mib']:.2f} | {row['in_branches']} | {row['conditionals']} | {row['compile_s']:.1f} |")
-    return "\n".join(lines) + "\n"
+        calls = ([", ".join(map(str, s[k])) for k in ("before", "between", "after")] + [s["total"], f"{s['mib']:.2f}"]
+                 if s["calls"] else [""] * 5)
+        rows.append([row["method"], row["options"], s["calls"], *calls, row["in_branches"], row["conditionals"],
+                     f"{row['compile_s']:.1f}"])
+    return "\n".join(lines + table(head, rows, align="llrlllrrrrr")) + "\n"
 
 
 def main(argv=None) -> int:
@@ -350,8 +349,7 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kvjax_options": ", ".join(f"`{k}={v}`" for k, v in GPU_DECODE_COMPILER_OPTIONS.items()),
     }
-    with open(args.out, "w") as f:
-        f.write(render(report))
+    write_report(args.out, render(report))
     print(render(report))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

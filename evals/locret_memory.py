@@ -22,10 +22,12 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from kvjax.reports import number, write_report
+from kvjax.reports import table as markdown_table
 
 
 def _analysis(compiled) -> dict:
@@ -144,29 +146,23 @@ def main(argv=None) -> int:
     md = table(rows, cmd, str(jax.devices()[0].device_kind))
     print(md)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out + ".md").write_text(md)
-        Path(args.out + ".json").write_text(json.dumps({"command": cmd, "device": jax.devices()[0].device_kind,
-                                                        "rows": rows}, indent=1))
+        write_report(args.out + ".md", md, {"command": cmd, "device": jax.devices()[0].device_kind, "rows": rows})
     return 0
 
 
 def table(rows, cmd: str, device: str) -> str:
     """The Markdown report: per length, cache bytes and the compiled steps' temporaries, Locret / full ratios."""
     def mib(x):
-        return "-" if x is None else f"{x / 2**20:.1f}"
+        return number(None if x is None else x / 2**20, "{:.1f}", missing="-")
 
     measured = any(r.get("peak_device_bytes_measured") is not None for r in rows)
     rss = not measured and any(r.get("peak_rss_bytes") is not None for r in rows)
-    extra = " peak measured full / Locret |" if measured else (" prefill's resident growth, measured: full / Locret |" if rss else "")
+    extra = ["peak measured full / Locret"] if measured else (["prefill's resident growth, measured: full / Locret"] if rss else [])
 
     lines = [f"# Locret: prefill memory vs prompt length ({device})", "", f"Command: `{cmd}`", "",
              "Cache = the cache's device bytes while prefilling (the donated argument of every chunk step); "
              "temp = XLA's temporaries of the compiled chunk step / compression step (memory analysis, not a run). "
-             "MiB.", "",
-             "| tokens | full: cache | full: chunk temp | full: compress temp | Locret: cache | Locret: chunk temp | "
-             "Locret: compress temp | Locret/full (cache + chunk temp) |" + extra,
-             "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if extra else "")]
+             "MiB.", ""]
     heads = max((r.get("artifact_device_bytes", 0) for r in rows if r["method"] == "locret"), default=0)
     if heads:
         lines.insert(5, f"Locret's cache includes its retaining heads ({mib(heads)} MiB, the same at every length). ")
@@ -187,25 +183,26 @@ def table(rows, cmd: str, device: str) -> str:
             return None
         return r["peak_rss_bytes"] - r["rss_before_prefill_bytes"]
 
+    def tot(r):
+        return r["cache_device_bytes_during_prefill"] + r["prefill_step"].get("temp_size_in_bytes", 0)
+
     by = {}
     for r in rows:
         by.setdefault(r["length"], {})[r["method"]] = r
+    cells = []
     for n, d in sorted(by.items()):
         f, lo = d["full"], d["locret"]
-
-        def tot(r):
-            return r["cache_device_bytes_during_prefill"] + r["prefill_step"].get("temp_size_in_bytes", 0)
-
-        line = (f"| {n} | {mib(f['cache_device_bytes_during_prefill'])} | {mib(f['prefill_step'].get('temp_size_in_bytes'))} | "
-                f"{mib(f['compress_step'].get('temp_size_in_bytes'))} | {mib(lo['cache_device_bytes_during_prefill'])} | "
-                f"{mib(lo['prefill_step'].get('temp_size_in_bytes'))} | {mib(lo['compress_step'].get('temp_size_in_bytes'))} | "
-                f"{tot(lo) / tot(f):.2f} |")
+        cells.append([n] + [mib(x) for r in (f, lo) for x in (r["cache_device_bytes_during_prefill"],
+                                                               r["prefill_step"].get("temp_size_in_bytes"),
+                                                               r["compress_step"].get("temp_size_in_bytes"))]
+                     + [f"{tot(lo) / tot(f):.2f}"])
         if measured:
-            line += f" {mib(f.get('peak_device_bytes_measured'))} / {mib(lo.get('peak_device_bytes_measured'))} |"
+            cells[-1].append(f"{mib(f.get('peak_device_bytes_measured'))} / {mib(lo.get('peak_device_bytes_measured'))}")
         elif rss:
-            line += f" {mib(growth(f))} / {mib(growth(lo))} |"
-        lines.append(line)
-    return "\n".join(lines) + "\n"
+            cells[-1].append(f"{mib(growth(f))} / {mib(growth(lo))}")
+    head = ["tokens", "full: cache", "full: chunk temp", "full: compress temp", "Locret: cache", "Locret: chunk temp",
+            "Locret: compress temp", "Locret/full (cache + chunk temp)"] + extra
+    return "\n".join(lines + markdown_table(head, cells, align="r" * len(head))) + "\n"
 
 
 if __name__ == "__main__":

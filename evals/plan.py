@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import json
 import math
 import os
 import re
@@ -43,6 +42,7 @@ import sys
 import time
 
 from kvjax.evals.hlo import Instruction, memory_bytes, parse_module, shape_bytes
+from kvjax.reports import number, table, write_report
 
 DEFAULT_METHODS = ("full,snapkv,streaming_llm,h2o,pyramidkv,hbw,quest,chunked_eviction,locret,hcattention,heterocache,"
                    "synckv,synckv:num_representatives=1")
@@ -477,7 +477,13 @@ def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, roo
 
 # ------------------------------------------------------------------------------------------------ report
 def _gib(x) -> str:
-    return "" if x is None else f"{x / GIB:.2f}"
+    return number(None if x is None else x / GIB, missing="")
+
+
+PLAN_COLUMNS = ["method", "budget", "prompt", "GiB/chip at batch 1", "GiB/row", "host GiB at batch 1", "max batch", "fits",
+                "bytes moved/step, GiB (batch 1)", "floor GiB", "projected ms/step (batch 1)", "÷ floor",
+                "vs full (batch 1)", "host → device MiB/step (batch 1)", "host link ms/step", "kernels/step (batch 1)",
+                "tokens/s at max batch", "vs full (max batch)", "compile s"]
 
 
 def render(report: dict) -> str:
@@ -516,16 +522,12 @@ def render(report: dict) -> str:
     for tname, rows in report["targets"].items():
         t = TARGETS[tname]
         lines += [f"## {tname}: {t.chips} chip(s), {t.memory_bytes / GIB:.0f} GiB and {t.bandwidth / 1e12:.2f} TB/s "
-                  f"per chip, mesh (data, model) = {tuple(report['meshes'][tname])}", "",
-                  "| method | budget | prompt | GiB/chip at batch 1 | GiB/row | host GiB at batch 1 | max batch | fits | "
-                  "bytes moved/step, GiB (batch 1) | floor GiB | projected ms/step (batch 1) | ÷ floor | "
-                  "vs full (batch 1) | host → device MiB/step (batch 1) | host link ms/step | "
-                  "kernels/step (batch 1) | tokens/s at max batch | vs full (max batch) | compile s |",
-                  "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"per chip, mesh (data, model) = {tuple(report['meshes'][tname])}", ""]
         full = {r["length"]: r for r in rows if r["method"] == "full" and "error" not in r}
+        cells = []
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['method']} | {r['budget']} | {r['length']} | {r['error']} ||||||||||||||||")
+                cells.append([r["method"], r["budget"], r["length"], r["error"]] + [""] * 15)
                 continue
             f = full.get(r["length"])
             speed = f"{f['step_s_b1'] / r['step_s_b1']:.2f}×" if f else ""
@@ -538,14 +540,13 @@ def render(report: dict) -> str:
             h2d = r.get("host_to_device_b1")  # absent in plans made before it was counted
             link = f"{h2d / t.host_bandwidth * 1e3:.2f}" if h2d is not None and t.host_bandwidth else ""
             xla = f" (XLA {_gib(r['xla_bytes_accessed_b1'])})" if r.get("xla_bytes_accessed_b1") is not None else ""
-            lines.append(
-                f"| {r['method']} | {r['budget']} | {r['length']} | {_gib(r['device_bytes_b1'])} | "
-                f"{_gib(r['per_row_bytes'] * r['batch1'])} | {_gib(r['host_bytes_b1'])} | {batch} | "
-                f"{fits} | {_gib(r['traffic_b1'])}{xla} | {_gib(r['floor_b1'])} | {r['step_s_b1'] * 1e3:.2f} | "
-                f"{r['step_s_b1'] / r['floor_s_b1']:.2f} | {speed} | {'' if h2d is None else f'{h2d / 2**20:.1f}'} | "
-                f"{link} | {r.get('kernels_b1', '')} | {'' if tps is None else f'{tps:.0f}'} | {tps_ratio} | "
-                f"{r['compile_s']:.0f} |")
-        lines.append("")
+            cells.append([
+                r["method"], r["budget"], r["length"], _gib(r["device_bytes_b1"]), _gib(r["per_row_bytes"] * r["batch1"]),
+                _gib(r["host_bytes_b1"]), batch, fits, _gib(r["traffic_b1"]) + xla, _gib(r["floor_b1"]),
+                f"{r['step_s_b1'] * 1e3:.2f}", f"{r['step_s_b1'] / r['floor_s_b1']:.2f}", speed,
+                number(None if h2d is None else h2d / 2**20, "{:.1f}", missing=""), link, r.get("kernels_b1", ""),
+                number(tps, "{:.0f}", missing=""), tps_ratio, f"{r['compile_s']:.0f}"])
+        lines += table(PLAN_COLUMNS, cells, align="llrrrrrlrrrrrrrrrrr") + [""]
     return "\n".join(lines)
 
 
@@ -618,10 +619,7 @@ def main(argv=None) -> int:
                         row["error"] = f"{type(e).__name__}: {e}".replace("|", "/").replace("\n", " ")[:240]
                     rows.append(row)
                     bar.update()
-                    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-                        json.dump(report, f, indent=1, default=str)
-                    with open(args.out, "w") as f:
-                        f.write(render(report))
+                    write_report(args.out, render(report), report)
     print(render(report))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -15,6 +15,9 @@ import os
 
 import numpy as np
 
+from kvjax.reports import MISSING, figure, number, save_figure, table
+from kvjax.reports import write_report as write_files
+
 DEPTH_BINS = 5
 SHORTFALL_POINTS = 5.0  # a method "falls short" when its mean, or any one task, is this many points below the full cache
 
@@ -169,14 +172,14 @@ def render_markdown(summary: dict, config: dict) -> str:
         lens = summary["lengths"]
         lines += ["## Accuracy (%)", ""]
         head = ["method", "budget"] + [c.replace("@", " @ ") for c in cols] + ["mean"] + [f"KV MiB @ {n}" for n in lens] + ["KV ÷ full"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+        rows = []
         for r in summary["rows"]:
-            cells = [r["method"], r["budget"]] + [f"{r['accuracy'][c]:.1f}" if c in r["accuracy"] else "—" for c in cols]
+            cells = [r["method"], r["budget"]] + [f"{r['accuracy'][c]:.1f}" if c in r["accuracy"] else MISSING for c in cols]
             cells += [f"**{r['mean_accuracy']:.1f}**"]
-            cells += [f"{r['device_bytes'][str(n)] / mib:.1f}" if str(n) in r["device_bytes"] else "—" for n in lens]
-            ratio = r["device_bytes_vs_full"]
-            cells += [f"{ratio:.3f}" if ratio is not None else "—"]
-            lines.append("| " + " | ".join(cells) + " |")
+            cells += [f"{r['device_bytes'][str(n)] / mib:.1f}" if str(n) in r["device_bytes"] else MISSING for n in lens]
+            cells += [number(r["device_bytes_vs_full"], "{:.3f}")]
+            rows.append(cells)
+        lines += table(head, rows, align="ll" + "r" * (len(head) - 2))
         if len(summary["mean_over"]) < len(cols):
             lines += ["", (f"Mean over the {len(summary['mean_over'])} of {len(cols)} task columns every row has for the same samples: "
                            + ", ".join(c.replace("@", " @ ") for c in summary["mean_over"]) + "."
@@ -193,22 +196,23 @@ def render_markdown(summary: dict, config: dict) -> str:
                   "cache's by those bounds and by the full cache's rounding of its buffer to 256-slot blocks.", ""]
     recalling = [r for r in summary["rows"] if "recall_trigger_rate" in r]
     if recalling:
-        lines += ["## Recall from host memory", "",
-                  "| method | budget | recall events per follower head and decode step | MiB recalled per sample | host MiB per sample |",
-                  "|---|---|---:|---:|---:|"]
+        lines += ["## Recall from host memory", ""]
+        rows = []
         for r in recalling:
             host_mib = np.mean(list(r["host_bytes"].values())) / mib if r["host_bytes"] else 0.0
-            lines.append(f"| {r['method']} | {r['budget']} | {r['recall_trigger_rate']:.3f} | "
-                         f"{r['bytes_recalled'] / mib:.1f} | {host_mib:.1f} |")
+            rows.append([r["method"], r["budget"], f"{r['recall_trigger_rate']:.3f}", f"{r['bytes_recalled'] / mib:.1f}",
+                         f"{host_mib:.1f}"])
+        lines += table(["method", "budget", "recall events per follower head and decode step", "MiB recalled per sample",
+                        "host MiB per sample"], rows, align="llrrr")
         lines += ["", "Averaged over the run's batches. A recall refreshes a follower head's region from its host copy; a "
                   "question prefilled onto the compressed cache may add one beyond the decode steps (rates above 1).", ""]
     if summary["fidelity"]:
-        lines += ["## Fidelity vs the full cache (teacher forcing on real prose)", "",
-                  "| method | budget | prefix tokens | continuation | KL(full ‖ method) nats/token | top-1 agreement | NLL nats/token | KV MiB |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
-        for r in summary["fidelity"]:
-            lines.append(f"| {r['method']} | {r['budget']} | {r['prefix_tokens']} | {r['continuation_tokens']} | "
-                         f"{r['kl']:.4f} | {100 * r['top1']:.1f}% | {r['nll']:.3f} | {r['device_bytes'] / r['texts'] / mib:.1f} |")
+        lines += ["## Fidelity vs the full cache (teacher forcing on real prose)", ""]
+        lines += table(["method", "budget", "prefix tokens", "continuation", "KL(full ‖ method) nats/token",
+                        "top-1 agreement", "NLL nats/token", "KV MiB"],
+                       [[r["method"], r["budget"], r["prefix_tokens"], r["continuation_tokens"], f"{r['kl']:.4f}",
+                         f"{100 * r['top1']:.1f}%", f"{r['nll']:.3f}", f"{r['device_bytes'] / r['texts'] / mib:.1f}"]
+                        for r in summary["fidelity"]], align="llrrrrrr")
         lines += ["", "KL and top-1 compare each step's next-token distribution with the full cache's; NLL is the "
                   "method's loss on the true next token (the full cache's row is the reference). KV MiB includes the room "
                   "for the teacher-forced continuation, so a budget's bytes exceed the task table's. Averaged over "
@@ -233,12 +237,8 @@ def render_markdown(summary: dict, config: dict) -> str:
 def plot_accuracy_vs_bytes(points: dict, full_accuracy, path: str, title: str) -> None:
     """Mean accuracy against device bytes ÷ the full cache's (log): one line per label over its ``(ratio, accuracy)``
     points, the full cache as a star at 1."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5.6))
+    fig = figure((7.5, 5.6))
+    ax = fig.subplots()
     markers = "osD^vP<>Xh*p"
     for i, (label, pts) in enumerate(p for p in points.items() if p[1]):
         pts = sorted(pts)
@@ -253,24 +253,19 @@ def plot_accuracy_vs_bytes(points: dict, full_accuracy, path: str, title: str) -
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110, tight=False)
 
 
 def plot(summary: dict, out_dir: str) -> list[str]:
     """Write ``accuracy_vs_budget.png``, ``accuracy_vs_bytes.png`` and ``depth_heatmap.png``; returns the paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     paths = []
     rows = summary["rows"]
     if not rows:
         return paths
     full = next((r for r in rows if r["method"] == "full"), None)
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "full"]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig = figure((6.5, 4.2))
+    ax = fig.subplots()
     for m in methods:
         pts = sorted((float(r["budget"]), r["mean_accuracy"]) for r in rows if r["method"] == m)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
@@ -283,9 +278,7 @@ def plot(summary: dict, out_dir: str) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, "accuracy_vs_budget.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, os.path.join(out_dir, "accuracy_vs_budget.png"), dpi=110, tight=False))
 
     points = {m: [(r["device_bytes_vs_full"], r["mean_accuracy"]) for r in rows
                   if r["method"] == m and r["device_bytes_vs_full"] is not None] for m in methods}
@@ -296,8 +289,8 @@ def plot(summary: dict, out_dir: str) -> list[str]:
     budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=_budget_key)
     names = (["full"] if full is not None else []) + methods
     ncols = max(len(budgets), 1)
-    fig, axes = plt.subplots(len(names), ncols, figsize=(2.4 * ncols + 1.2, 1.9 * len(names) + 0.6), squeeze=False,
-                             constrained_layout=True)
+    fig = figure((2.4 * ncols + 1.2, 1.9 * len(names) + 0.6), layout="constrained")
+    axes = fig.subplots(len(names), ncols, squeeze=False)
     lens = summary["lengths"]
     image = None
     for i, m in enumerate(names):
@@ -316,9 +309,7 @@ def plot(summary: dict, out_dir: str) -> list[str]:
                 ax.set_ylabel("depth", fontsize=7)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="accuracy (%)")
-    paths.append(os.path.join(out_dir, "depth_heatmap.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    paths.append(save_figure(fig, os.path.join(out_dir, "depth_heatmap.png"), dpi=100, tight=False))
     return paths
 
 
@@ -331,11 +322,9 @@ def write_report(out_dir: str) -> dict:
     records = read_jsonl(os.path.join(out_dir, "samples.jsonl"))
     fidelity = read_jsonl(os.path.join(out_dir, "fidelity.jsonl"))
     summary = summarize(records, fidelity, config)
-    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump({"config": config, **summary}, f, indent=1)
     plot(summary, out_dir)
-    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
-        f.write(render_markdown(summary, config))
+    write_files(os.path.join(out_dir, "README.md"), render_markdown(summary, config), {"config": config, **summary},
+                json_path=os.path.join(out_dir, "summary.json"))
     return summary
 
 
