@@ -167,13 +167,11 @@ def demo_cells(rows) -> list[list[str]]:
 
 def demo_png(rows, path, title: str) -> None:
     """The demo table as a PNG (for the README)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from kvjax.reports import figure, save_figure
 
     cells = demo_cells(rows)
     head, body = cells[0], cells[2:]
-    fig = Figure(figsize=(11, 0.22 * (len(body) + 2)))
-    FigureCanvasAgg(fig)
+    fig = figure((11, 0.22 * (len(body) + 2)))
     ax = fig.add_subplot(1, 1, 1)
     ax.axis("off")
     ax.set_title(title, fontsize=9, loc="left")
@@ -184,7 +182,7 @@ def demo_png(rows, path, title: str) -> None:
     for (i, j), cell in table.get_celld().items():
         if i > 0 and body[i - 1][3] == "NO":
             cell.set_facecolor("#fde0dc")
-    fig.savefig(path, dpi=130, bbox_inches="tight")
+    save_figure(fig, path, dpi=130)
 
 
 def cmd_demo(args) -> int:

@@ -15,13 +15,15 @@ matrices of a few groups.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from kvjax.reports import figure, save_figure, table
+from kvjax.reports import write_report as write_files
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -144,25 +146,20 @@ def write_report(report: Path, calibrator, stats, art, cfg, *, command: str, wal
     lines += ["", f"Stability (median overlap with the prefill set): mean {stats.stability.mean():.3f}, "
               f"min {stats.stability.min():.3f}, max {stats.stability.max():.3f}.",
               f"Similarity score S_sim: mean {stats.similarity.mean():.3f}.", ""]
-    (report / "summary.md").write_text("\n".join(lines) + "\n")
-    (report / "stats.json").write_text(json.dumps({
+    write_files(report / "summary.md", "\n".join(lines) + "\n", {
         "stability": np.round(stats.stability, 4).tolist(), "similarity": np.round(stats.similarity, 4).tolist(),
         "stability_curve_mean": np.round(stats.stability_curve.mean(axis=(1, 2)), 4).tolist(),
         "group_layers": group, "topk": stats.topk, "samples": stats.samples, "decode_steps": stats.decode_steps,
-    }, indent=1) + "\n")
+    }, json_path=report / "stats.json")
     plot(report, calibrator, stats, art)
     return lines
 
 
 def plot(report: Path, calibrator, stats, art) -> None:
     """roles.png (per-layer classes), stability.png (per head), similarity.png (a few groups)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     L, H = stats.stability.shape
     kind = calibrator.kind
-    fig = Figure(figsize=(10, 3.5))
-    FigureCanvasAgg(fig)
+    fig = figure((10, 3.5))
     ax = fig.add_subplot(1, 1, 1)
     classes, roles = calibrator.layer_roles(art)
     bottom = np.zeros(L)
@@ -174,10 +171,9 @@ def plot(report: Path, calibrator, stats, art) -> None:
     ax.set_ylabel("KV heads")
     ax.set_title(f"{kind}: head roles per layer (groups of {stats.group_layers} layer(s))")
     ax.legend(loc="upper right", fontsize=8)
-    fig.savefig(report / "roles.png", dpi=110, bbox_inches="tight")
+    save_figure(fig, report / "roles.png", dpi=110)
 
-    fig = Figure(figsize=(10, 3.5))
-    FigureCanvasAgg(fig)
+    fig = figure((10, 3.5))
     ax = fig.add_subplot(1, 2, 1)
     im = ax.imshow(stats.stability.T, aspect="auto", vmin=0, vmax=1, cmap="viridis")
     ax.set_xlabel("layer")
@@ -193,12 +189,11 @@ def plot(report: Path, calibrator, stats, art) -> None:
     ax.set_ylabel("overlap with prefill set")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
-    fig.savefig(report / "stability.png", dpi=110, bbox_inches="tight")
+    save_figure(fig, report / "stability.png", dpi=110)
 
     groups = stats.groups()
     pick = sorted({0, len(groups) // 2, len(groups) - 1})
-    fig = Figure(figsize=(4 * len(pick), 3.6))
-    FigureCanvasAgg(fig)
+    fig = figure((4 * len(pick), 3.6))
     for i, gi in enumerate(pick):
         ax = fig.add_subplot(1, len(pick), i + 1)
         im = ax.imshow(stats.sim_mean[gi], vmin=0, vmax=1, cmap="magma")
@@ -207,7 +202,7 @@ def plot(report: Path, calibrator, stats, art) -> None:
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         ax.set_title(f"group {gi}: mean overlap", fontsize=9)
     fig.colorbar(im, ax=fig.axes)
-    fig.savefig(report / "similarity.png", dpi=110, bbox_inches="tight")
+    save_figure(fig, report / "similarity.png", dpi=110)
 
 
 # ------------------------------------------------------------------------------------- hcattention
@@ -405,23 +400,18 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
                   f"{np.mean(held_err['attention_tv']):.4f}; exact attention mass of the top-p (tau = {HC_TAU}) set "
                   f"chosen from quantized scores, mean {np.mean(held_err['top_p_mass']):.4f} (exact scores would "
                   f"give >= {HC_TAU})"]
-    lines += ["", "Per layer (errors are means over KV heads; attention over all query heads):", "",
-              "| layer | rel. error (train) | rel. error (held-out) | centred error (held-out) | attention TV | "
-              "top-p mass | unused centroids |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "Per layer (errors are means over KV heads; attention over all query heads):", ""]
+    columns = [(train_err, "relative_error", ".4f"), (held_all, "relative_error", ".4f"),
+               (held_all, "centred_error", ".4f"), (held_err, "attention_tv", ".4f"), (held_err, "top_p_mass", ".4f"),
+               (ref, "unused_centroids", ".1%")]
 
-    def cell(err, key, l, fmt=".4f"):
-        return format(err[key][l], fmt) if err and key in err else "-"
+    def cells(label, value):
+        """One table row: ``value(numbers)`` of every column, ``-`` where the errors lack it."""
+        return [label] + [format(value(err[key]), fmt) if err and key in err else "-" for err, key, fmt in columns]
 
-    for l in range(L):
-        lines.append(f"| {l} | {train_err['relative_error'][l]:.4f} | {cell(held_all, 'relative_error', l)} | "
-                     f"{cell(held_all, 'centred_error', l)} | "
-                     f"{cell(held_err, 'attention_tv', l)} | {cell(held_err, 'top_p_mass', l)} | "
-                     f"{cell(ref, 'unused_centroids', l, '.1%')} |")
-    mean = lambda err, key, fmt=".4f": format(np.mean(err[key]), fmt) if err and key in err else "-"  # noqa: E731
-    lines.append(f"| mean | {mean(train_err, 'relative_error')} | {mean(held_all, 'relative_error')} | "
-                 f"{mean(held_all, 'centred_error')} | "
-                 f"{mean(held_err, 'attention_tv')} | {mean(held_err, 'top_p_mass')} | "
-                 f"{mean(ref, 'unused_centroids', '.1%')} |")
+    lines += table(["layer", "rel. error (train)", "rel. error (held-out)", "centred error (held-out)", "attention TV",
+                    "top-p mass", "unused centroids"],
+                   [cells(l, lambda v, l=l: v[l]) for l in range(L)] + [cells("mean", np.mean)], align="r" * 7)
     lines += ["", "Differences from the paper (HCAttention Sec. 4.1, 4.3.3): it fits scikit-learn's MiniBatchKMeans on 3 "
               "LongBench samples (at most 200 passes over the data, batch 10,000, early stopping) for Llama models "
               "with D = 128, and its best key configuration is g = 32 groups (4 dims) with c = 8192 centroids "
@@ -432,7 +422,6 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
     lines += ["", "Plots: `error.png` (key errors per layer and head; attention errors per layer), `attention.png` "
               f"(HCAttention Fig. 4: attention probabilities of the query at position {HC_FIG_KEYS - 1} of the held-out "
               f"sample over the {HC_FIG_KEYS} keys up to it, exact vs quantized keys, four layers)."]
-    (report / "summary.md").write_text("\n".join(lines) + "\n")
     stats = {"model": cfg.name, "groups": g, "centroids": c, "sub_dim": d, "samples": args.samples,
              "heldout_samples": args.heldout, "train_error_samples": args.train_error_samples, "tokens": args.tokens,
              "iterations": args.iterations, "batch": args.batch,
@@ -442,7 +431,7 @@ def write_hcattention_report(report: Path, cfg, args, *, g: int, c: int, command
              "code_bytes_per_token_per_head": code_b, "f32_key_bytes_per_token_per_head": 4 * D,
              "train": train_err, "heldout": held_all, "heldout_attention": held_err,
              "heldout_mean_error_float32_codebooks": f32_err}
-    (report / "stats.json").write_text(json.dumps(stats, indent=1, default=float) + "\n")
+    write_files(report / "summary.md", "\n".join(lines) + "\n", stats, json_path=report / "stats.json")
     plot_hcattention(report, cfg, g=g, c=c, train_err=train_err, held_all=held_all, held_err=held_err,
                      fig_keys=fig_keys, fig_queries=fig_queries, codebooks=codebooks)
     return lines
@@ -453,14 +442,11 @@ def plot_hcattention(report: Path, cfg, *, g, c, train_err, held_all, held_err, 
     """error.png (key and attention errors per layer) and attention.png (HCAttention Fig. 4: ``fig_queries``
     ``[L, H_q, 1, D]``, the query at the last of the keys ``fig_keys [L, H_kv, n, D]``, over those keys)."""
     import jax.numpy as jnp
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     from kvjax.pq_codebooks import decode_keys, encode_keys
 
     L, H = cfg.num_layers, cfg.num_kv_heads
-    fig = Figure(figsize=(11, 3.8))
-    FigureCanvasAgg(fig)
+    fig = figure((11, 3.8))
     ax = fig.add_subplot(1, 2, 1)
     layers = np.arange(L)
     ax.plot(layers, train_err["relative_error"], "o-", label="training keys (mean over heads)")
@@ -487,14 +473,13 @@ def plot_hcattention(report: Path, cfg, *, g, c, train_err, held_all, held_err, 
         ax.legend(fontsize=8)
     ax.set_xlabel("layer")
     ax.set_title(f"attention error, held-out queries (g={g}, c={c})", fontsize=10)
-    fig.savefig(report / "error.png", dpi=110, bbox_inches="tight")
+    save_figure(fig, report / "error.png", dpi=110)
 
     if fig_queries is None:
         return
     pick = sorted({0, L // 3, (2 * L) // 3, L - 1})
     n, D = fig_keys.shape[2], fig_keys.shape[3]
-    fig = Figure(figsize=(12, 2.6 * len(pick)))
-    FigureCanvasAgg(fig)
+    fig = figure((12, 2.6 * len(pick)))
     for i, l in enumerate(pick):
         kq = np.asarray(decode_keys(encode_keys(jnp.asarray(fig_keys[l][None]), jnp.asarray(codebooks[l])),
                                     jnp.asarray(codebooks[l])))[0]
@@ -517,4 +502,4 @@ def plot_hcattention(report: Path, cfg, *, g, c, train_err, held_all, held_err, 
     fig.axes[-1].set_xlabel("key position")
     fig.suptitle(f"{cfg.name}: attention probabilities, exact vs PQ keys (g={g}, c={c})", fontsize=11)
     fig.tight_layout()
-    fig.savefig(report / "attention.png", dpi=110, bbox_inches="tight")
+    save_figure(fig, report / "attention.png", dpi=110)

@@ -128,6 +128,8 @@ def write_report(out: Path, metrics: dict, argv, model_id: str) -> None:
     """``report.md``: the command, data size, steps, wall times, held-out top-10% overlap, the loss plot."""
     import sys
 
+    from kvjax.reports import write_report as write_files
+
     cmd = "kvjax train-locret " + " ".join(argv if argv is not None else sys.argv[1:])
     ev = metrics["eval"]
     first, last = (ev[0], ev[-1]) if ev else ({}, {})
@@ -152,7 +154,7 @@ def write_report(out: Path, metrics: dict, argv, model_id: str) -> None:
          "logits) dominate it; the overlap is scale-free"), "",
         "![loss](loss.png)", "",
     ]
-    (out / "report.md").write_text("\n".join(lines))
+    write_files(out / "report.md", "\n".join(lines))
 
 
 __all__ = ["build_parser", "main", "write_report"]

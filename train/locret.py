@@ -44,6 +44,7 @@ import numpy as np
 import optax
 
 from kvjax.artifacts import save_artifact
+from kvjax.reports import figure, save_figure
 from kvjax.retaining_heads import apply_head, heads_artifact, init_heads
 from kvjax.train.dataset import open_dataset
 
@@ -274,12 +275,8 @@ def train(dataset, out, cfg: TrainConfig = TrainConfig(), *, resume: bool = True
 
 def plot_history(history: dict, path, title: str) -> None:
     """Training loss (raw and a 50-step mean) and held-out loss / top-10% overlap against steps, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig = figure((10, 3.8))
+    a, b = fig.subplots(1, 2)
     steps, loss = np.asarray(history["step"]), np.asarray(history["loss"])
     a.plot(steps, loss, alpha=0.3, label="train (per step)")
     if len(loss) >= 50:
@@ -292,8 +289,7 @@ def plot_history(history: dict, path, title: str) -> None:
     b.set_xlabel("step"), b.set_ylabel("held-out top-10% overlap"), b.set_ylim(0, 1)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110, tight=False)
 
 
 __all__ = ["TrainConfig", "LABEL_NORMS", "standardize_labels", "smooth_l1", "predict", "loss_fn", "top_overlap",
