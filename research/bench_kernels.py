@@ -24,7 +24,6 @@ message saying so).  Results: a Markdown table at ``--out`` and JSON next to it 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -40,6 +39,7 @@ from kvjax.pallas_kernels.paged_attention import (
     paged_decode_attention_reference,
 )
 from kvjax.pallas_kernels.pq_attention import pq_scores
+from kvjax.reports import number, table, write_report
 
 DEFAULT_TOKENS = (4096, 8192, 16384, 32768, 65536, 131072)
 DEFAULT_PQ = ("16x256", "32x256", "32x1024", "64x4096")  # g x c at D=128
@@ -215,7 +215,8 @@ def bench_pq(args, forms, impl, dev_bw, log):
     return rows
 
 
-def _markdown(result) -> str:
+def markdown(result) -> str:
+    """The Markdown report: the paged-attention table, then the PQ-scoring one."""
     lines = [f"# Kernel benchmark ({result['backend']}: {result['device']})", "",
              f"Command: `{result['command']}`  ", f"jax {result['jax_version']}; "
              f"copy bandwidth {result['copy_bandwidth_GBps']:.1f} GB/s (x+1 over "
@@ -227,31 +228,26 @@ def _markdown(result) -> str:
     lines += [f"## Paged decode attention (H_kv={cfg['kv_heads']}, G={cfg['group']}, D={cfg['head_dim']}, "
               f"page={cfg['page_size']})", "",
               "bytes = K+V of the attended tokens; time_vs_dense = time / dense XLA attention "
-              f"over the same tokens; nominal bandwidth {nominal or '-'} GB/s.", "",
-              "| tokens | batch | dtype | impl | time (us) | GB/s | frac of copy bw | frac of nominal bw | time vs dense |",
-              "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
-
-    def frac(x):
-        return "" if x is None else f"{x:.1%}"
-
+              f"over the same tokens; nominal bandwidth {nominal or '-'} GB/s.", ""]
+    rows = []
     for r in result["paged"]:
         if "error" in r:
-            lines.append(f"| {r['tokens']} | {r['batch']} | {r['dtype']} | {r['impl']} | failed: {r['error']} |||||")
+            rows.append([r["tokens"], r["batch"], r["dtype"], r["impl"], f"failed: {r['error']}"] + [""] * 4)
             continue
-        vs = r.get("time_vs_dense")
-        lines.append(f"| {r['tokens']} | {r.get('batch', cfg['batch'])} | {r.get('dtype', 'bfloat16')} | {r['impl']} | "
-                     f"{r['time_us']:.1f} | {r['GBps']:.1f} | {r['frac_of_copy_bw']:.1%} | "
-                     f"{frac(r.get('frac_of_nominal_bw'))} | {'' if vs is None else f'{vs:.2f}'} |")
+        rows.append([r["tokens"], r.get("batch", cfg["batch"]), r.get("dtype", "bfloat16"), r["impl"],
+                     f"{r['time_us']:.1f}", f"{r['GBps']:.1f}", f"{r['frac_of_copy_bw']:.1%}",
+                     number(r.get("frac_of_nominal_bw"), "{:.1%}", missing=""),
+                     number(r.get("time_vs_dense"), missing="")])
+    lines += table(["tokens", "batch", "dtype", "impl", "time (us)", "GB/s", "frac of copy bw", "frac of nominal bw",
+                    "time vs dense"], rows, align="rrllrrrrr")
     lines += ["", f"## PQ scoring with softmax stats (D=128, B={cfg['pq_batch']}, "
               f"H_kv={cfg['kv_heads']}, G={cfg['group']})", "",
               "bytes = PQ codes read (dense row: bf16 K read); time_vs_dense = time / dense "
-              "q.K (+ max/sum) over bf16 keys.", "",
-              "| tokens | impl | config | time (us) | GB/s | frac of copy bw | time vs dense |",
-              "|---:|---|---|---:|---:|---:|---:|"]
-    for r in result["pq"]:
-        lines.append(f"| {r['tokens']} | {r['impl']} | {r['config']} | {r['time_us']:.1f} | "
-                     f"{r['GBps']:.2f} | {r['frac_of_copy_bw']:.1%} | "
-                     f"{r['time_vs_dense']:.2f} |")
+              "q.K (+ max/sum) over bf16 keys.", ""]
+    lines += table(["tokens", "impl", "config", "time (us)", "GB/s", "frac of copy bw", "time vs dense"],
+                   [[r["tokens"], r["impl"], r["config"], f"{r['time_us']:.1f}", f"{r['GBps']:.2f}",
+                     f"{r['frac_of_copy_bw']:.1%}", f"{r['time_vs_dense']:.2f}"] for r in result["pq"]],
+                   align="rllrrrr")
     return "\n".join(lines) + "\n"
 
 
@@ -344,11 +340,7 @@ def main(argv=None):
                     head_dim=args.head_dim, page_size=args.page_size,
                     pages_per_block=args.pages_per_block, dtypes=args.dtypes),
         paged=paged, pq=pq)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(_markdown(result))
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump(result, f, indent=1)
+    write_report(out, markdown(result), result)
     log(f"wrote {out} and {os.path.splitext(out)[0]}.json")
     return result
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -30,6 +29,8 @@ import time
 
 import jax
 import numpy as np
+
+from kvjax.reports import table, write_report
 
 DEFAULT_OUT = "docs/results/hcattention_encode/encode_cpu.md"
 
@@ -92,17 +93,11 @@ def main(argv=None) -> int:
           f"- keys `[{args.rows}, {args.kv_heads}, {args.tokens}, {args.head_dim}]`, g = {args.groups} "
           f"({args.head_dim // args.groups} dims per group), c = {args.centroids}; random (seed {args.seed}); one "
           f"layer's encoding, best of {args.repeats} runs after a compiling one",
-          "- codes differing: against the dot form at the largest block", "",
-          "| form | block MiB | s per layer | speed-up vs dot at the largest block | codes differing |",
-          "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        md.append(f"| {r['form']} | {r['block_mib']} | {r['seconds']:.3f} | {base / r['seconds']:.1f}× | "
-                  f"{r['codes_differing']} of {r['codes']:,} |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(md) + "\n")
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump({"args": vars(args), "jax": jax.__version__, "rows": rows}, f, indent=1)
+          "- codes differing: against the dot form at the largest block", ""]
+    md += table(["form", "block MiB", "s per layer", "speed-up vs dot at the largest block", "codes differing"],
+                [[r["form"], r["block_mib"], f"{r['seconds']:.3f}", f"{base / r['seconds']:.1f}×",
+                  f"{r['codes_differing']} of {r['codes']:,}"] for r in rows], align="lrrrr")
+    write_report(args.out, "\n".join(md) + "\n", {"args": vars(args), "jax": jax.__version__, "rows": rows})
     print(f"wrote {args.out}")
     return 0
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import sys
 import time
+
+from kvjax.reports import number, table, write_report
 
 # HeteroCache twice: drift never triggers (tau_drift=0) and triggers at nearly every check (tau_drift=1, every window)
 DEFAULT_METHODS = ("full,snapkv,hbw,locret,hcattention,heterocache:tau_drift=0.0,heterocache:tau_drift=1.0,"
@@ -187,10 +188,6 @@ def compare_prefill(args) -> dict:
     return {"rows": rows, "device": jax.devices()[0].device_kind}
 
 
-def _f(x, fmt="{:.2f}"):
-    return "" if x is None else fmt.format(x)
-
-
 def render(report: dict) -> str:
     """The Markdown table."""
     a = report["args"]
@@ -200,35 +197,34 @@ def render(report: dict) -> str:
              "decode steps after a warm run", ""]
     if report.get("compare_prefill"):
         lines += ["Decode ms/step from a cache made by a real prefill and from the synthetic cache "
-                  "(`kvjax.evals.synthetic.filled_cache`), same method, length and shapes.", "",
-                  "| method | budget | prompt | real prefill ms/step | synthetic ms/step | synthetic ÷ real |",
-                  "|---|---|---:|---:|---:|---:|"]
-        for r in report["rows"]:
-            lines.append(f"| {r['method']} | {r['budget']} | {r['length']} | {r['prefill_step_ms']:.2f} | "
-                         f"{r['synthetic_step_ms']:.2f} | {r['synthetic_step_ms'] / r['prefill_step_ms']:.2f} |")
+                  "(`kvjax.evals.synthetic.filled_cache`), same method, length and shapes.", ""]
+        lines += table(["method", "budget", "prompt", "real prefill ms/step", "synthetic ms/step", "synthetic ÷ real"],
+                       [[r["method"], r["budget"], r["length"], f"{r['prefill_step_ms']:.2f}", f"{r['synthetic_step_ms']:.2f}",
+                         f"{r['synthetic_step_ms'] / r['prefill_step_ms']:.2f}"] for r in report["rows"]], align="llrrrr")
         return "\n".join(lines) + "\n"
-    lines += [f"- nominal HBM bandwidth {_f(report['nominal_bandwidth'] and report['nominal_bandwidth'] / 1e12)} TB/s, "
-              f"copy probe {_f(report['probe_bandwidth'] and report['probe_bandwidth'] / 1e12)} TB/s; plan: "
-              f"`{a['plan'] or '-'}`", "",
-              "| method | budget | prompt | batch | ms/step | tokens/s | vs full (speed) | vs full (tokens/s) | "
-              "÷ limit (nominal) | ÷ limit (probe) | plan ms/step | measured ÷ plan | build s | compile s |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f2(x, fmt="{:.2f}"):
+        return number(x, fmt, missing="")
+
+    lines += [f"- nominal HBM bandwidth {f2(report['nominal_bandwidth'] and report['nominal_bandwidth'] / 1e12)} TB/s, "
+              f"copy probe {f2(report['probe_bandwidth'] and report['probe_bandwidth'] / 1e12)} TB/s; plan: "
+              f"`{a['plan'] or '-'}`", ""]
     full = {(r["length"], r["batch_kind"]): r for r in report["rows"] if r["method"] == "full" and "step_ms" in r}
+    rows = []
     for r in report["rows"]:
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['budget']} | {r['length']} | {r.get('batch', '')} | {r['error']} "
-                         "||||||||||")
+            rows.append([r["method"], r["budget"], r["length"], r.get("batch", ""), r["error"]] + [""] * 9)
             continue
         f = full.get((r["length"], r["batch_kind"]))
-        lines.append(
-            f"| {r['method']} | {r['budget']} | {r['length']} | {r['batch']} | {r['step_ms']:.2f} | "
-            f"{r['tokens_per_s']:.0f} | {_f(f and f['step_ms'] / r['step_ms'], '{:.2f}×')} | "
-            f"{_f(f and r['tokens_per_s'] / f['tokens_per_s'], '{:.2f}×')} | "
-            f"{_f(r.get('limit_nominal_ms') and r['step_ms'] / r['limit_nominal_ms'])} | "
-            f"{_f(r.get('limit_probe_ms') and r['step_ms'] / r['limit_probe_ms'])} | {_f(r.get('plan_step_ms'))} | "
-            f"{_f(r.get('plan_step_ms') and r['step_ms'] / r['plan_step_ms'])} | {r['build_s']:.1f} | "
-            f"{r['compile_s']:.1f} |")
-    return "\n".join(lines) + "\n"
+        rows.append([
+            r["method"], r["budget"], r["length"], r["batch"], f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.0f}",
+            f2(f and f["step_ms"] / r["step_ms"], "{:.2f}×"), f2(f and r["tokens_per_s"] / f["tokens_per_s"], "{:.2f}×"),
+            f2(r.get("limit_nominal_ms") and r["step_ms"] / r["limit_nominal_ms"]),
+            f2(r.get("limit_probe_ms") and r["step_ms"] / r["limit_probe_ms"]), f2(r.get("plan_step_ms")),
+            f2(r.get("plan_step_ms") and r["step_ms"] / r["plan_step_ms"]), f"{r['build_s']:.1f}", f"{r['compile_s']:.1f}"])
+    head = ["method", "budget", "prompt", "batch", "ms/step", "tokens/s", "vs full (speed)", "vs full (tokens/s)",
+            "÷ limit (nominal)", "÷ limit (probe)", "plan ms/step", "measured ÷ plan", "build s", "compile s"]
+    return "\n".join(lines + table(head, rows, align="ll" + "r" * 12)) + "\n"
 
 
 def main(argv=None) -> int:
@@ -260,14 +256,10 @@ def main(argv=None) -> int:
 
     report = {"command": "python -m research.bench_scale " + shlex.join(argv), "args": vars(args), "jax": jax.__version__,
               "date": _now(), "compare_prefill": args.compare_prefill}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     def save(part):
         report.update(part)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        with open(args.out, "w") as f:
-            f.write(render(report))
+        write_report(args.out, render(report), report)
 
     save(compare_prefill(args) if args.compare_prefill else measure(args, save))
     print(render(report))

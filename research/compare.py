@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Sequence
 
+from kvjax.reports import table, write_report
 
 ROW_FIELDS = ("value_rows_per_head_per_call", "value_rows_fetched_per_head_per_call")
 
@@ -52,36 +53,34 @@ def compare_runs(old_dir: str, new_dir: str, same_method: Sequence[tuple[str, st
     lines = [f"# `{os.path.basename(os.path.normpath(new_dir))}` vs `{os.path.basename(os.path.normpath(old_dir))}`", "",
              f"{len(shared)} shared records ({len(new)} in the new run, {len(old)} in the old one).", "",
              *[f"Matched as one method: `{n}` (new run) with `{o}` (old run), shown as `{o}`." for n, o in same_method],
-             *([""] if same_method else []),
-             "| method | budget | records | old accuracy % | new accuracy % | identical answers |",
-             "|---|---|---:|---:|---:|---:|"]
-    for (m, b), (o, n, c, same) in sorted(acc.items(), key=lambda x: (x[0][0] != "full", x[0])):
-        lines.append(f"| {m} | {b} | {c} | {100 * o / c:.1f} | {100 * n / c:.1f} | {same} |")
+             *([""] if same_method else [])]
+    lines += table(["method", "budget", "records", "old accuracy %", "new accuracy %", "identical answers"],
+                   [[m, b, c, f"{100 * o / c:.1f}", f"{100 * n / c:.1f}", same]
+                    for (m, b), (o, n, c, same) in sorted(acc.items(), key=lambda x: (x[0][0] != "full", x[0]))],
+                   align="llrrrr")
     if rows:
         lines += ["", "## Value rows per (row, KV head) and decode call", "",
                   "Selected: the union of the call's selections; fetched: the rows summed on the host or moved to the "
-                  "device. Means over the shared records (each a batch's mean over its calls).", "",
-                  "| method | budget | old selected | old fetched | old ÷ selected | new selected | new fetched | "
-                  "new ÷ selected |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "device. Means over the shared records (each a batch's mean over its calls).", ""]
 
         def cells(cell, run):
             """Mean rows selected, fetched and their ratio in ``run`` (empty where its records lack the field)."""
             sel, got = cell.get((run, ROW_FIELDS[0]), []), cell.get((run, ROW_FIELDS[1]), [])
             mean = [f"{sum(v) / len(v):.1f}" if v else "" for v in (sel, got)]
             ratio = f"{sum(got) / sum(sel):.2f}" if sel and got and sum(sel) else ""
-            return " | ".join([*mean, ratio])
+            return [*mean, ratio]
 
-        for (m, b), cell in sorted(rows.items()):
-            lines.append(f"| {m} | {b} | {cells(cell, 'old')} | {cells(cell, 'new')} |")
+        lines += table(["method", "budget", "old selected", "old fetched", "old ÷ selected", "new selected", "new fetched",
+                        "new ÷ selected"], [[m, b, *cells(cell, "old"), *cells(cell, "new")]
+                                            for (m, b), cell in sorted(rows.items())], align="ll" + "r" * 6)
     changed = [k for k in shared if old[k]["output"] != new[k]["output"]]
     lines += ["", f"## Changed answers ({len(changed)})", ""]
     if changed:
-        lines += ["| task | index | method | budget | old score | new score | old output | new output | old / new device bytes |",
-                  "|---|---:|---|---|---:|---:|---|---|---|"]
-        for k in sorted(changed):
-            o, n = old[k], new[k]
-            lines.append(f"| {k[0]} | {k[2]} | {k[3]} | {k[4]} | {o['score']:g} | {n['score']:g} | `{o['output'][:40]!r}` | "
-                         f"`{n['output'][:40]!r}` | {o['device_bytes']} / {n['device_bytes']} |")
+        lines += table(["task", "index", "method", "budget", "old score", "new score", "old output", "new output",
+                        "old / new device bytes"],
+                       [[k[0], k[2], k[3], k[4], f"{old[k]['score']:g}", f"{new[k]['score']:g}", f"`{old[k]['output'][:40]!r}`",
+                         f"`{new[k]['output'][:40]!r}`", f"{old[k]['device_bytes']} / {new[k]['device_bytes']}"]
+                        for k in sorted(changed)], align="lrllrrlll")
     return "\n".join(lines) + "\n"
 
 
@@ -96,8 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     text = compare_runs(args.old, args.new, [tuple(pair) for pair in args.same_method])
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+        write_report(args.out, text)
     else:
         sys.stdout.write(text)
     return 0

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.methods import HCAttention, parse_method_spec
+from kvjax.reports import figure, number, save_figure, write_report
+from kvjax.reports import table as markdown_table
 
 DEFAULT_TAU = {f.name: f.default for f in dataclasses.fields(HCAttention)}["tau"]
 
@@ -69,25 +71,20 @@ def rows(run_dirs) -> list[dict]:
 def table(all_rows, tasks) -> list[str]:
     """Markdown table lines, full caches first, then by run, key representation and tau."""
     head = ["run", "method", "budget", "keys", "tau", "prompts"] + list(tasks) + ["mean", "tokens selected", "device MiB"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 6 + "---:|" * (len(tasks) + 3)]
     order = sorted(all_rows, key=lambda r: (r["tau"] is not None, r["run"], r["keys"], r["tau"] or 0))
+    rows = []
     for r in order:
-        cells = [r["run"], f"`{r['method']}`", r["budget"], r["keys"], "–" if r["tau"] is None else f"{r['tau']:g}",
-                 str(r["prompts"])]
+        cells = [r["run"], f"`{r['method']}`", r["budget"], r["keys"], number(r["tau"], "{:g}", missing="–"), r["prompts"]]
         cells += [f"{r['per_task'][t]:.1f}" if t in r["per_task"] else "–" for t in tasks]
         cells += [f"**{r['mean']:.1f}**", f"{100 * r['selection_ratio']:.1f}%", f"{r['device_mib']:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return markdown_table(head, rows, align="l" * 6 + "r" * (len(tasks) + 3))
 
 
 def plot(all_rows, path: Path) -> None:
     """Fraction of prompt tokens selected per layer, one line per HCAttention configuration (the paper's Fig. 3)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = figure((8, 4.5))
+    ax = fig.subplots()
     for r in all_rows:
         if r["selection_per_layer"]:
             ax.plot(100 * np.asarray(r["selection_per_layer"]), marker=".",
@@ -98,8 +95,7 @@ def plot(all_rows, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120, tight=False)
 
 
 def main(argv=None) -> int:
@@ -126,7 +122,7 @@ def main(argv=None) -> int:
     if args.plot:
         plot(all_rows, Path(args.plot))
         lines += ["", f"![selection ratio per layer]({Path(args.plot).name})"]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    write_report(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -18,6 +18,9 @@ import argparse
 import json
 from pathlib import Path
 
+from kvjax.reports import table as markdown_table
+from kvjax.reports import write_report
+
 SAME = ("model", "dtype", "seed", "lengths", "samples")  # and the same set of tasks, in any order
 
 
@@ -61,13 +64,12 @@ def table(runs) -> list[str]:
             host = sum(row["host_bytes"].values()) / max(len(row["host_bytes"]), 1)
             rows.append((dev, run, row, host))
     rows.sort(key=lambda r: (r[0], r[2]["method"]))
-    lines = ["| method | budget | run | " + " | ".join(cells) + " | mean | device MiB | ÷ full | host MiB |",
-             "|---|---|---|" + "---:|" * (len(cells) + 4)]
-    for dev, run, row, host in rows:
-        acc = [f"{row['accuracy'][c]:.1f}" if c in row["accuracy"] else "–" for c in cells]
-        lines.append(f"| {row['method']} | {row['budget']} | {Path(run['dir']).name} | " + " | ".join(acc)
-                     + f" | **{row['mean_accuracy']:.1f}** | {dev / 2**20:.1f} | {row['device_bytes_vs_full']:.3f} | {host / 2**20:.1f} |")
-    return lines
+    head = ["method", "budget", "run", *cells, "mean", "device MiB", "÷ full", "host MiB"]
+    return markdown_table(head, [
+        [row["method"], row["budget"], Path(run["dir"]).name]
+        + [f"{row['accuracy'][c]:.1f}" if c in row["accuracy"] else "–" for c in cells]
+        + [f"**{row['mean_accuracy']:.1f}**", f"{dev / 2**20:.1f}", f"{row['device_bytes_vs_full']:.3f}", f"{host / 2**20:.1f}"]
+        for dev, run, row, host in rows], align="lll" + "r" * (len(cells) + 4))
 
 
 def short_name(spec: str) -> str:
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
     lines += table(runs)
     text = "\n".join(lines) + "\n"
     if args.out:
-        Path(args.out).write_text(text)
+        write_report(args.out, text)
     else:
         print(text)
     return 0

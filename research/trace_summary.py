@@ -26,6 +26,8 @@ import itertools
 import json
 import os
 
+from kvjax.reports import table, write_report
+
 
 def load_events(path: str) -> list[dict]:
     """The trace's events (``traceEvents``) from a ``.json`` or ``.json.gz`` file."""
@@ -99,14 +101,15 @@ def summarise(events: list[dict], top: int = 8) -> dict:
 
 def render(name: str, summary: dict) -> str:
     """Markdown for one trace's summary."""
-    lines = [f"## {name}", "", "| process | thread | events | busy ms | top operations (ms) |", "|---|---|---:|---:|---|"]
-    for r in summary["threads"]:
-        top = "; ".join(f"`{op}` {us / 1e3:.2f}" for op, us in r["top"])
-        lines.append(f"| {r['process']} | {r['thread']} | {r['events']} | {r['busy_us'] / 1e3:.2f} | {top} |")
+    lines = [f"## {name}", ""]
+    lines += table(["process", "thread", "events", "busy ms", "top operations (ms)"],
+                   [[r["process"], r["thread"], r["events"], f"{r['busy_us'] / 1e3:.2f}",
+                     "; ".join(f"`{op}` {us / 1e3:.2f}" for op, us in r["top"])] for r in summary["threads"]],
+                   align="llrrl")
     if summary["overlaps"]:
-        lines += ["", "| process | thread A | thread B | both busy ms |", "|---|---|---|---:|"]
-        for p in summary["overlaps"]:
-            lines.append(f"| {p['process']} | {p['threads'][0]} | {p['threads'][1]} | {p['both_busy_us'] / 1e3:.2f} |")
+        lines += [""] + table(["process", "thread A", "thread B", "both busy ms"],
+                              [[p["process"], *p["threads"], f"{p['both_busy_us'] / 1e3:.2f}"] for p in summary["overlaps"]],
+                              align="lllr")
     return "\n".join(lines) + "\n"
 
 
@@ -137,8 +140,7 @@ def main(argv=None) -> int:
     text = "\n".join(render(name, summarise(load_events(path), args.top)) for name, path in find_traces(args.paths))
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        write_report(args.out, text)
     return 0
 
 

@@ -19,6 +19,8 @@ import sys
 
 import numpy as np
 
+from kvjax.reports import table, write_report
+
 DEFAULT_METHODS = "snapkv:budget=0.1,snapkv:budget=0.25,hbw:budget=0.25,heterocache:preset=tuned:budget=0.1,synckv:preset=tuned:budget=0.1"
 
 
@@ -98,29 +100,27 @@ def main(argv=None) -> int:
              "", f"Command: `python -m research.value_spans {shlex.join(argv if argv is not None else sys.argv[1:])}`",
              "", f"Answer `{answer}`: context tokens {span[0]}..{span[-1]} ({len(span)} tokens). Each cell: the share of "
              f"the {model.config.num_layers} x {model.config.num_kv_heads} (layer, KV head) pairs that hold the token; "
-             "`whole`: pairs holding every token of the value.", "",
-             "| method | " + " | ".join(f"`{p.strip() or repr(p)}`" for p in pieces) + " | whole |",
-             "|---|" + "---:|" * (len(span) + 1)]
-    per_layer = []
+             "`whole`: pairs holding every token of the value.", ""]
+    shares, per_layer = [], []
     for spec_text, method in methods:
         cache = compress(cache_for(staged, method))
         held = [[set(h.tolist()) for h in held_positions(state, full_k[i], pad)] for i, state in enumerate(cache.layers)]
         pairs = [s for layer in held for s in layer]
         share = [sum(i in s for s in pairs) / len(pairs) for i in span]
         whole = sum(all(i in s for i in span) for s in pairs)
-        lines.append(f"| {spec_text} | " + " | ".join(f"{x:.0%}" for x in share) + f" | {whole} |")
+        shares.append([spec_text, *(f"{x:.0%}" for x in share), whole])
         # per layer and KV head: how many of the value's tokens it holds
         per_layer.append((spec_text, [[sum(i in s for i in span) for s in layer] for layer in held]))
-    lines += ["", f"Value tokens held (of {len(span)}) per layer, its KV heads separated by `/`:", "",
-              "| method | " + " | ".join(f"L{i}" for i in range(model.config.num_layers)) + " |",
-              "|---|" + "---:|" * model.config.num_layers]
-    for spec_text, layers in per_layer:
-        lines.append(f"| {spec_text} | " + " | ".join("/".join(str(n) for n in heads) for heads in layers) + " |")
+    lines += table(["method", *(f"`{p.strip() or repr(p)}`" for p in pieces), "whole"], shares,
+                   align="l" + "r" * (len(span) + 1))
+    lines += ["", f"Value tokens held (of {len(span)}) per layer, its KV heads separated by `/`:", ""]
+    lines += table(["method", *(f"L{i}" for i in range(model.config.num_layers))],
+                   [[spec_text, *("/".join(str(n) for n in heads) for heads in layers)] for spec_text, layers in per_layer],
+                   align="l" + "r" * model.config.num_layers)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        write_report(args.out, text)
     return 0
 
 
