@@ -16,7 +16,7 @@ from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.decoding import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
 from kvjax.methods.recall.schedules import SpreadRecall, apply_anchors, spread_moves
-from kvjax.methods.recall.scores import leader_probs, leader_queries, prompt_only, top_slots
+from kvjax.methods.recall.scores import extend_forward, leader_probs, leader_queries, prompt_only, top_slots
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.calibration.heterocache import classify_group, star_clustering
 from kvjax.calibration.synckv import cluster_group, kmeans
@@ -188,7 +188,22 @@ def test_leader_picks_hand_case():
     assert sorted(np.asarray(picks)[0, 0].tolist()) == [3 + 2, 3 + 5, 3 + 7]
 
 
-def _leader_probs_numpy(k, lengths, heads, qg, kernel, gqa):
+def _extend_forward_numpy(x, lookahead):
+    """Each position's value raised to the largest of the ``lookahead`` before it (last axis)."""
+    return np.stack([x[..., max(0, j - lookahead):j + 1].max(-1) for j in range(x.shape[-1])], -1)
+
+
+def test_extend_forward_hand_case():
+    """A peak at position 5 of 12, and a smaller one at 1: with look-ahead 3, positions 5-8 score the peak, 1-4 the
+    smaller one (position 4 is within 3 after 1), 9-11 are back to their own; -inf (unseen) stays -inf."""
+    x = np.array([0.0, 0.5, 0.1, 0.0, 0.0, 0.9, 0.0, 0.2, 0.0, 0.0, 0.3, -np.inf], np.float32)
+    got = np.asarray(extend_forward(jnp.asarray(x)[None, None], 3))[0, 0]
+    want = [0.0, 0.5, 0.5, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9, 0.2, 0.3, 0.3]
+    np.testing.assert_array_equal(got, np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(extend_forward(jnp.asarray(x), 0)), x)
+
+
+def _leader_probs_numpy(k, lengths, heads, qg, kernel, gqa, lookahead=0):
     """float64 reference of :func:`leader_probs` from each head's stored keys ``k[B, Hkv, S, D]`` in order."""
     B, T, n, G, D = qg.shape
     S = k.shape[2]
@@ -206,18 +221,19 @@ def _leader_probs_numpy(k, lengths, heads, qg, kernel, gqa):
                 padded = np.pad(p, ((0, 0), (half, half)))
                 pooled = np.stack([padded[:, j:j + kernel].sum(-1) / kernel for j in range(S)], -1)
                 agg = pooled.max(0) if gqa == "max" else pooled.mean(0)
-                out[b, i, t, :seen] = agg[:seen]
+                out[b, i, t, :seen] = _extend_forward_numpy(agg[:seen], lookahead)
     return out
 
 
-@pytest.mark.parametrize("T,gqa,path", [(1, "max", "matmul"), (1, "max", "multiply_reduce"),
-                                         (1, "mean", "multiply_reduce"), (1, "max", "kernel"), (3, "max", "matmul"),
-                                         (3, "mean", "multiply_reduce")])
-def test_leader_probs_match_numpy(T, gqa, path):
+@pytest.mark.parametrize("T,gqa,path,lookahead", [(1, "max", "matmul", 0), (1, "max", "multiply_reduce", 0),
+                                                   (1, "mean", "multiply_reduce", 0), (1, "max", "kernel", 0),
+                                                   (3, "max", "matmul", 0), (3, "mean", "multiply_reduce", 0),
+                                                   (1, "max", "matmul", 4), (3, "max", "matmul", 2)])
+def test_leader_probs_match_numpy(T, gqa, path, lookahead):
     """The leaders' pooled attention over their paged keys, one query (a decode step) and several (a multi-token
     call), as a matmul (this CPU's default), as a multiply-reduce (a GPU's for one query) and through the paged-scores
     kernel (a TPU's for one query; its TPU form interpreted here): ragged lengths, a leader that is not head 0, pages
-    not aligned to the lengths."""
+    not aligned to the lengths; extended forward (``lookahead``) only over the positions a query saw."""
     rng = np.random.default_rng(T)
     B, H, S, D, G, heads = 2, 3, 21, 8, 2, (2, 0)
     k = rng.standard_normal((B, H, S, D)).astype(np.float32)
@@ -227,9 +243,9 @@ def test_leader_probs_match_numpy(T, gqa, path):
     qg = rng.standard_normal((B, T, len(heads), G, D)).astype(np.float32)
     how = {"matmul": dict(multiply_reduce=False), "multiply_reduce": dict(multiply_reduce=True),
            "kernel": dict(implementation="pallas_interpret")}[path]
-    got = np.asarray(leader_probs(paged, heads, jnp.asarray(qg), 3, gqa, **how))
+    got = np.asarray(leader_probs(paged, heads, jnp.asarray(qg), 3, gqa, lookahead=lookahead, **how))
     want = _leader_probs_numpy(np.pad(k, ((0, 0), (0, 0), (0, got.shape[-1] - S), (0, 0))), lengths, heads, qg, 3,
-                               gqa)
+                               gqa, lookahead)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     np.testing.assert_allclose(np.where(np.isinf(want), 0, got), np.where(np.isinf(want), 0, want), rtol=1e-5,
                                atol=1e-7)
@@ -546,12 +562,14 @@ def _ref_attention(q, k, v):
     return (p / p.sum(-1, keepdims=True)) @ v.astype(np.float64)
 
 
-def test_synckv_recall_every_step_equals_attention_over_static_and_recalled(tiny):
-    """stride=1: the R-head picks the best prompt tokens outside the static set (numpy reference on its softmax);
-    the NR-head then attends exactly over static ∪ picked ∪ new tokens (numpy reference attention)."""
+@pytest.mark.parametrize("lookahead", [0, 3])
+def test_synckv_recall_every_step_equals_attention_over_static_and_recalled(tiny, lookahead):
+    """stride=1: the R-head picks the best prompt tokens outside the static set (numpy reference on its softmax,
+    extended ``lookahead`` positions forward); the NR-head then attends exactly over static ∪ picked ∪ new tokens
+    (numpy reference attention)."""
     rng = np.random.default_rng(4)
     tokens = rng.integers(0, 97, size=(1, L)).astype(np.int32)
-    method = SyncKV(budget=0.5, block=16, stride=1, num_representatives=1, static_ratio=0.5)
+    method = SyncKV(budget=0.5, block=16, stride=1, num_representatives=1, static_ratio=0.5, lookahead=lookahead)
     cache = _prefilled(tiny, method, tokens, sk_artifact(tiny))
     full = _prefilled(tiny, FullCache(block=16), tokens, None)
     kf, vf = np.asarray(full.layers[0].k)[0], np.asarray(full.layers[0].v)[0]  # [H, S, D]
@@ -571,7 +589,7 @@ def test_synckv_recall_every_step_equals_attention_over_static_and_recalled(tiny
     kr = np.concatenate([kf[0, :L], np.asarray(k1)[0, 0, :1]])
     s = np.asarray(q1)[0, 0, :2] @ kr.T / np.sqrt(D)
     p = np.exp(s - s.max(-1, keepdims=True))
-    p = (p / p.sum(-1, keepdims=True)).max(0)[:L]
+    p = _extend_forward_numpy((p / p.sum(-1, keepdims=True)).max(0), lookahead)[:L]
     p[static] = -np.inf
     k_dyn = int(st.region_count[0, 0])
     picks = np.asarray(st1.picks)[0, 0, :k_dyn]
@@ -935,11 +953,12 @@ def test_artifact_and_hyper_parameter_errors(tiny):
     for bad, match in [(dict(static_ratio=0.0), "static_ratio"), (dict(static_ratio=1.5), "static_ratio"),
                        (dict(num_representatives=0), "N_r"), (dict(stride=0), "stride"),
                        (dict(question_window=0), "question_window"), (dict(rehearsals=-1), "rehearsals"),
-                       (dict(recall_schedule="lazy"), "recall_schedule")]:
+                       (dict(recall_schedule="lazy"), "recall_schedule"), (dict(lookahead=-1), "lookahead")]:
         with pytest.raises(ValueError, match=match):
             SyncKV(**bad)
     for bad, match in [(dict(window=0), "window"), (dict(tau_drift=1.5), "tau_drift"), (dict(kernel=4), "kernel"),
-                       (dict(rehearsals=-1), "rehearsals"), (dict(recall_schedule="lazy"), "recall_schedule")]:
+                       (dict(rehearsals=-1), "rehearsals"), (dict(recall_schedule="lazy"), "recall_schedule"),
+                       (dict(lookahead=2.5), "lookahead")]:
         with pytest.raises(ValueError, match=match):
             HeteroCache(**bad)
 

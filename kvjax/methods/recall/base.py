@@ -31,12 +31,14 @@ from kvjax.paged import append, paged_chunk_attention
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 
 
-def check_calibrated(kernel: int, group_layers, recall_schedule: str, rehearsals: int) -> None:
-    """Validate the hyper-parameters HeteroCache and SyncKV share (score pooling, artifact group size, recall
-    schedule, question rehearsals)."""
+def check_calibrated(kernel: int, group_layers, recall_schedule: str, rehearsals: int, lookahead: int = 0) -> None:
+    """Validate the hyper-parameters HeteroCache and SyncKV share (score pooling and look-ahead, artifact group size,
+    recall schedule, question rehearsals)."""
     make_schedule(recall_schedule, 1)
     if kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"kernel must be a positive odd number, got {kernel}")
+    if not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
     if group_layers is not None and group_layers < 1:
         raise ValueError(f"group_layers must be >= 1 or None, got {group_layers}")
     if rehearsals < 0:
@@ -84,6 +86,8 @@ class LeaderFollowerMethod(abc.ABC):
     Args:
       budget: fraction of the prompt's KV kept on the device over all heads, or tokens per head.
       kernel: pooling width of the leaders' attention scores (odd; 1: none).
+      lookahead: the leaders' decode and question scores extended this many positions forward
+        (:func:`kvjax.methods.recall.scores.extend_forward`; 0: none, the papers').
       group_layers: which shipped artifact to load when none is given (None: the model's default).
       rehearsals: passes of a re-anchoring question before the one that counts.
       recall_schedule: ``"whole"`` (the papers'), ``"spread"`` or ``"pipelined"``
@@ -93,6 +97,7 @@ class LeaderFollowerMethod(abc.ABC):
 
     budget: int | float = 0.25
     kernel: int = 5
+    lookahead: int = 0
     group_layers: int | None = None
     rehearsals: int = 1
     recall_schedule: str = "whole"
@@ -148,7 +153,7 @@ class LeaderFollowerMethod(abc.ABC):
         """Validate the shared hyper-parameters (call from ``__post_init__``)."""
         check_common(self.page_size, self.block, "max", self.implementation)
         check_budget(self.budget)
-        check_calibrated(self.kernel, self.group_layers, self.recall_schedule, self.rehearsals)
+        check_calibrated(self.kernel, self.group_layers, self.recall_schedule, self.rehearsals, self.lookahead)
 
     @property
     def schedule(self) -> RecallSchedule:
@@ -227,7 +232,7 @@ class LeaderFollowerMethod(abc.ABC):
                                               mesh=mesh))
             limits.append(seen_limits(st.paged, st.plan.leaders, 1))
         limits = jnp.concatenate(limits, axis=1)
-        scores = probs_from_logits(jnp.concatenate(logits, axis=1), limits, self.kernel, "max")
+        scores = probs_from_logits(jnp.concatenate(logits, axis=1), limits, self.kernel, "max", self.lookahead)
         return self.decide_at_once(states, scores, limits, pad)
 
     @abc.abstractmethod

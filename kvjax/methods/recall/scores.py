@@ -61,17 +61,17 @@ def leader_queries(q, heads: tuple, num_kv_heads: int):
     return q.reshape(B, T, num_kv_heads, Hq // num_kv_heads, D)[:, :, jnp.asarray(heads, jnp.int32)]
 
 
-def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, implementation: str = "xla",
-                 mesh=None, multiply_reduce: bool | None = None):
+def leader_probs(paged: PagedKV, heads: tuple, qg, kernel: int, gqa: str, *, lookahead: int = 0,
+                 implementation: str = "xla", mesh=None, multiply_reduce: bool | None = None):
     """Scores of consecutive queries ``qg[B, T, n, G, D]`` (:func:`leader_queries`) over the leader heads' held tokens.
 
     Returns ``[B, n, T, positions]`` (f32): softmax per query head over the tokens each query saw
     (the ``T`` queries are the newest tokens, already appended: query ``t`` saw all but the last
-    ``T - 1 - t``), average pooling (``kernel``), aggregation over the group (``gqa``); -inf where unseen:
-    :func:`probs_from_logits` of :func:`leader_query_logits`.
+    ``T - 1 - t``), average pooling (``kernel``), aggregation over the group (``gqa``), extended ``lookahead``
+    positions forward; -inf where unseen: :func:`probs_from_logits` of :func:`leader_query_logits`.
     """
     s = leader_query_logits(paged, heads, qg, implementation=implementation, mesh=mesh, multiply_reduce=multiply_reduce)
-    return probs_from_logits(s, seen_limits(paged, heads, qg.shape[1]), kernel, gqa)
+    return probs_from_logits(s, seen_limits(paged, heads, qg.shape[1]), kernel, gqa, lookahead)
 
 
 def leader_query_logits(paged: PagedKV, heads: tuple, qg, *, implementation: str = "xla", mesh=None,
@@ -102,16 +102,30 @@ def leader_query_logits(paged: PagedKV, heads: tuple, qg, *, implementation: str
                       precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * D**-0.5
 
 
-def probs_from_logits(s, limits, kernel: int, gqa: str):
+def probs_from_logits(s, limits, kernel: int, gqa: str, lookahead: int = 0):
     """:func:`leader_probs` from the logits ``s[B, n, T, G, positions]`` and the held tokens each query saw
     ``limits[B, n, T]`` (:func:`seen_limits`): softmax per query head over the seen positions, pooling, aggregation
-    over the group; ``[B, n, T, positions]``, -inf where unseen. Leaders are independent: the logits of leaders of
-    several layers, concatenated along ``n``, give those layers' scores concatenated."""
+    over the group, :func:`extend_forward` by ``lookahead``; ``[B, n, T, positions]``, -inf where unseen. Leaders are
+    independent: the logits of leaders of several layers, concatenated along ``n``, give those layers' scores
+    concatenated."""
     seen = jnp.arange(s.shape[-1])[None, None, None, :] < limits[..., None]  # [B, n, T, S]
     p = jax.nn.softmax(jnp.where(seen[:, :, :, None], s, MASK_VALUE), axis=-1)  # [B, n, T, G, S]
     p = pool1d(p, seen[:, :, :, None], kernel, "avg")
     agg = p.mean(axis=3) if gqa == "mean" else p.max(axis=3)
-    return jnp.where(seen, agg, -jnp.inf)
+    return jnp.where(seen, extend_forward(agg, lookahead), -jnp.inf)
+
+
+def extend_forward(scores, lookahead: int):
+    """Each position's score raised to the largest of the ``lookahead`` positions before it (``scores[..., S]``).
+
+    A follower takes its leader's choice only every few steps (the decision interval, plus the schedule's landing),
+    while a copied span advances a token per step: the leader attends the token being copied, not the ones after it.
+    Extending its scores forward makes a choice hold the next ``lookahead`` tokens of whatever it attends."""
+    if lookahead == 0:
+        return scores
+    window = (1,) * (scores.ndim - 1) + (lookahead + 1,)
+    pad = ((0, 0),) * (scores.ndim - 1) + ((lookahead, 0),)
+    return lax.reduce_window(scores, -jnp.inf, lax.max, window, (1,) * scores.ndim, pad)
 
 
 def seen_limits(paged: PagedKV, heads: tuple, T: int):
