@@ -67,7 +67,7 @@ bench-xla-default)
         --out "$out/bench_recall_xla_default_gpu.md"
     ;;
 recall-micro)
-    "$py" docs/results/microbench/recall_step.py --steps "${STEPS:-20}" --repeats "${REPEATS:-3}" \
+    "$py" -m research.recall_step --steps "${STEPS:-20}" --repeats "${REPEATS:-3}" \
         --out "$out/recall_step_gpu.md"
     ;;
 profile)

@@ -6,11 +6,13 @@ times :func:`kvjax.host_tier.recall` (scattered token rows, what the methods use
 :func:`kvjax.host_tier.recall_pages` (the same number of rows as whole 16-token pages), jitted, best and median
 of 20 calls. On a CPU host memory is the same RAM: this measures the host-side gather alone, not the link.
 
-Run: ``python docs/results/microbench/host_gather.py``
+Run: ``python -m research.host_gather`` (a Markdown table on stdout).
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 
 import jax
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.host_tier import offload, recall, recall_pages
+from kvjax.reports import table
 
 LENGTH, HEAD_DIM, HEADS, PAGE = 30720, 64, 2, 16
 
@@ -33,13 +36,13 @@ def best_and_median(fn, *args, repeats: int = 20):
     return min(times), float(np.median(times))
 
 
-def main():
+def main(argv=None) -> int:
+    argparse.ArgumentParser(prog="python -m research.host_gather", description=__doc__.splitlines()[0]).parse_args(argv)
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((1, HEADS, LENGTH, HEAD_DIM)), jnp.bfloat16)
     host = offload(k, k, [(0, h) for h in range(HEADS)], page_size=PAGE)
     print(f"jax {jax.__version__} ({jax.default_backend()}); {HEADS} heads, prompt {LENGTH}, D={HEAD_DIM}, bf16\n")
-    print("| rows per head | granularity | best ms | median ms | MiB (K+V) | GiB/s (best) |")
-    print("|---:|---|---:|---:|---:|---:|")
+    cells = []
     for rows in (3072, 6144):
         mib = 2 * HEADS * rows * HEAD_DIM * 2 / 2**20
         idx = jnp.asarray(np.sort(rng.choice(LENGTH, (HEADS, rows)), axis=1), jnp.int32)
@@ -49,8 +52,11 @@ def main():
                 ("token rows", jax.jit(recall), idx, rows),
                 (f"{PAGE}-token pages", jax.jit(recall_pages), pages, rows // PAGE)):
             best, median = best_and_median(fn, host, ids, jnp.full((HEADS,), count, jnp.int32))
-            print(f"| {rows} | {name} | {best * 1e3:.2f} | {median * 1e3:.2f} | {mib:.1f} | {mib / 1024 / best:.2f} |")
+            cells.append([rows, name, f"{best * 1e3:.2f}", f"{median * 1e3:.2f}", f"{mib:.1f}", f"{mib / 1024 / best:.2f}"])
+    print("\n".join(table(["rows per head", "granularity", "best ms", "median ms", "MiB (K+V)", "GiB/s (best)"], cells,
+                          align="rlrrrr")))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -45,8 +45,8 @@ transfer is not overlapping anything and its own speed is the limit; if ``prefet
 ``always``, the ``cond`` (no overlap across it) is. On a CPU host memory is the same RAM, so the figures here
 show the structure and the host-side gather's cost, not a link.
 
-Run: ``python docs/results/microbench/recall_step.py [--out FILE]`` (the ``recall-micro`` stage of
-``scripts/gpu_checks.sh`` on a GPU).
+Run: ``python -m research.recall_step [--out FILE]`` (the ``recall-micro`` stage of ``scripts/gpu_checks.sh`` on a
+GPU).
 """
 
 from __future__ import annotations
@@ -54,15 +54,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from host_gather import best_and_median  # this directory's timing helper (the script's directory is on sys.path)
 from kvjax.decoding import decode_compiler_options
 from kvjax.host_tier import offload, recall, recall_pages, write_recalled
+from kvjax.reports import table as markdown_table
+from kvjax.reports import write_report
+from research.host_gather import best_and_median
 
 PAGE = 16
 
@@ -166,8 +169,11 @@ def make_loop(variant: str, args, hosts, table, heads, options: dict):
     return jax.jit(run, compiler_options=options or None)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+HEAD = ["variant", "XLA options", "ms/step", "extra ms/step", "rows moved/step", "MiB moved/step", "GB/s of the extra"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m research.recall_step", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--heads", type=int, default=2, help="follower heads per layer")
     p.add_argument("--length", type=int, default=30720, help="prompt tokens in each host copy")
@@ -183,7 +189,7 @@ def main():
     p.add_argument("--schedulers", default="kvjax,xla-default",
                    help="compile every variant with kvjax's decode options (kvjax) and/or XLA's defaults (xla-default)")
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     schedulers = {"kvjax": decode_compiler_options(), "xla-default": {}}
     unknown = set(args.schedulers.split(",")) - set(schedulers)
     if unknown:
@@ -197,13 +203,17 @@ def main():
     mib_per_recall = 2 * rows_per_recall * args.head_dim * 2 / 2**20  # K+V, bf16
     lines = [f"# Recall structure on {jax.devices()[0].device_kind} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ})",
              "",
-             f"Command: `python docs/results/microbench/recall_step.py --layers {args.layers} --heads {args.heads} "
+             f"Command: `python -m research.recall_step --layers {args.layers} --heads {args.heads} "
              f"--length {args.length} --rows {args.rows} --every {args.every} --steps {args.steps} --schedulers "
              f"{args.schedulers}`; jax {jax.__version__}, {platform.machine()}; best of {args.repeats}. XLA options: "
              + "; ".join(f"{name} = {schedulers[name] or 'none'}" for name in args.schedulers.split(",")) + ".",
-             "",
-             "| variant | XLA options | ms/step | extra ms/step | rows moved/step | MiB moved/step | GB/s of the extra |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             ""]
+    rows = []
+
+    def add(cells):
+        rows.append(cells)
+        print(markdown_table(HEAD, [cells])[-1], flush=True)
+
     for scheduler in args.schedulers.split(","):
         base = None
         for variant in args.variants.split(","):
@@ -215,25 +225,22 @@ def main():
             mib = per_step * mib_per_recall
             extra = ms - base if base is not None else float("nan")
             rate = mib * 2**20 / (extra * 1e-3) / 1e9 if extra > 0 and mib else float("nan")
-            lines.append(f"| {variant} | {scheduler} | {ms:.3f} | {extra:.3f} | {per_step * rows_per_recall:.0f} | "
-                         f"{mib:.2f} | {rate:.2f} |")
-            print(lines[-1], flush=True)
+            add([variant, scheduler, f"{ms:.3f}", f"{extra:.3f}", f"{per_step * rows_per_recall:.0f}", f"{mib:.2f}",
+                 f"{rate:.2f}"])
     count = jnp.full((args.heads,), args.rows, jnp.int32)
     alone = jax.jit(lambda ids: recall(hosts[0], ids, count))
     ms = best_and_median(alone, idx, repeats=max(args.repeats, 10))[0] * 1e3
-    lines.append(f"| gather-alone (one layer, outside the loop) | | {ms:.3f} | | {rows_per_recall} | "
-                 f"{mib_per_recall:.2f} | {mib_per_recall * 2**20 / (ms * 1e-3) / 1e9:.2f} |")
-    print(lines[-1])
+    add(["gather-alone (one layer, outside the loop)", "", f"{ms:.3f}", "", rows_per_recall, f"{mib_per_recall:.2f}",
+         f"{mib_per_recall * 2**20 / (ms * 1e-3) / 1e9:.2f}"])
     recalled = jnp.ones((args.heads, args.rows, args.head_dim), jnp.bfloat16)
     scatter = jax.jit(lambda pk, pv, rk, rv: write_recalled(pk, pv, table, rk, rv, heads, 0, count))
     ms = best_and_median(scatter, pool, pool, recalled, recalled, repeats=max(args.repeats, 10))[0] * 1e3
-    lines.append(f"| scatter-alone (one layer's rows into its page pool, on the device) | | {ms:.3f} | | "
-                 f"{rows_per_recall} | {mib_per_recall:.2f} | |")
-    print(lines[-1])
+    add(["scatter-alone (one layer's rows into its page pool, on the device)", "", f"{ms:.3f}", "", rows_per_recall,
+         f"{mib_per_recall:.2f}", ""])
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_report(args.out, "\n".join(lines + markdown_table(HEAD, rows, align="llrrrrr")) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
