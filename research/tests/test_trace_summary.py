@@ -57,15 +57,10 @@ def test_command_line_reads_gz_folders_and_refuses_missing(tmp_path, capsys):
 
 
 def test_step_anatomy_counts_gpu_work_during_the_host_calls():
-    """``docs/results/profile_recall_synckv_h100/step_anatomy.py`` on a hand-built step: the GPU work that runs
-    while a host-offloaded call runs (the recall's overlap with decoding), computed by hand."""
-    import importlib.util
-    import pathlib
+    """``research.step_anatomy`` on a hand-built step: the GPU work that runs while a host-offloaded call runs (the
+    recall's overlap with decoding), computed by hand."""
+    from research import step_anatomy as module
 
-    path = pathlib.Path(__file__).parents[2] / "docs/results/profile_recall_synckv_h100/step_anatomy.py"
-    spec = importlib.util.spec_from_file_location("step_anatomy", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #14(Compute,MemcpyH2D)"}},
             {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
@@ -84,3 +79,15 @@ def test_step_anatomy_counts_gpu_work_during_the_host_calls():
     assert (row["host-offload calls"], row["host-call ms"], row["waiting ms"]) == (1, pytest.approx(2.0), pytest.approx(0.4))
     assert row["GPU busy during host calls ms"] == pytest.approx(1.2)
     assert (row["loop ms"], row["D2H on launcher"]) == (pytest.approx(3.6), 1)
+
+
+def test_step_anatomy_of_the_committed_h100_traces_is_the_committed_table(tmp_path):
+    """The default traces (``docs/results/profile_recall_synckv_h100/profile_traces.tgz``) give the table of
+    ``step_anatomy.md`` beside them, row for row."""
+    import pathlib
+
+    from research.step_anatomy import DEFAULT_TRACES, main
+
+    assert main(["--out", str(tmp_path / "a.md")]) == 0
+    committed = (pathlib.Path(DEFAULT_TRACES).parent / "step_anatomy.md").read_text().splitlines()
+    assert (tmp_path / "a.md").read_text().splitlines() == [line for line in committed if line.startswith("|")]

@@ -1,6 +1,7 @@
 """Where a traced decode step's time goes: one row per trace of ``profile_traces.tgz`` (``scripts/gpu_checks.sh profile``).
 
-Run: ``python docs/results/profile_recall_synckv_h100/step_anatomy.py [--traces DIR_OR_TGZ] [--out FILE]``.
+Run: ``python -m research.step_anatomy [--traces DIR_OR_TGZ] [--out FILE]`` (default: the H100 traces of
+``docs/results/profile_recall_synckv_h100/``).
 
 Columns, per traced decode loop (the bench's untimed profiled run; tracing slows launches, so compare the
 columns between methods, not with the bench's ms/token):
@@ -23,10 +24,14 @@ from __future__ import annotations
 import argparse
 import collections
 import pathlib
+import sys
 import tarfile
 import tempfile
 
+from kvjax.reports import table, write_report
 from research.trace_summary import find_traces, load_events, overlap_length, union_length
+
+DEFAULT_TRACES = pathlib.Path(__file__).parents[1] / "docs/results/profile_recall_synckv_h100/profile_traces.tgz"
 
 
 def anatomy(events: list[dict]) -> dict:
@@ -72,23 +77,21 @@ def traces(source: pathlib.Path, scratch: str):
         yield name.split("/")[0], load_events(path)
 
 
-def main():
-    here = pathlib.Path(__file__).parent
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--traces", default=str(here / "profile_traces.tgz"))
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m research.step_anatomy", description=__doc__.splitlines()[0])
+    p.add_argument("--traces", default=str(DEFAULT_TRACES), help="a folder of traces or a .tgz of them")
+    p.add_argument("--out", default=None, help="also write the Markdown table here")
+    args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         rows = [(name, anatomy(events)) for name, events in traces(pathlib.Path(args.traces), scratch)]
     cols = list(rows[0][1])
-    lines = ["| trace | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-    for name, r in rows:
-        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(table(["trace", *cols], [[name, *(f"{v:.2f}" if isinstance(v, float) else v for v in r.values())]
+                                              for name, r in rows], align="l" + "r" * len(cols))) + "\n"
     print(text, end="")
     if args.out:
-        pathlib.Path(args.out).write_text(text)
+        write_report(args.out, text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
