@@ -2,8 +2,8 @@
 
 HF ``transformers`` (float32, SDPA attention, greedy) generates on the same RULER test prompts as the
 ``qwen2.5-coder-0.5b-ruler-16k-test-query-aware`` run, and each answer is printed beside the full cache's recorded
-one. Run from the repository root: ``python <this file> vt:2 niah_multikey_3:2 cwe:1`` (task:first-n-samples);
-one JSON line per sample on stdout.
+one. Run from the repository root: ``python -m research.full_cache_vs_transformers vt:2 niah_multikey_3:2 cwe:1``
+(task:first-n-samples); one JSON line per sample on stdout.
 """
 import json
 import os
