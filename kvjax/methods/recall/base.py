@@ -86,7 +86,7 @@ class LeaderFollowerMethod(abc.ABC):
     Args:
       budget: fraction of the prompt's KV kept on the device over all heads, or tokens per head.
       kernel: pooling width of the leaders' attention scores (odd; 1: none).
-      lookahead: the leaders' one-token decode scores extended this many positions forward
+      lookahead: the leaders' decode and question scores extended this many positions forward
         (:func:`kvjax.methods.recall.scores.extend_forward`; 0: none, the papers').
       group_layers: which shipped artifact to load when none is given (None: the model's default).
       rehearsals: passes of a re-anchoring question before the one that counts.

@@ -236,8 +236,8 @@ class HeteroCache(LeaderFollowerMethod):
         top-``base`` sets, and each set's overlap with the reference set ``[B, n, T']`` (Eq. 9)."""
         plan = state.plan
         qg = leader_queries(q, plan.leaders, len(plan.capacities))[:, -min(q.shape[1], self.window):]
-        scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
-                              mesh=mesh)
+        scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", lookahead=self.lookahead,
+                              implementation=self.implementation, mesh=mesh)
         limits = seen_limits(state.paged, plan.leaders, qg.shape[1])
         return (scores, *self.overlaps(scores, limits, state.tracker.ref, state.tracker.base))
 

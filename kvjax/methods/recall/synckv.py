@@ -215,8 +215,8 @@ class SyncKV(LeaderFollowerMethod):
         static sets for the call's last query, and publish."""
         plan = state.plan
         qg = leader_queries(q, plan.leaders, len(plan.capacities))[:, -1:]
-        scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
-                              mesh=mesh)[:, :, -1]  # [B, n, positions]
+        scores = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", lookahead=self.lookahead,
+                              implementation=self.implementation, mesh=mesh)[:, :, -1]  # [B, n, positions]
         picks = self.anticipated(scores, state.tracker.static, state.prompt_len, pad, state.picks.shape[-1])
         return publish(state, jnp.ones(state.version.shape, bool), picks)
 
@@ -242,8 +242,8 @@ class SyncKV(LeaderFollowerMethod):
         re-anchoring of their NR-heads' whole kept sets."""
         plan, tr = state.plan, state.tracker
         qg = leader_queries(q, plan.leaders, len(plan.capacities))[:, -self.question_window:]
-        probs = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", implementation=self.implementation,
-                             mesh=mesh)  # [B, n, W, S]
+        probs = leader_probs(state.paged, plan.leaders, qg, self.kernel, "max", lookahead=self.lookahead,
+                             implementation=self.implementation, mesh=mesh)  # [B, n, W, S]
         scores = jnp.where(jnp.isfinite(probs), probs, 0.0).sum(axis=2)  # [B, n, positions]
         top = top_slots(prompt_only(scores, state.prompt_len), pad, plan.anchor_picks)  # [B, n, k] best first
         K, positions = top.shape[-1], scores.shape[-1]
