@@ -51,6 +51,20 @@ def run_split(config: dict) -> str | None:
     return "dev" if config.get("seed") == 0 else None
 
 
+RECORD_KEY = ("task", "length", "index", "method", "budget")  # one sample under one configuration
+
+
+def latest_records(records: list[dict]) -> list[dict]:
+    """One record per sample and configuration (:data:`RECORD_KEY`), the last written, in the order of the first.
+
+    A run resumed after an interrupted batch, or written by two processes at once, can hold a sample twice; counted
+    twice, it would weigh double in every mean."""
+    latest = {}
+    for r in records:
+        latest[tuple(r[k] for k in RECORD_KEY)] = r
+    return list(latest.values())
+
+
 def read_jsonl(path: str) -> list[dict]:
     """The records of a JSON-lines file ([] when it does not exist); a line cut by an interrupted write is skipped."""
     if not os.path.exists(path):

@@ -46,7 +46,11 @@ def expected_records(config: dict) -> int:
 
 
 def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
-    """Aggregate per-sample records into accuracy and byte tables (plain dicts, JSON-ready)."""
+    """Aggregate per-sample records into accuracy and byte tables (plain dicts, JSON-ready); a sample recorded twice
+    under one configuration counts once, with its last record (:func:`kvjax.evals.records.latest_records`)."""
+    from kvjax.evals.records import latest_records
+
+    records = latest_records(records)
     methods_order = method_names(config)
     cells = collections.defaultdict(list)  # (method, budget, task, length) -> scores
     indices = collections.defaultdict(set)  # (method, budget, task, length) -> sample indices

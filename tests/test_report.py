@@ -83,6 +83,27 @@ def test_an_unfinished_run_averages_every_row_over_the_tasks_all_rows_have():
     assert "task columns every row has" not in render_markdown(finished, config)
 
 
+def test_a_sample_recorded_twice_counts_once_with_its_last_record():
+    """Two records of one sample under one configuration (a resumed batch written again): the mean uses the later one
+    alone, hand-computed; the same sample under another budget is another record."""
+    from kvjax.evals.report import summarize
+
+    config = {"run_name": "r", "methods": ["snapkv"], "budgets": [0.1, 0.5], "tasks": ["a"], "lengths": [128],
+              "samples": 2}
+    base = dict(task="a", length=128, depth=0.0, host_bytes=0)
+    recs = [dict(base, index=i, method="full", budget="full", score=1.0, device_bytes=100) for i in range(2)]
+    recs += [dict(base, index=0, method="snapkv", budget="0.1", score=0.0, device_bytes=10),
+             dict(base, index=1, method="snapkv", budget="0.1", score=1.0, device_bytes=10),
+             dict(base, index=0, method="snapkv", budget="0.5", score=1.0, device_bytes=50),
+             dict(base, index=1, method="snapkv", budget="0.5", score=1.0, device_bytes=50),
+             dict(base, index=0, method="snapkv", budget="0.1", score=1.0, device_bytes=10)]  # sample 0 again
+    means = {(r["method"], r["budget"]): r["mean_accuracy"] for r in summarize(recs, [], config)["rows"]}
+    assert means == {("full", "full"): 100.0, ("snapkv", "0.1"): 100.0, ("snapkv", "0.5"): 100.0}  # not 66.7
+    twice_wrong = recs[:-1] + [dict(recs[-1], score=0.0), dict(recs[2], score=0.0)]
+    means = {(r["method"], r["budget"]): r["mean_accuracy"] for r in summarize(twice_wrong, [], config)["rows"]}
+    assert means[("snapkv", "0.1")] == 50.0  # samples 0 (last: 0.0) and 1 (1.0); three records would give 33.3
+
+
 def test_a_run_with_no_record_yet_claims_no_comparison_and_links_no_plot():
     """Before its first record a run's README says how many are pending, not that no method falls short."""
     from kvjax.evals.report import render_markdown, summarize
