@@ -605,19 +605,20 @@ def test_synckv_recall_every_step_equals_attention_over_static_and_recalled(tiny
     np.testing.assert_allclose(np.asarray(out2)[0, 0, 2:], _ref_attention(np.asarray(q2)[0, 0, 2:], keys, vals), atol=1e-5)
 
 
-@pytest.mark.parametrize("reanchor,window", [(True, 1), (False, 1), (True, 2)])
-def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor, window):
+@pytest.mark.parametrize("reanchor,window,lookahead", [(True, 1, 0), (False, 1, 0), (True, 2, 0), (True, 2, 3)])
+def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor, window, lookahead):
     """A question (3 tokens) on the compressed cache of a batch whose second row is left-padded: with ``reanchor``
     the R-head redoes Eq. 3-4 for the question's last ``window`` queries (numpy softmax of each over the row's
     prompt and the question tokens it sees, group max, summed over the queries, prompt only): its best ``rho k``
     become the static set and every NR-head, in the R-head's layer (same call) and the next (its own call), then
-    holds exactly the host rows of the top ``k`` (best first). Without it the static half is the prefill's."""
+    holds exactly the host rows of the top ``k`` (best first); with ``lookahead`` each query's scores are first
+    extended forward over the tokens it sees. Without it the static half is the prefill's."""
     rng = np.random.default_rng(8)
     pads = (0, 8)
     tokens = rng.integers(1, 97, size=(2, L)).astype(np.int32)
     tokens[1, :pads[1]] = 0
     method = SyncKV(budget=0.5, block=16, num_representatives=1, static_ratio=0.5, reanchor=reanchor,
-                    question_window=window)
+                    question_window=window, lookahead=lookahead)
 
     def prefilled(m, art):
         cache = new_cache(m, tiny.config, 2, L, 8, tiny.dtype, artifact=art).replace(pad=jnp.asarray(pads, jnp.int32))
@@ -639,7 +640,7 @@ def test_synckv_question_reanchors_the_whole_kept_set(tiny, reanchor, window):
         for t in range(3 - window, 3):  # query t of the question sees the prompt and question tokens 0..t
             s = np.asarray(q)[b, t, :2] @ kr[:n + t + 1].T / np.sqrt(D)  # the R-head's (KV head 0) two query heads
             e = np.exp(s - s.max(-1, keepdims=True))
-            p += (e / e.sum(-1, keepdims=True)).max(0)[:n]
+            p += _extend_forward_numpy((e / e.sum(-1, keepdims=True)).max(0), lookahead)[:n]
         n_keep, n_static = int(st0.region_start[b, 0] + st0.region_count[b, 0]), int(st0.region_start[b, 0])
         best = np.argsort(-p, kind="stable")[:n_keep]  # prompt positions; slots are positions + pad
         if reanchor:
