@@ -118,9 +118,9 @@ def probs_from_logits(s, limits, kernel: int, gqa: str, lookahead: int = 0):
 def extend_forward(scores, lookahead: int):
     """Each position's score raised to the largest of the ``lookahead`` positions before it (``scores[..., S]``).
 
-    A follower takes its leader's choice only every few steps (the decision interval, plus the schedule's landing),
-    while a copied span advances a token per step: the leader attends the token being copied, not the ones after it.
-    Extending its scores forward makes a choice hold the next ``lookahead`` tokens of whatever it attends."""
+    A leader attends the start of what it reads (a question, the key of a needle; a copy, the token being copied),
+    not the tokens after it, and a follower holds only what its leader's choice names. Extending the scores forward
+    makes a choice hold the next ``lookahead`` tokens of whatever the leader attends (docs/methods/recall.md)."""
     if lookahead == 0:
         return scores
     window = (1,) * (scores.ndim - 1) + (lookahead + 1,)
