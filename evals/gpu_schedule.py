@@ -349,8 +349,9 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kvjax_options": ", ".join(f"`{k}={v}`" for k, v in GPU_DECODE_COMPILER_OPTIONS.items()),
     }
-    write_report(args.out, render(report))
-    print(render(report))
+    md = render(report)
+    write_report(args.out, md)
+    print(md)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -133,6 +133,7 @@ def score(args) -> None:
     from kvjax.evals.records import read_jsonl
     from kvjax.models import resolve_model_path
     from kvjax.models.tokenizer import load_tokenizer
+    from kvjax.reports import table
 
     with open(os.path.join(args.run, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
@@ -157,11 +158,11 @@ def score(args) -> None:
     tasks = sorted({k[0] for k in keys}, key=cfg["tasks"].index)
     labels = sorted(runs, key=lambda s: (s != "full", s.split()[-1], s))
     print(f"samples scored by every column: {len(keys)}; peer passes whose template differs from kvjax's: {mismatched}")
-    print("| task | " + " | ".join(labels) + " |")
-    print("|---|" + "---:|" * len(labels))
+    rows = []
     for task in tasks + ["mean"]:
         ks = [k for k in keys if task in ("mean", k[0])]
-        print(f"| {task} | " + " | ".join(f"{100 * sum(runs[lab][k] for k in ks) / len(ks):.1f}" for lab in labels) + " |")
+        rows.append([task] + [f"{100 * sum(runs[lab][k] for k in ks) / len(ks):.1f}" for lab in labels])
+    print("\n".join(table(["task", *labels], rows, align="l" + "r" * len(labels))))
     if args.diff:
         for k in keys:
             texts = {lab: outputs[(lab, *k)] for lab in labels if lab.endswith(args.diff)}
