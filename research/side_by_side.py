@@ -24,29 +24,52 @@ from kvjax.reports import write_report
 SAME = ("model", "dtype", "seed", "lengths", "samples")  # and the same set of tasks, in any order
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def prompt(record: dict) -> tuple:
+    """A record's prompt: (task, length, sample index)."""
+    return record["task"], record["length"], record["index"]
 
 
-def load_runs(dirs) -> list[dict]:
-    """Each run's config and summary over the samples common to all runs (``kvjax.evals.report.summarize``)."""
-    from kvjax.evals.report import summarize
+def read_runs(dirs) -> list[dict]:
+    """Each run directory's ``config`` and ``records`` (a line cut by a running evaluation's write is skipped),
+    refused unless every run has the first one's prompts (:data:`SAME` and its tasks)."""
+    from kvjax.evals.records import read_jsonl
 
     runs = []
     for d in dirs:
         cfg_path, rec_path = Path(d) / "config.json", Path(d) / "samples.jsonl"
         if not cfg_path.exists() or not rec_path.exists():
             raise SystemExit(f"{d} has no config.json / samples.jsonl (not a kvjax eval run directory)")
-        runs.append({"dir": str(d), "config": json.loads(cfg_path.read_text()), "records": _records(rec_path)})
+        runs.append({"dir": str(d), "config": json.loads(cfg_path.read_text()), "records": read_jsonl(str(rec_path))})
     ref = runs[0]["config"]
     for r in runs[1:]:
         diff = [k for k in SAME if r["config"].get(k) != ref.get(k)]
         diff += ["tasks"] if sorted(r["config"].get("tasks", [])) != sorted(ref.get("tasks", [])) else []
         if diff:
             raise SystemExit(f"{r['dir']} differs from {runs[0]['dir']} in {', '.join(diff)}: not the same prompts")
-    common = set.intersection(*({(x["task"], x["length"], x["index"]) for x in r["records"]} for r in runs))
+    return runs
+
+
+def common_prompts(runs, every_config: bool = False) -> set:
+    """The prompts present in every run; with ``every_config``, only those that every (method, budget) recorded in
+    every run has (a running evaluation writes a prompt's full cache before its other configurations)."""
+    if not every_config:
+        return set.intersection(*({prompt(x) for x in r["records"]} for r in runs))
+    per_config = {}
+    for i, r in enumerate(runs):
+        for x in r["records"]:
+            per_config.setdefault((i, x["method"], x["budget"]), set()).add(prompt(x))
+    return set.intersection(*per_config.values()) if per_config else set()
+
+
+def load_runs(dirs, every_config: bool = False) -> list[dict]:
+    """Each run's config and summary over the samples common to all runs (:func:`common_prompts`,
+    ``kvjax.evals.report.summarize``)."""
+    from kvjax.evals.report import summarize
+
+    runs = read_runs(dirs)
+    common = common_prompts(runs, every_config)
     for r in runs:
-        kept = [x for x in r["records"] if (x["task"], x["length"], x["index"]) in common]
+        kept = [x for x in r["records"] if prompt(x) in common]
         r.update(summarize(kept, [], r["config"]), common=len(common))
     return runs
 
