@@ -82,9 +82,9 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> t
 
 
 def batch_for(model, token_rows: Sequence[Sequence[int]], *, max_new_tokens: int, chunk_size: int | None,
-              pad_id: int, question_rows: Sequence[Sequence[int]] | None = None):
+              pad_id: int, question_rows: Sequence[Sequence[int]] | None = None, kv_dtype=None):
     """``(tokens [B, L], pad [B], question [B, Q] or None, spec)`` of a batch of token rows, left-padded to a
-    multiple of ``chunk_size``, after checking that it fits the model's context."""
+    multiple of ``chunk_size``, after checking that it fits the model's context (``kv_dtype``: the spec's)."""
     config = model.config
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
@@ -108,7 +108,8 @@ def batch_for(model, token_rows: Sequence[Sequence[int]], *, max_new_tokens: int
             f"model's context of {config.max_position_embeddings} tokens"
         )
     B, L = tokens.shape
-    spec = CacheSpec.for_model(config, B, L, q_len + max_new_tokens, model.dtype, longest_row=longest, mesh=model.mesh)
+    spec = CacheSpec.for_model(config, B, L, q_len + max_new_tokens, model.dtype, longest_row=longest, mesh=model.mesh,
+                               kv_dtype=kv_dtype)
     return tokens, pad, question, spec
 
 
@@ -199,6 +200,7 @@ def generate_tokens(
     sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
     eos_ids: Sequence[int] = (), pad_id: int = 0, on_token: Callable[[np.ndarray], None] | None = None,
     progress: bool = False, question_rows: Sequence[Sequence[int]] | None = None, artifact=None, reconstruction=None,
+    kv_dtype=None,
 ):
     """Generate from token-id prompts; returns (tokens [B, n], num_generated [B], cache, timings).
 
@@ -207,11 +209,12 @@ def generate_tokens(
     (the query-agnostic setting). ``on_token`` switches to the per-step jitted function and is
     called with each step's tokens [B] (streaming); otherwise the whole decode runs in one jitted
     ``while_loop``. ``reconstruction``: the reconstruction prompt of a method that re-reads the context (KVzip;
-    ``kvjax.models.tokenizer.reconstruction_prompt``).
+    ``kvjax.models.tokenizer.reconstruction_prompt``). ``kv_dtype``: the compressed pools' storage dtype (None: the
+    model's; :mod:`kvjax.kv_quantization`).
     """
     method = _resolve_method(method)
     tokens, pad, question, spec = batch_for(model, token_rows, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
-                                            pad_id=pad_id, question_rows=question_rows)
+                                            pad_id=pad_id, question_rows=question_rows, kv_dtype=kv_dtype)
     cache = method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad))
     logits, cache, timings = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress,
                                            reconstruction=reconstruction)
@@ -224,14 +227,14 @@ def compare_tokens(
     max_new_tokens: int = 64, sampling: Sampling = Sampling(), seed: int = 0, chunk_size: int | None = None,
     eos_ids: Sequence[int] = (), pad_id: int = 0, progress: bool = False,
     question_rows: Sequence[Sequence[int]] | None = None, reconstruction=None,
-    on_token: Callable[[np.ndarray], None] | None = None,
+    on_token: Callable[[np.ndarray], None] | None = None, kv_dtype=None,
 ) -> list[tuple]:
     """:func:`generate_tokens` for each of ``methods`` on the same rows, one result per method, with **one**
     prefill for every method that can share it (:mod:`kvjax.shared_prefill`: the full cache and the
     evict-after-prefill methods); the others run their own. The shared methods' ``timings`` carry the shared
     prefill's ``prefill_s`` and ``prefill_shared_by`` (how many methods it served). With ``on_token`` each method
     decodes step by step, calling it with every token, and its timings separate the first step (with its
-    compilation) from the steady state (:func:`compress_and_decode`)."""
+    compilation) from the steady state (:func:`compress_and_decode`). ``kv_dtype``: as :func:`generate_tokens`'s."""
     from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
 
     methods = [_resolve_method(m) for m in methods]
@@ -241,7 +244,7 @@ def compare_tokens(
     if len(artifacts) != len(methods):
         raise ValueError(f"need one artifact (or None) per method: {len(artifacts)} for {len(methods)} methods")
     tokens, pad, question, spec = batch_for(model, token_rows, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
-                                            pad_id=pad_id, question_rows=question_rows)
+                                            pad_id=pad_id, question_rows=question_rows, kv_dtype=kv_dtype)
     decode = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids, on_token=on_token)
     shared = [i for i, m in enumerate(methods) if can_share_prefill(m)]
     if len(shared) < 2:
@@ -280,7 +283,7 @@ def generate(
     model, prompt: str | Sequence[str], *, method=None, max_new_tokens: int = 64, chat: bool = False,
     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chunk_size: int | None = None,
     stream: Callable[[str], None] | None = None, progress: bool = False, question: str | Sequence[str] | None = None,
-    artifact=None,
+    artifact=None, kv_dtype=None,
 ) -> GenerationResult:
     """Generate text for one prompt or a batch (left-padded) with a KV-cache ``method``.
 
@@ -300,6 +303,9 @@ def generate(
         ``prompt + "\n" + question`` and split in front of the question; the questions of a batch
         must have one length in tokens.
       artifact: calibration data / trained weights of methods that need them.
+      kv_dtype: storage dtype of the compressed page pools: None (the model's), "bfloat16", "int8" or
+        "float8_e4m3fn" (per-token scales, :mod:`kvjax.kv_quantization`); methods without page pools accept only
+        the model's.
     """
     tok = model.tokenizer
     rows, question_rows, eos, pad_id = text_batch(tok, prompt, question, chat)
@@ -320,7 +326,7 @@ def generate(
     out, count, cache, timings = generate_tokens(
         model, rows, method=method, max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p),
         seed=seed, chunk_size=chunk_size, eos_ids=eos, pad_id=pad_id, on_token=on_token, progress=progress,
-        question_rows=question_rows, artifact=artifact, reconstruction=reconstruction_prompt(tok, chat),
+        question_rows=question_rows, artifact=artifact, reconstruction=reconstruction_prompt(tok, chat), kv_dtype=kv_dtype,
     )
     return text_result(tok, out, count, cache, timings, rows, question_rows, eos)
 
@@ -328,7 +334,7 @@ def generate(
 def compare(
     model, prompt: str | Sequence[str], methods: Sequence, *, max_new_tokens: int = 64, chat: bool = False,
     chunk_size: int | None = None, question: str | Sequence[str] | None = None, artifacts: Sequence | None = None,
-    progress: bool = False, steady_timings: bool = False,
+    progress: bool = False, steady_timings: bool = False, kv_dtype=None,
 ) -> list[GenerationResult]:
     """:func:`generate` (greedy) with each of ``methods`` on the same prompt(s): one result per method, in order.
 
@@ -336,14 +342,15 @@ def compare(
     others run their own. Each result equals that method's :func:`generate` (the same tokens); a shared
     prefill's time is in every result it served, with ``timings["prefill_shared_by"]``. With ``steady_timings``
     each method decodes step by step, and its timings add ``first_step_s`` (the first step, with its compilation)
-    and ``decode_steady_ms_per_token`` (the steps after it), as :func:`generate` does when streaming.
+    and ``decode_steady_ms_per_token`` (the steps after it), as :func:`generate` does when streaming. ``kv_dtype``:
+    as :func:`generate`'s, for every method.
     """
     tok = model.tokenizer
     rows, question_rows, eos, pad_id = text_batch(tok, prompt, question, chat)
     outputs = compare_tokens(model, rows, methods, artifacts=artifacts, max_new_tokens=max_new_tokens,
                              chunk_size=chunk_size, eos_ids=eos, pad_id=pad_id, progress=progress,
                              question_rows=question_rows, reconstruction=reconstruction_prompt(tok, chat),
-                             on_token=(lambda _: None) if steady_timings else None)
+                             on_token=(lambda _: None) if steady_timings else None, kv_dtype=kv_dtype)
     return [text_result(tok, out, count, cache, timings, rows, question_rows, eos)
             for out, count, cache, timings in outputs]
 
@@ -388,7 +395,7 @@ def text_result(tok, out, count, cache, timings, rows, question_rows, eos) -> Ge
 
 def ask(
     model, context: str, questions: Sequence[str], *, method=None, max_new_tokens: int = 64, chat: bool = False,
-    chunk_size: int | None = None, artifact=None, progress: bool = False,
+    chunk_size: int | None = None, artifact=None, progress: bool = False, kv_dtype=None,
 ) -> list[GenerationResult]:
     """Several questions over one compressed context: the context is prefilled and compressed **once**.
 
@@ -396,6 +403,7 @@ def ask(
     cache and answered greedily; the context is never recomputed. The text is formatted as in
     :func:`generate` with ``question=``. Returns one result per question (``timings`` of the shared
     prefill and compression are those of the context; ``question_s`` and decode are the question's).
+    ``kv_dtype``: as :func:`generate`'s.
     """
     if not questions:
         raise ValueError("ask needs at least one question")
@@ -413,7 +421,7 @@ def ask(
                          f"exceeds the model's context of {model.config.max_position_embeddings} tokens")
     tokens, pad = left_pad([context_ids], 0, multiple=chunk_size or 1)
     spec = CacheSpec.for_model(model.config, 1, tokens.shape[1], longest_q + max_new_tokens, model.dtype,
-                               longest_row=len(context_ids), mesh=model.mesh)
+                               longest_row=len(context_ids), mesh=model.mesh, kv_dtype=kv_dtype)
     cache = method.init_cache(spec, artifact).replace(pad=jnp.asarray(pad))
     _, cache, shared = timed_prefill(model, tokens, cache, chunk_size=chunk_size, progress=progress,
                                      reconstruction=reconstruction_prompt(tok, chat))

@@ -249,7 +249,8 @@ def to_pages(state: BoundedPrefill, room: int, page_size: int) -> PagedKV:
     """After the prompt: the survivors (``<= budget`` per head, slot order) into page pools with ``room`` for later tokens."""
     buf = state.buffer
     idx, count = kept_indices(buf)
-    return build_paged(buf.k, buf.v, idx, count, (buf.capacity,) * buf.k.shape[1], room, page_size, state.spec.mesh)
+    return build_paged(buf.k, buf.v, idx, count, (buf.capacity,) * buf.k.shape[1], room, page_size, state.spec.mesh,
+                       state.spec.kv_dtype)
 
 
 def paged_facts(cache: Cache) -> dict:

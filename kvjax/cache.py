@@ -48,6 +48,8 @@ class CacheSpec:
       longest_row: real tokens of the longest prompt row (budgets allocate for it).
       room: slots per head after the prompt (question tokens + generated tokens).
       dtype: name of the K/V dtype ("float32" | "bfloat16").
+      kv_dtype: name of the dtype the compressed page pools store (None: ``dtype``; "bfloat16", or "int8" /
+        "float8_e4m3fn" with per-token scales: :mod:`kvjax.kv_quantization`).
       model_id: identity of the model (:func:`kvjax.artifacts.model_identity`), checked against artifacts.
       mesh: the ``(data, model)`` :class:`jax.sharding.Mesh` the cache is split over (:mod:`kvjax.sharding`),
         or None for one device.
@@ -64,8 +66,12 @@ class CacheSpec:
     dtype: str = "float32"
     model_id: str = ""
     mesh: Any = None
+    kv_dtype: str | None = None
 
     def __post_init__(self):
+        from kvjax.kv_quantization import check_kv_dtype
+
+        object.__setattr__(self, "kv_dtype", check_kv_dtype(self.kv_dtype, self.dtype))
         if self.batch <= 0 or self.prompt_slots <= 0 or self.room < 0:
             raise ValueError(f"need batch > 0, prompt_slots > 0, room >= 0; got {self.batch}, {self.prompt_slots}, {self.room}")
         if not 0 < self.longest_row <= self.prompt_slots:
@@ -77,15 +83,16 @@ class CacheSpec:
 
     @classmethod
     def for_model(cls, config, batch: int, prompt_slots: int, room: int, dtype, *, longest_row: int | None = None,
-                  mesh=None) -> "CacheSpec":
-        """Spec for a model ``config`` (``models.ModelConfig``); ``longest_row`` defaults to ``prompt_slots``."""
+                  mesh=None, kv_dtype=None) -> "CacheSpec":
+        """Spec for a model ``config`` (``models.ModelConfig``); ``longest_row`` defaults to ``prompt_slots``,
+        ``kv_dtype`` to ``dtype``."""
         from kvjax.artifacts import model_identity
 
         return cls(
             num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim, batch=batch, prompt_slots=prompt_slots,
             longest_row=prompt_slots if longest_row is None else longest_row, room=room,
-            dtype=jnp.dtype(dtype).name, model_id=model_identity(config), mesh=mesh,
+            dtype=jnp.dtype(dtype).name, model_id=model_identity(config), mesh=mesh, kv_dtype=kv_dtype,
         )
 
     @property
@@ -265,10 +272,11 @@ def device_bytes_per_device(tree) -> int:
 
 
 def new_cache(method, config, batch: int, prompt_slots: int, room: int, dtype, *, longest_row: int | None = None,
-              artifact: Any = None, mesh=None) -> Cache:
+              artifact: Any = None, mesh=None, kv_dtype=None) -> Cache:
     """``method.init_cache`` for a model ``config`` (the spec built with :meth:`CacheSpec.for_model`),
     placed on ``mesh`` when given (:func:`kvjax.sharding.place_cache`)."""
     from kvjax.sharding import place_cache
 
-    spec = CacheSpec.for_model(config, batch, prompt_slots, room, dtype, longest_row=longest_row, mesh=mesh)
+    spec = CacheSpec.for_model(config, batch, prompt_slots, room, dtype, longest_row=longest_row, mesh=mesh,
+                               kv_dtype=kv_dtype)
     return place_cache(method.init_cache(spec, artifact))

@@ -8,6 +8,7 @@ import time
 
 from kvjax.budgets import parse_budget
 from kvjax.distributed import add_mesh_args, setup_devices
+from kvjax.kv_quantization import KV_DTYPES, check_kv_dtype
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -84,11 +85,12 @@ def cmd_generate(args) -> int:
         raise SystemExit("kvjax generate: give exactly one of --prompt or --prompt-file")
     prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
     method = method_from_args(args)  # a bad spec or budget fails here, before the model loads
+    check_kv_dtype(args.kv_dtype, args.dtype)
     model = kvjax.load(args.model, args.dtype, progress=True, mesh=setup_devices(args))
     result = kvjax.generate(
         model, prompt, method=method, max_new_tokens=args.max_new_tokens, chat=args.chat,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size,
-        stream=lambda s: print(s, end="", flush=True), progress=True,
+        stream=lambda s: print(s, end="", flush=True), progress=True, kv_dtype=args.kv_dtype,
     )
     s, t = result.cache_stats, result.timings
     print(
@@ -306,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
+    g.add_argument("--kv-dtype", default=None, help="storage dtype of the compressed page pools: the --dtype (default), "
+                   f"{', '.join(KV_DTYPES)} (int8 and fp8 with per-token scales; docs/QUANTIZATION.md)")
     add_mesh_args(g)
     g.set_defaults(func=cmd_generate)
 

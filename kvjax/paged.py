@@ -8,7 +8,12 @@
 * ``block_table[B, Hkv, max_pages]`` (int32): page ids of each head, in order;
 * ``lengths[B, Hkv]`` (int32): tokens held by each head (prompt survivors, then appended tokens).
   A row may hold fewer prompt tokens than its head's capacity (a short row of a ragged batch, a
-  budget above the row's length): padding is never stored or attended.
+  budget above the row's length): padding is never stored or attended;
+* ``k_scales, v_scales[num_pages, page_size]`` (float32): with a quantized ``kv_dtype`` (int8,
+  float8_e4m3fn) the pools hold quantized values and these their per-token scales
+  (:mod:`kvjax.kv_quantization`); None otherwise. Attention dequantizes (pages x scales) before
+  its math: the Pallas kernels get a dequantized pool (:func:`dequantized_pools`), so a quantized
+  pool saves memory held, not bandwidth read per decode step.
 
 Keys stay post-RoPE at their original positions; later tokens (a question, decoded tokens) are
 appended at ``lengths[b, h]`` into pre-allocated room (``room`` slots per head, the cache spec's
@@ -25,6 +30,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.attention import MASK_VALUE, resolve_implementation
+from kvjax.kv_quantization import dequantize, quantize
 
 try:  # jax >= 0.7 (0.10, 0.11 here); older releases kept it in jax.experimental
     from jax import shard_map
@@ -36,10 +42,17 @@ except ImportError:  # pragma: no cover - old jax
 class PagedKV:
     """One layer's compressed cache (see module docstring); ``capacities`` are prompt tokens per KV head."""
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the pools hold quantized values with per-token scales."""
+        return self.k_scales is not None
+
     k_pages: jax.Array
     v_pages: jax.Array
     block_table: jax.Array
     lengths: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
     page_size: int = struct.field(pytree_node=False, default=16)
     capacities: tuple = struct.field(pytree_node=False, default=())
 
@@ -77,7 +90,8 @@ def page_layout(batch: int, slots_per_head: Sequence[int], page_size: int,
     return table, row_blocks * head_blocks * block_pages
 
 
-def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, page_size: int, mesh=None) -> PagedKV:
+def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, page_size: int, mesh=None,
+                kv_dtype: str | None = None) -> PagedKV:
     """Gather kept tokens into a fresh page pool (laid out for ``mesh`` when given: :func:`page_layout`).
 
     Args:
@@ -89,6 +103,7 @@ def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, p
       room: extra slots per head for later tokens.
       page_size: tokens per page.
       mesh: the cache's device mesh (None: one device).
+      kv_dtype: the pools' dtype (None: ``k``'s); int8 / float8_e4m3fn are quantized with per-token scales.
     """
     from kvjax.sharding import head_blocks
 
@@ -106,31 +121,38 @@ def build_paged(k, v, keep_idx, lengths, capacities: Sequence[int], room: int, p
     page = jnp.take_along_axis(table, jnp.broadcast_to(j // page_size, (B, Hkv, C)), axis=2)
     flat = jnp.where(valid, page * page_size + j % page_size, num_pages * page_size)  # out of range: dropped
 
-    def scatter(src):
-        sel = jnp.take_along_axis(src, keep_idx[..., None], axis=2)  # [B, Hkv, C, D]
-        pool = jnp.zeros((num_pages * page_size, D), src.dtype)
-        pool = pool.at[flat.reshape(-1)].set(sel.reshape(-1, D), mode="drop")
-        return pool.reshape(num_pages, page_size, D)
+    kv_dtype = k.dtype.name if kv_dtype is None else kv_dtype
 
-    return PagedKV(scatter(k), scatter(v), table, lengths, page_size=page_size, capacities=capacities)
+    def scatter(src):
+        sel, scales = quantize(jnp.take_along_axis(src, keep_idx[..., None], axis=2), kv_dtype)  # [B, Hkv, C, D]
+        pool = jnp.zeros((num_pages * page_size, D), sel.dtype)
+        pool = pool.at[flat.reshape(-1)].set(sel.reshape(-1, D), mode="drop").reshape(num_pages, page_size, D)
+        if scales is None:
+            return pool, None
+        pool_scales = jnp.zeros((num_pages * page_size,), jnp.float32)
+        return pool, pool_scales.at[flat.reshape(-1)].set(scales.reshape(-1), mode="drop").reshape(num_pages, page_size)
+
+    (k_pages, k_scales), (v_pages, v_scales) = scatter(k), scatter(v)
+    return PagedKV(k_pages, v_pages, table, lengths, k_scales, v_scales, page_size=page_size, capacities=capacities)
 
 
 def append(state: PagedKV, k_new, v_new) -> PagedKV:
-    """Append ``k_new, v_new[B, T, Hkv, D]`` to every head after its ``lengths`` tokens."""
+    """Append ``k_new, v_new[B, T, Hkv, D]`` to every head after its ``lengths`` tokens (quantized like the pool)."""
     B, T, Hkv, D = k_new.shape
     ps = state.page_size
     j = state.lengths[..., None] + jnp.arange(T, dtype=jnp.int32)  # [B, Hkv, T]
     page = jnp.take_along_axis(state.block_table, j // ps, axis=2)
     flat = (page * ps + j % ps).reshape(-1)
 
-    def write(pool, x):
+    def write(pool, scales, x):
         n = pool.shape[0]
-        x = x.transpose(0, 2, 1, 3).reshape(-1, D).astype(pool.dtype)
-        return pool.reshape(n * ps, D).at[flat].set(x).reshape(n, ps, D)
+        x, s = quantize(x.transpose(0, 2, 1, 3).reshape(-1, D), pool.dtype.name)
+        pool = pool.reshape(n * ps, D).at[flat].set(x).reshape(n, ps, D)
+        return pool, None if scales is None else scales.reshape(n * ps).at[flat].set(s).reshape(n, ps)
 
-    return state.replace(
-        k_pages=write(state.k_pages, k_new), v_pages=write(state.v_pages, v_new), lengths=state.lengths + T
-    )
+    (k_pages, k_scales), (v_pages, v_scales) = write(state.k_pages, state.k_scales, k_new), write(state.v_pages, state.v_scales, v_new)
+    return state.replace(k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales,
+                         lengths=state.lengths + T)
 
 
 def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implementation: str = "auto", mesh=None):
@@ -149,7 +171,17 @@ def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implem
     lengths = state.lengths if lengths is None else lengths
     if impl != "xla" and is_split(mesh):
         return sharded_paged_attention(q, state, table, lengths, mesh, impl)
-    return paged_decode_attention(q, state.k_pages, state.v_pages, table, lengths, implementation=impl)
+    k_pages, v_pages = dequantized_pools(state, q.dtype)
+    return paged_decode_attention(q, k_pages, v_pages, table, lengths, implementation=impl)
+
+
+def dequantized_pools(state: PagedKV, dtype):
+    """``(k_pages, v_pages)`` in ``dtype`` for attention: a quantized layer's pools times their per-token scales
+    (elementwise, so a pool split by page stays split), another's cast (a no-op in the stored dtype).
+
+    The Pallas kernels read these: they take pools in the query's dtype, so a quantized (or bfloat16-stored) cache
+    is dequantized whole before the kernel call; the kernels do not dequantize the pages they read."""
+    return dequantize(state.k_pages, state.k_scales, dtype), dequantize(state.v_pages, state.v_scales, dtype)
 
 
 def local_block_table(table, pool_pages: int, mesh):
@@ -172,8 +204,9 @@ def sharded_paged_attention(q, state: PagedKV, block_table, lengths, mesh, imple
         table = local_block_table(table, k_pages.shape[0], mesh)
         return paged_decode_attention(q, k_pages, v_pages, table, lengths, implementation=implementation)
 
+    k_pages, v_pages = dequantized_pools(state, q.dtype)
     return shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, BY_DEVICE, BY_DEVICE, ROWS_HEADS, ROWS_HEADS),
-                     out_specs=ROWS_HEADS, check_vma=False)(q, state.k_pages, state.v_pages, block_table, lengths)
+                     out_specs=ROWS_HEADS, check_vma=False)(q, k_pages, v_pages, block_table, lengths)
 
 
 def paged_chunk_attention(q, state: PagedKV):
@@ -186,8 +219,10 @@ def paged_chunk_attention(q, state: PagedKV):
     ps = state.page_size
     _, Hkv, M = state.block_table.shape
     G = Hq // Hkv
-    k = state.k_pages[state.block_table].reshape(B, Hkv, M * ps, D)
-    v = state.v_pages[state.block_table].reshape(B, Hkv, M * ps, D)
+    k = dequantize(state.k_pages[state.block_table], None if state.k_scales is None else state.k_scales[state.block_table],
+                   q.dtype).reshape(B, Hkv, M * ps, D)
+    v = dequantize(state.v_pages[state.block_table], None if state.v_scales is None else state.v_scales[state.block_table],
+                   q.dtype).reshape(B, Hkv, M * ps, D)
     limit = state.lengths[..., None] - T + jnp.arange(T, dtype=jnp.int32) + 1  # [B, Hkv, T]
     visible = jnp.arange(M * ps)[None, None, None, :] < limit[..., None]  # [B, Hkv, T, S]
     qg = q.reshape(B, T, Hkv, G, D)
@@ -213,14 +248,20 @@ def paged_partition(state: PagedKV) -> PagedKV:
     """Partition specs of a paged layer: tables by (row, head), pools by page in device blocks (:func:`page_layout`)."""
     from kvjax.sharding import BY_DEVICE, ROWS_HEADS
 
-    return state.replace(k_pages=BY_DEVICE, v_pages=BY_DEVICE, block_table=ROWS_HEADS, lengths=ROWS_HEADS)
+    scales = BY_DEVICE if state.quantized else None
+    return state.replace(k_pages=BY_DEVICE, v_pages=BY_DEVICE, block_table=ROWS_HEADS, lengths=ROWS_HEADS,
+                         k_scales=scales, v_scales=scales)
 
 
 def paged_device_bytes(state: PagedKV) -> int:
-    """Bytes of the layer's page pools (K and V) from the arrays' sizes."""
-    return sum(int(x.size) * x.dtype.itemsize for x in (state.k_pages, state.v_pages))
+    """Bytes of the layer's page pools (K and V, in their stored dtype) and their scales from the arrays' sizes."""
+    pools = (state.k_pages, state.v_pages, state.k_scales, state.v_scales)
+    return sum(int(x.size) * x.dtype.itemsize for x in pools if x is not None)
 
 
 def paged_read_bytes(state: PagedKV) -> int:
-    """K/V bytes one decode step reads from a paged layer: every held token of every head (concrete lengths)."""
-    return 2 * int(jnp.sum(state.lengths)) * state.k_pages.shape[-1] * state.k_pages.dtype.itemsize
+    """K/V bytes one decode step reads from a paged layer: every held token of every head (concrete lengths), in the
+    stored dtype with its scales. A pool stored in another dtype than the query's is also dequantized whole before
+    the kernel (:func:`dequantized_pools`), which this count leaves out."""
+    per_token = state.k_pages.shape[-1] * state.k_pages.dtype.itemsize + (4 if state.quantized else 0)
+    return 2 * int(jnp.sum(state.lengths)) * per_token

@@ -59,6 +59,7 @@ from kvjax.attention import resolve_implementation
 from kvjax.bounded_prefill import BoundedPrefill, bounded_partition, paged_cache_read_bytes, to_pages
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
+from kvjax.kv_quantization import reject_kv_dtype
 from kvjax.paged import PagedKV, append_and_attend, build_paged, paged_device_bytes, paged_partition, paged_read_bytes
 from kvjax.selection import GQA_AGGREGATIONS, keep_to_indices, row_capacities
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
@@ -161,7 +162,9 @@ class StagedPrefill(NoArtifact):
     :meth:`recording` asks for, and compresses in ``finish_prefill``."""
 
     def check_spec(self, spec: CacheSpec) -> None:
-        """Reject a spec the method cannot serve (clear errors before any array is made); nothing by default."""
+        """Reject a spec the method cannot serve (clear errors before any array is made); by default a ``kv_dtype``
+        other than the model's (:mod:`kvjax.kv_quantization`), which only the paged pools store."""
+        reject_kv_dtype(spec, self.name, "its compressed cache is not the paged pool")
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging of the prompt (and room for the answer); the compressed layout comes in ``finish_prefill``."""
@@ -230,7 +233,7 @@ class PagedAppend:
 
     def build(self, st: StagedKV, idx, lengths, head_caps, scores, spec: CacheSpec):
         """Gather the kept tokens into pages."""
-        return build_paged(st.k, st.v, idx, lengths, head_caps, spec.room, self.page_size, spec.mesh)
+        return build_paged(st.k, st.v, idx, lengths, head_caps, spec.room, self.page_size, spec.mesh, spec.kv_dtype)
 
     def decode_attend(self, state: PagedKV, q, k, v, ctx: AttendContext):
         """Append and attend."""
@@ -298,7 +301,10 @@ class PromptCompression(StagedPrefill, LayerLocal):
         return caps
 
     def check_spec(self, spec: CacheSpec) -> None:
-        """The head capacities of ``spec`` are valid."""
+        """The head capacities of ``spec`` are valid; another ``kv_dtype`` than the model's needs the paged layout."""
+        if not isinstance(self.components()[3], PagedAppend):
+            reject_kv_dtype(spec, f"{self.name} ({type(self.components()[3]).__name__} layout)",
+                            "its compressed cache is not the paged pool")
         self.head_capacities(spec)
 
     def keep_mask(self, state: StagedKV, ctx: FinishContext):

@@ -85,6 +85,7 @@ from jax.sharding import PartitionSpec
 from kvjax.artifacts import Artifact, installed_artifact, no_artifact, require_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
+from kvjax.kv_quantization import reject_kv_dtype
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host, weighted_union_on_host
 from kvjax.methods.base import LayerLocal
 from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
@@ -297,6 +298,8 @@ class HCAttention(LayerLocal):
         """Dense staging; the codebooks travel with the cache as its artifact."""
         if self.local >= spec.prompt_slots:  # checked before any prefill work
             raise ValueError(f"hcattention local={self.local} must be smaller than the prompt ({spec.prompt_slots} slots)")
+        reject_kv_dtype(spec, self.name, "its compressed cache is product-quantized codes and host values, "
+                         "not the paged pool")
         art = self.artifact_for(spec, artifact)
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
 

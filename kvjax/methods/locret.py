@@ -66,6 +66,7 @@ from kvjax.bounded_prefill import (BoundedPrefill, bounded_sizes, buffer_read_by
                                    evict_decoding, init_bounded, paged_facts, prefill_in_pieces)
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
+from kvjax.kv_quantization import reject_kv_dtype
 from kvjax.methods.base import BoundedEvictionMethod
 from kvjax.retaining_heads import KIND, apply_head, check_heads, head_features, random_heads_artifact
 from kvjax.selection import pool1d
@@ -180,6 +181,9 @@ class Locret(BoundedEvictionMethod):
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Bounded working buffers of ``budget + B`` tokens per KV head; the heads travel as the artifact."""
+        if self.evict_during_decode:
+            reject_kv_dtype(spec, "locret with evict_during_decode=True",
+                            "decoding keeps the bounded working buffer, not the paged pool")
         art = self.artifact_for(spec, artifact)
         layers = init_bounded(spec, self.name, self.budget, self.chunk, self.local, self.stabilizers,
                               positions=self.positions)

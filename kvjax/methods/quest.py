@@ -21,6 +21,7 @@ from jax import lax
 
 from kvjax.budgets import budget_facts, check_budget, tokens_per_head
 from kvjax.cache import Cache, CacheSpec
+from kvjax.kv_quantization import reject_kv_dtype
 from kvjax.methods.base import LayerLocal, StagedPrefill, check_common
 from kvjax.paged import (
     PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes, paged_partition,
@@ -120,7 +121,9 @@ class Quest(StagedPrefill, LayerLocal):
         return Recording(block=self.block)
 
     def check_spec(self, spec: CacheSpec) -> None:
-        """The budget holds at least one page (``finish_prefill`` moves every real token into pages)."""
+        """The budget holds at least one page (``finish_prefill`` moves every real token into pages); the pages'
+        key bounds are read from the stored keys, so only the model's ``kv_dtype``."""
+        reject_kv_dtype(spec, self.name, "its page selection reads the stored keys' bounds, not done for quantized pages")
         self.pages_per_step(spec)
 
     def finish_prefill(self, state: StagedKV, ctx) -> QuestKV:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from kvjax.artifacts import Artifact
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import Cache, CacheSpec
+from kvjax.kv_quantization import reject_kv_dtype
 from kvjax.methods.base import check_common
 from kvjax.methods.recall.layout import (RecallKV, append_attend, attention_read_bytes, build_layer,
                                          recall_partition, recall_stats)
@@ -172,6 +173,8 @@ class LeaderFollowerMethod(abc.ABC):
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
         """Dense staging recording the last query; the artifact (or the shipped one) travels with the cache."""
+        reject_kv_dtype(spec, self.name, "its followers' pages are recalled from the host tier, "
+                         "not done for quantized pages")
         art = self.artifact_for(spec, artifact)
         self.plans(spec, art)  # validates the budget against the full heads
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
