@@ -12,10 +12,13 @@ from kvjax.api import generate_tokens
 from kvjax.cache import CacheSpec
 from kvjax.cli import main as cli_main
 from kvjax.kv_quantization import QMAX, dequantize, quantize
-from kvjax.methods import H2O, ChunkedEviction, FullCache, HCAttention, HeteroCache, Locret, Quest, SnapKV, SyncKV
+from kvjax.methods import (H2O, ChunkedEviction, FullCache, HCAttention, HeteroCache, KVzip, Locret, Quest, SnapKV,
+                           SyncKV)
+from kvjax.methods.kvzip import ReconstructionPrompt
 from kvjax.paged import PagedKV, append, build_paged, paged_attention, paged_chunk_attention
 from tests.test_methods_e2e import EVERY, NAMES
 
+RECONSTRUCTION = ReconstructionPrompt(prefix=3, first=(11, 12, 13, 14, 15), later=(21, 22, 23), suffix=(31, 32))
 FP8_RELATIVE = 2.0**-4  # e4m3: 3 mantissa bits, half a unit in the last place
 FP8_SUBNORMAL_STEP = 2.0**-9  # e4m3fn's smallest subnormal, in units of the scale
 
@@ -163,16 +166,18 @@ def test_device_bytes_count_stored_dtype_and_scales(tiny, kv_dtype, itemsize, sc
 
 
 @pytest.mark.parametrize("make", [lambda: SnapKV(budget=0.5, window=4, block=16),
-                                  lambda: ChunkedEviction(budget=24, chunk=16, local=4, window=4)],
-                         ids=["snapkv", "chunked_eviction"])
+                                  lambda: ChunkedEviction(budget=24, chunk=16, local=4, window=4),
+                                  lambda: KVzip(budget=0.5, chunk=32, block=16)],
+                         ids=["snapkv", "chunked_eviction", "kvzip"])
 def test_quantized_cache_generates(tiny, make):
-    """An int8 / fp8 cache (evict-after-prefill, bounded prefill) runs prefill, a question and decoding."""
+    """An int8 / fp8 cache (evict-after-prefill, bounded prefill, KVzip's reconstruction) runs prefill, a question
+    and decoding."""
     rng = np.random.default_rng(4)
     rows = [list(rng.integers(0, 97, size=40)), list(rng.integers(0, 97, size=28))]
     question = [list(rng.integers(0, 97, size=3)) for _ in rows]
     for kv_dtype in ("int8", "float8_e4m3fn"):
         got, count, cache, _ = generate_tokens(tiny, rows, method=make(), max_new_tokens=4, question_rows=question,
-                                               kv_dtype=kv_dtype)
+                                               kv_dtype=kv_dtype, reconstruction=RECONSTRUCTION)
         assert got.shape == (2, 4) and (np.asarray(count) == 4).all()
         assert cache.layers[0].k_pages.dtype == jnp.dtype(kv_dtype) and cache.layers[0].k_scales is not None
         assert int(cache.layers[0].lengths.max()) == cache.layers[0].capacities[0] + 3 + 3  # kept, question, 3 fed back
