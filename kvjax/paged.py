@@ -176,11 +176,14 @@ def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implem
 
 
 def dequantized_pools(state: PagedKV, dtype):
-    """``(k_pages, v_pages)`` in ``dtype`` for attention: a quantized layer's pools times their per-token scales
-    (elementwise, so a pool split by page stays split), another's cast (a no-op in the stored dtype).
+    """``(k_pages, v_pages)`` for attention: a quantized layer's pools times their per-token scales in ``dtype``
+    (elementwise, so a pool split by page stays split), another's as stored (the kernels read bfloat16 pools with
+    a float32 query).
 
-    The Pallas kernels read these: they take pools in the query's dtype, so a quantized (or bfloat16-stored) cache
-    is dequantized whole before the kernel call; the kernels do not dequantize the pages they read."""
+    The Pallas kernels read these: they take bfloat16 or float32 pools, so a quantized cache is dequantized whole
+    before the kernel call; the kernels do not dequantize the pages they read."""
+    if not state.quantized:
+        return state.k_pages, state.v_pages
     return dequantize(state.k_pages, state.k_scales, dtype), dequantize(state.v_pages, state.v_scales, dtype)
 
 
@@ -261,7 +264,7 @@ def paged_device_bytes(state: PagedKV) -> int:
 
 def paged_read_bytes(state: PagedKV) -> int:
     """K/V bytes one decode step reads from a paged layer: every held token of every head (concrete lengths), in the
-    stored dtype with its scales. A pool stored in another dtype than the query's is also dequantized whole before
-    the kernel (:func:`dequantized_pools`), which this count leaves out."""
+    stored dtype with its scales. A quantized pool is also dequantized whole before the kernel
+    (:func:`dequantized_pools`), which this count leaves out."""
     per_token = state.k_pages.shape[-1] * state.k_pages.dtype.itemsize + (4 if state.quantized else 0)
     return 2 * int(jnp.sum(state.lengths)) * per_token

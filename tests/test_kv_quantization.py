@@ -121,6 +121,16 @@ def test_attention_over_int8_pages(implementation):
                                np.asarray(paged_chunk_attention(qt, dequantized_layer(q8))), atol=2e-6, rtol=1e-5)
 
 
+def test_bfloat16_pages_are_read_as_stored():
+    """A bfloat16 pool under a float32 query goes to the kernel as stored (no scales); kernel and XLA agree up to
+    bfloat16 rounding (the GPU form multiplies in the pools' dtype, the XLA path in float32)."""
+    bf16 = random_pages("bfloat16")
+    assert bf16.k_pages.dtype == jnp.bfloat16 and bf16.k_scales is None
+    q = jnp.asarray(np.random.default_rng(1).normal(size=(2, 4, 16)).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(paged_attention(q, bf16, implementation="pallas_interpret")),
+                               np.asarray(paged_attention(q, bf16, implementation="xla")), atol=2e-2, rtol=2e-2)
+
+
 def test_append_quantizes_like_build():
     """Appended tokens get their own per-token scales: the pool equals quantizing each stored vector."""
     q8, f32 = random_pages("int8"), random_pages(None)
@@ -209,3 +219,53 @@ def test_bad_kv_dtype_on_the_command_line(capsys):
 def test_methods_without_page_pools_reject_another_kv_dtype(method, kv_dtype):
     with pytest.raises(ValueError, match=f"kv_dtype={kv_dtype} is not supported by {method.name}"):
         method.init_cache(spec(kv_dtype))
+
+
+MESH_SCRIPT = """
+import json
+import numpy as np
+from kvjax.api import generate_tokens
+from kvjax.methods import SnapKV
+from kvjax.models.sharding import shard_model
+from tests.mesh_worker import CONFIG_D16, tiny_model
+
+base = tiny_model(CONFIG_D16)
+rng = np.random.default_rng(0)
+rows = [list(rng.integers(1, 128, size=n)) for n in (40, 33, 28, 40)]
+out = {}
+for mesh in ("one device", "data=2,model=2"):
+    model = base if mesh == "one device" else shard_model(base, mesh)
+    for impl in ("xla", "pallas_interpret"):
+        method = SnapKV(budget=0.5, window=4, block=16, implementation=impl)
+        tokens, _, cache, _ = generate_tokens(model, rows, method=method, max_new_tokens=4, chunk_size=16, kv_dtype="int8")
+        st = cache.layers[0]
+        out[mesh + " " + impl] = {"tokens": np.asarray(tokens).tolist(), "bytes": cache.stats()["device_bytes"],
+                                  "scale_shards": [list(s.data.shape) for s in st.k_scales.addressable_shards],
+                                  "pool_shards": [list(s.data.shape) for s in st.k_pages.addressable_shards]}
+print(json.dumps(out))
+"""
+
+
+def test_quantized_pools_split_over_a_mesh():
+    """On a (data=2, model=2) mesh of 4 simulated CPU devices the scales are split by page like the pools, and the
+    int8 cache generates the one-device tokens (XLA, and the Pallas kernel per device under ``shard_map``)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+               JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for impl in ("xla", "pallas_interpret"):
+        one, split = out[f"one device {impl}"], out[f"data=2,model=2 {impl}"]
+        assert split["tokens"] == one["tokens"], impl
+        assert split["bytes"] == one["bytes"]
+        assert len(split["scale_shards"]) == 4 and len(split["pool_shards"]) == 4
+        pages = one["pool_shards"][0][0]
+        assert [s[0] for s in split["scale_shards"]] == [pages // 4] * 4  # by page, one block per device
+        assert [s[0] for s in split["pool_shards"]] == [pages // 4] * 4
