@@ -12,8 +12,9 @@
 * ``k_scales, v_scales[num_pages, page_size]`` (float32): with a quantized ``kv_dtype`` (int8,
   float8_e4m3fn) the pools hold quantized values and these their per-token scales
   (:mod:`kvjax.kv_quantization`); None otherwise. Attention dequantizes (pages x scales) before
-  its math: the Pallas kernels get a dequantized pool (:func:`dequantized_pools`), so a quantized
-  pool saves memory held, not bandwidth read per decode step.
+  its math: the XLA paths the gathered pages, the Pallas kernel's GPU form each block it reads;
+  its TPU and Mosaic GPU forms get the pools dequantized whole before the call
+  (:func:`kvjax.pallas_kernels.paged_decode_attention`).
 
 Keys stay post-RoPE at their original positions; later tokens (a question, decoded tokens) are
 appended at ``lengths[b, h]`` into pre-allocated room (``room`` slots per head, the cache spec's
@@ -171,20 +172,8 @@ def paged_attention(q, state: PagedKV, *, block_table=None, lengths=None, implem
     lengths = state.lengths if lengths is None else lengths
     if impl != "xla" and is_split(mesh):
         return sharded_paged_attention(q, state, table, lengths, mesh, impl)
-    k_pages, v_pages = dequantized_pools(state, q.dtype)
-    return paged_decode_attention(q, k_pages, v_pages, table, lengths, implementation=impl)
-
-
-def dequantized_pools(state: PagedKV, dtype):
-    """``(k_pages, v_pages)`` for attention: a quantized layer's pools times their per-token scales in ``dtype``
-    (elementwise, so a pool split by page stays split), another's as stored (the kernels read bfloat16 pools with
-    a float32 query).
-
-    The Pallas kernels read these: they take bfloat16 or float32 pools, so a quantized cache is dequantized whole
-    before the kernel call; the kernels do not dequantize the pages they read."""
-    if not state.quantized:
-        return state.k_pages, state.v_pages
-    return dequantize(state.k_pages, state.k_scales, dtype), dequantize(state.v_pages, state.v_scales, dtype)
+    return paged_decode_attention(q, state.k_pages, state.v_pages, table, lengths, implementation=impl,
+                                  k_scales=state.k_scales, v_scales=state.v_scales)
 
 
 def local_block_table(table, pool_pages: int, mesh):
@@ -203,13 +192,15 @@ def sharded_paged_attention(q, state: PagedKV, block_table, lengths, mesh, imple
     from kvjax.sharding import BY_DEVICE, ROWS_HEADS
     from kvjax.pallas_kernels import paged_decode_attention
 
-    def local(q, k_pages, v_pages, table, lengths):
+    def local(q, k_pages, v_pages, table, lengths, *scales):
         table = local_block_table(table, k_pages.shape[0], mesh)
-        return paged_decode_attention(q, k_pages, v_pages, table, lengths, implementation=implementation)
+        return paged_decode_attention(q, k_pages, v_pages, table, lengths, implementation=implementation,
+                                      **dict(zip(("k_scales", "v_scales"), scales)))
 
-    k_pages, v_pages = dequantized_pools(state, q.dtype)
-    return shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, BY_DEVICE, BY_DEVICE, ROWS_HEADS, ROWS_HEADS),
-                     out_specs=ROWS_HEADS, check_vma=False)(q, k_pages, v_pages, block_table, lengths)
+    scales = (state.k_scales, state.v_scales) if state.quantized else ()
+    return shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, BY_DEVICE, BY_DEVICE, ROWS_HEADS, ROWS_HEADS)
+                     + (BY_DEVICE,) * len(scales), out_specs=ROWS_HEADS,
+                     check_vma=False)(q, state.k_pages, state.v_pages, block_table, lengths, *scales)
 
 
 def paged_chunk_attention(q, state: PagedKV):
@@ -264,7 +255,7 @@ def paged_device_bytes(state: PagedKV) -> int:
 
 def paged_read_bytes(state: PagedKV) -> int:
     """K/V bytes one decode step reads from a paged layer: every held token of every head (concrete lengths), in the
-    stored dtype with its scales. A quantized pool is also dequantized whole before the kernel
-    (:func:`dequantized_pools`), which this count leaves out."""
+    stored dtype with its scales (the TPU and Mosaic GPU kernel forms also dequantize a quantized pool whole before
+    the call, which this count leaves out)."""
     per_token = state.k_pages.shape[-1] * state.k_pages.dtype.itemsize + (4 if state.quantized else 0)
     return 2 * int(jnp.sum(state.lengths)) * per_token

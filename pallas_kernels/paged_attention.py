@@ -68,6 +68,13 @@ attention); the GPU form feeds the matmuls in the K/V dtype (bf16 ``q . k`` and 
 with f32 accumulation, the usual flash-decoding choice), so with bf16 K/V it differs from the
 f32 reference by bf16 rounding of q and p (~1e-2 relative).
 
+Quantized pools (``k_scales, v_scales`` given: int8 / float8_e4m3fn pages with one float32 scale per
+stored token, ``[num_pages, page_size]``; :mod:`kvjax.kv_quantization`): the GPU form gathers the
+quantized pages and their scales and dequantizes the block in the kernel (f32 operands; the
+block is sized for f32); the reference dequantizes the gathered pages; the TPU and Mosaic GPU
+forms get the pools dequantized whole before the call (in the query's dtype), so there a quantized
+pool saves memory held but not bandwidth read.
+
 Both run on CPU in interpret mode (``implementation="pallas_interpret"``): the TPU form under
 ``pltpu.InterpretParams()`` (which emulates DMAs, semaphores and uninitialised (NaN) VMEM), the
 GPU form under ``interpret=True``. Interpreting on CPU picks the GPU form unless ``backend="tpu"``
@@ -98,6 +105,7 @@ __all__ = [
 ]
 
 _KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # pools with per-token scales
 
 # Target number of KV tokens per kernel block when pages_per_block is not given: large DMA
 # blocks amortise the per-grid-step cost on TPU; on GPU the block lives in registers.
@@ -168,7 +176,7 @@ def check_block_table(block_table, lengths, num_pages: int, page_size: int) -> N
 
 
 def _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend, pages_per_block,
-              num_splits):
+              num_splits, k_scales=None, v_scales=None):
     check_call(implementation, backend, q)
     if k_pages.ndim != 3:
         raise ValueError(f"k_pages must be [num_pages, page_size, D], got shape {k_pages.shape}")
@@ -192,11 +200,23 @@ def _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend
         raise ValueError(f"block_table needs max_pages >= 1, got shape {block_table.shape}")
     check_lengths_shape(lengths, batch, num_kv_heads)
     kv_dtype = jnp.dtype(k_pages.dtype)
-    if kv_dtype not in _KV_DTYPES:
-        raise ValueError(f"k_pages dtype {kv_dtype} not supported; allowed: bfloat16, float32")
     if jnp.dtype(v_pages.dtype) != kv_dtype:
         raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {kv_dtype}")
-    if jnp.dtype(q.dtype) not in (kv_dtype, jnp.dtype(jnp.float32)):
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("give both k_scales and v_scales, or neither")
+    if k_scales is not None:
+        if kv_dtype not in _QUANTIZED_DTYPES:
+            raise ValueError(f"scales are for int8 / float8_e4m3fn pools, got {kv_dtype} pools")
+        for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if x.shape != k_pages.shape[:2] or jnp.dtype(x.dtype) != jnp.float32:
+                raise ValueError(f"{name} must be float32 [num_pages, page_size] = {k_pages.shape[:2]}, got "
+                                 f"{x.dtype} {x.shape}")
+        if jnp.dtype(q.dtype) not in _KV_DTYPES:
+            raise ValueError(f"q dtype {q.dtype} not supported; allowed: bfloat16, float32")
+    elif kv_dtype not in _KV_DTYPES:
+        raise ValueError(f"k_pages dtype {kv_dtype} not supported; allowed: bfloat16, float32 "
+                         "(int8, float8_e4m3fn with k_scales and v_scales)")
+    elif jnp.dtype(q.dtype) not in (kv_dtype, jnp.dtype(jnp.float32)):
         raise ValueError(
             f"q dtype {q.dtype} not supported with {kv_dtype} K/V; allowed: {kv_dtype} or float32"
         )
@@ -226,9 +246,18 @@ def _next_pow2(x: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def _dequantized(pages, scales, dtype):
+    """``pages`` times their per-token ``scales`` (``pages.shape[:-1]``) in ``dtype``; None: ``pages`` as stored."""
+    if scales is None:
+        return pages
+    return (pages.astype(jnp.float32) * scales[..., None]).astype(dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("scale",))
-def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, *, scale=None, starts=None):
-    """Plain-jnp paged decode attention: gather pages through the block table, mask, softmax.
+def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, *, scale=None, starts=None,
+                                     k_scales=None, v_scales=None):
+    """Plain-jnp paged decode attention: gather pages through the block table (dequantized with their scales when
+    given), mask, softmax.
 
     Shapes as in :func:`paged_decode_attention`; scores and softmax in f32, output in q's dtype,
     zeros for heads with no token (``lengths <= starts``).
@@ -239,8 +268,10 @@ def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, 
     group = num_q_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     bt = jnp.clip(block_table, 0, num_pages - 1)
-    k = k_pages[bt].reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
-    v = v_pages[bt].reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
+    k = _dequantized(k_pages[bt], None if k_scales is None else k_scales[bt], jnp.float32)
+    v = _dequantized(v_pages[bt], None if v_scales is None else v_scales[bt], jnp.float32)
+    k = k.reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
+    v = v.reshape(batch, num_kv_heads, max_pages * page_size, head_dim)
     starts = jnp.zeros_like(lengths) if starts is None else starts
     slot = jnp.arange(max_pages * page_size)[None, None, :]
     valid = (slot >= starts[..., None]) & (slot < lengths[..., None])  # [B,Hkv,T]
@@ -456,9 +487,11 @@ def _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
 # --------------------------------------------------------------------------------------------
 
 
-def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, start_ref,  # inputs
-                o_ref, m_ref, l_ref,  # outputs (partials of this split)
-                *, scale, pages_per_block, pages_per_split):
+def _gpu_kernel(*refs, scale, pages_per_block, pages_per_split, quantized):
+    if quantized:  # inputs (with the pools' per-token scales), outputs (partials of this split)
+        q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, start_ref, o_ref, m_ref, l_ref = refs
+    else:
+        q_ref, k_ref, v_ref, bt_ref, len_ref, start_ref, o_ref, m_ref, l_ref = refs
     split = pl.program_id(2)
     num_pages, page_size, head_dim = k_ref.shape
     block_tokens = pages_per_block * page_size
@@ -476,6 +509,9 @@ def _gpu_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, start_ref,  # inputs
         pages = bt_ref[pl.ds(t * pages_per_block, pages_per_block)]
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
+        if quantized:  # dequantize the block: one scale per token
+            k = k.astype(jnp.float32) * ks_ref[pages].reshape(block_tokens)[:, None]
+            v = v.astype(jnp.float32) * vs_ref[pages].reshape(block_tokens)[:, None]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                 preferred_element_type=jnp.float32) * scale
         pos = (first_page + t * pages_per_block) * page_size + jnp.arange(block_tokens)
@@ -536,7 +572,7 @@ def combine_splits(o, m, l):
 
 
 def _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, pages_per_block, num_splits,
-               interpret):
+               interpret, k_scales=None, v_scales=None):
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, _ = k_pages.shape
     _, num_kv_heads, max_pages = block_table.shape
@@ -551,24 +587,28 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
         raise ValueError(
             f"GPU (Triton) form needs pages_per_block * page_size >= 16, got "
             f"{pages_per_block} * {page_size}")
-    max_tokens = _gpu_max_block_tokens(head_dim, k_pages.dtype)
+    quantized = k_scales is not None
+    block_dtype = jnp.float32 if quantized else k_pages.dtype  # a quantized block is dequantized to f32
+    max_tokens = _gpu_max_block_tokens(head_dim, block_dtype)
     if pages_per_block > 1 and pages_per_block * page_size > max_tokens:
         raise ValueError(
             f"GPU (Triton) form: pages_per_block * page_size = {pages_per_block} * {page_size} "
             f"tokens exceeds {max_tokens}, the most whose [tokens, D={head_dim}] "
-            f"{jnp.dtype(k_pages.dtype).name} K block fits {_GPU_MAX_BLOCK_BYTES} bytes (Triton "
+            f"{jnp.dtype(block_dtype).name} K block fits {_GPU_MAX_BLOCK_BYTES} bytes (Triton "
             f"shared memory); use pages_per_block <= {max(1, max_tokens // page_size)}")
     bt = jnp.clip(block_table, 0, num_pages - 1)
     if page_size > max_tokens:
         # one page is too big a block: read it as consecutive sub-pages
+        r = page_size // max_tokens
         k_pages, v_pages, bt = subpage_view(k_pages, v_pages, bt, max_tokens)
+        if quantized:
+            k_scales, v_scales = (x.reshape(num_pages * r, max_tokens) for x in (k_scales, v_scales))
         (num_pages, page_size, _), max_pages = k_pages.shape, bt.shape[2]
     num_splits, pages_per_split = split_pages(max_pages, pages_per_block, num_splits, batch * num_kv_heads)
     pages_padded = num_splits * pages_per_split
 
     rows = max(16, _next_pow2(group))
-    kv_dtype = k_pages.dtype
-    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(kv_dtype)
+    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(block_dtype)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     bt = jnp.pad(bt, ((0, 0), (0, 0), (0, pages_padded - max_pages)))
     bt = bt.reshape(batch, num_kv_heads, num_splits, pages_per_split)
@@ -576,15 +616,16 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
     from jax.experimental.pallas import triton as pltriton  # GPU-only module, import lazily
 
     kernel = functools.partial(_gpu_kernel, scale=scale, pages_per_block=pages_per_block,
-                               pages_per_split=pages_per_split)
+                               pages_per_split=pages_per_split, quantized=quantized)
     part_shape = (batch, num_kv_heads, num_splits, rows)
+    pool = pl.BlockSpec((num_pages, page_size, head_dim), lambda b, h, s: (0, 0, 0))
+    scales = [pl.BlockSpec((num_pages, page_size), lambda b, h, s: (0, 0))] * 2 if quantized else []
     o, m, l = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((num_pages, page_size, head_dim), lambda b, h, s: (0, 0, 0)),
-            pl.BlockSpec((num_pages, page_size, head_dim), lambda b, h, s: (0, 0, 0)),
+            pool, pool, *scales,
             pl.BlockSpec((None, None, None, pages_per_split), lambda b, h, s: (b, h, s, 0)),
             pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0)),
             pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0)),
@@ -602,7 +643,8 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="paged_decode_attention_gpu",
-    )(qg, k_pages, v_pages, bt, lengths.reshape(batch, num_kv_heads, 1), starts.reshape(batch, num_kv_heads, 1))
+    )(qg, k_pages, v_pages, *((k_scales, v_scales) if quantized else ()), bt, lengths.reshape(batch, num_kv_heads, 1),
+      starts.reshape(batch, num_kv_heads, 1))
 
     o_all = combine_splits(o, m, l)
     return o_all[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
@@ -615,39 +657,43 @@ def _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
 
 @functools.partial(jax.jit, static_argnames=("scale", "implementation", "backend",
                                              "pages_per_block", "num_splits", "prefetch_budget"))
-def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, starts, *, scale, implementation,
-                            backend, pages_per_block, num_splits, prefetch_budget):
+def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, starts, k_scales, v_scales, *, scale,
+                            implementation, backend, pages_per_block, num_splits, prefetch_budget):
     if implementation == "xla":
         return paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths,
-                                                scale=scale, starts=starts)
+                                                scale=scale, starts=starts, k_scales=k_scales, v_scales=v_scales)
     interpret = implementation == "pallas_interpret"
+    if backend == "gpu":
+        return _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
+                          pages_per_block=pages_per_block, num_splits=num_splits,
+                          interpret=interpret, k_scales=k_scales, v_scales=v_scales)
+    # the other forms read bf16 / f32 pools: a quantized pool is dequantized whole first
+    k_pages, v_pages = _dequantized(k_pages, k_scales, q.dtype), _dequantized(v_pages, v_scales, q.dtype)
     if backend == "mosaic_gpu":
         from kvjax.pallas_kernels.paged_attention_mgpu import paged_mgpu
 
         return paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
                           pages_per_block=pages_per_block, num_splits=num_splits, interpret=interpret)
-    if backend == "tpu":
-        return _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
-                          pages_per_block=pages_per_block, interpret=interpret,
-                          prefetch_budget=prefetch_budget)
-    return _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
-                      pages_per_block=pages_per_block, num_splits=num_splits,
-                      interpret=interpret)
+    return _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
+                      pages_per_block=pages_per_block, interpret=interpret,
+                      prefetch_budget=prefetch_budget)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=None,
                            implementation="pallas", backend=None, pages_per_block=None,
-                           num_splits=None, starts=None):
+                           num_splits=None, starts=None, k_scales=None, v_scales=None):
     """Decode attention of one query token over a paged (block-table) KV cache.
 
     Args:
       q: ``[B, H_q, D]`` query (bf16 or f32; same dtype as K/V or f32).
-      k_pages, v_pages: ``[num_pages, page_size, D]`` page pools (bf16 or f32).
+      k_pages, v_pages: ``[num_pages, page_size, D]`` page pools (bf16 or f32; int8 or float8_e4m3fn with scales).
       block_table: int32 ``[B, H_kv, max_pages]``; ``H_q`` must be a multiple of ``H_kv``.
       lengths: int32 ``[B, H_kv]`` valid tokens per (row, KV head); 0 gives a zero output.
       starts: int32 ``[B, H_kv]`` or None (zeros): the first valid token of each head; tokens
         ``starts .. lengths - 1`` are attended (a contiguous cache read as pages: a left-padded
         row's padding is never attended); ``lengths <= starts`` gives a zero output.
+      k_scales, v_scales: float32 ``[num_pages, page_size]`` per-token scales of quantized pools, or None
+        (module docstring: the GPU form dequantizes in the kernel, the TPU and Mosaic GPU forms before it).
       scale: logit scale, default ``D ** -0.5``.
       implementation: ``"pallas"`` (compiled), ``"pallas_interpret"`` (CPU emulation) or
         ``"xla"`` (:func:`paged_decode_attention_reference`).
@@ -664,7 +710,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
     responsible (entries are clipped into range, so bad tables give wrong values, not crashes).
     """
     _validate(q, k_pages, v_pages, block_table, lengths, implementation, backend,
-              pages_per_block, num_splits)
+              pages_per_block, num_splits, k_scales, v_scales)
     num_pages, page_size, head_dim = k_pages.shape
     max_pages = block_table.shape[2]
     if not (_is_tracer(block_table) or _is_tracer(lengths)):
@@ -676,7 +722,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
     if pages_per_block is None and backend != "mosaic_gpu":  # the Mosaic GPU form picks its own
         target = _TARGET_BLOCK_TOKENS.get(backend, 512)
         if backend == "gpu":
-            target = min(target, _gpu_max_block_tokens(head_dim, k_pages.dtype))
+            block_dtype = k_pages.dtype if k_scales is None else jnp.float32  # quantized: dequantized in f32
+            target = min(target, _gpu_max_block_tokens(head_dim, block_dtype))
         pages_per_block = max(1, min(max_pages, target // page_size))
         if backend == "gpu":
             pages_per_block = _prev_pow2(pages_per_block)
@@ -689,7 +736,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
         raise ValueError(f"starts must be int32 of the lengths' shape {lengths.shape}, got {starts.dtype} "
                          f"{starts.shape}")
     return _paged_decode_attention(
-        q, k_pages, v_pages, block_table, lengths, starts, scale=scale, implementation=implementation,
+        q, k_pages, v_pages, block_table, lengths, starts, k_scales, v_scales, scale=scale, implementation=implementation,
         backend=backend, pages_per_block=None if pages_per_block is None else int(pages_per_block),
         num_splits=None if num_splits is None else int(num_splits),
         prefetch_budget=_TPU_SMEM_PREFETCH_BYTES)

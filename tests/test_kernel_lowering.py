@@ -212,6 +212,21 @@ def test_paged_lowers(heads, dtype, page_size, platform):
         assert len(kernels[0]["precisions"]) == 2 and set(kernels[0]["precisions"]) == {ieee}
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
+def test_paged_lowers_with_quantized_pools(kv_dtype, page_size, platform):
+    """int8 / fp8 pools with per-token f32 scales (``kv_dtype``): the GPU form gathers the quantized pages and their
+    scales and dequantizes in the kernel (f32 matmuls, blocks sized for f32); the TPU form gets dequantized pools."""
+    q, k, v, table, lengths = _paged_args(2, (14, 2, 64), jnp.float32, page_size, tokens=2048)
+    args = (q, S(k.shape, kv_dtype), S(v.shape, kv_dtype), table, lengths, S(k.shape[:2], jnp.float32),
+            S(k.shape[:2], jnp.float32))
+    backend = "gpu" if platform == "cuda" else "tpu"
+    kernels = lower_kernels(lambda q, k, v, t, n, ks, vs: paged_decode_attention(
+        q, k, v, t, n, k_scales=ks, v_scales=vs, implementation="pallas", backend=backend), args, platform)
+    _check(kernels, platform, f32_matmuls=True)
+
+
 def test_paged_tpu_splits_large_block_tables():
     """B=8, H_kv=8, 32K tokens in 16-token pages: 512 KiB of block table (with each head's length and start) is
     prefetched in several calls of at most the SMEM budget (one call would need all of it)."""

@@ -121,6 +121,31 @@ def test_attention_over_int8_pages(implementation):
                                np.asarray(paged_chunk_attention(qt, dequantized_layer(q8))), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("backend, kw", [("gpu", {}), ("gpu", dict(pages_per_block=2, num_splits=2)), ("tpu", {})],
+                         ids=["gpu", "gpu-blocks", "tpu"])
+def test_kernel_forms_read_quantized_pools(kv_dtype, backend, kw):
+    """The kernel with quantized pools and their scales (the GPU form dequantizes each block it reads, the TPU form
+    gets the pools dequantized before the call) equals the reference over the dequantized float pools."""
+    from kvjax.pallas_kernels import paged_decode_attention
+
+    paged = random_pages(kv_dtype)
+    B, Hkv, _ = paged.block_table.shape
+    q = jnp.asarray(np.random.default_rng(1).normal(size=(B, 2 * Hkv, 16)).astype(np.float32))
+    got = paged_decode_attention(q, paged.k_pages, paged.v_pages, paged.block_table, paged.lengths,
+                                 k_scales=paged.k_scales, v_scales=paged.v_scales, implementation="pallas_interpret",
+                                 backend=backend, **kw)
+    ref = dequantized_layer(paged)
+    want = paged_decode_attention(q, ref.k_pages, ref.v_pages, ref.block_table, ref.lengths, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="k_pages dtype int8 not supported"):
+        paged_decode_attention(q, *(x.astype(jnp.int8) for x in (ref.k_pages, ref.v_pages)), ref.block_table,
+                               ref.lengths, implementation="xla")
+    with pytest.raises(ValueError, match="k_scales must be float32"):
+        paged_decode_attention(q, paged.k_pages, paged.v_pages, paged.block_table, paged.lengths,
+                               k_scales=paged.k_scales[:1], v_scales=paged.v_scales, implementation="xla")
+
+
 def test_bfloat16_pages_are_read_as_stored():
     """A bfloat16 pool under a float32 query goes to the kernel as stored (no scales); kernel and XLA agree up to
     bfloat16 rounding (the GPU form multiplies in the pools' dtype, the XLA path in float32)."""
