@@ -85,8 +85,8 @@ from jax.sharding import PartitionSpec
 from kvjax.artifacts import Artifact, installed_artifact, no_artifact, require_artifact
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
-from kvjax.kv_quantization import reject_kv_dtype
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host, weighted_union_on_host
+from kvjax.kv_quantization import reject_kv_dtype
 from kvjax.methods.base import LayerLocal
 from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
 from kvjax.paged import shard_map
