@@ -160,6 +160,10 @@ def render_markdown(summary: dict, config: dict) -> str:
                 "compressed cache, uncompressed (what a method that does not know the question can keep)."),
         "",
     ]
+    if config.get("kv_dtype"):
+        lines += [f"KV storage: every method's compressed page pools in **{config['kv_dtype']}** (per-token scales for "
+                  "int8 / float8, counted in the device bytes: docs/QUANTIZATION.md); the full cache in the model's "
+                  f"{config.get('dtype')}.", ""]
     expected = expected_records(config)
     pending = []
     if summary["num_records"] < expected:

@@ -68,6 +68,7 @@ class EvalConfig:
     protocol: str = "query-aware"
     command: str = ""
     mesh: str | None = None  # "data=2,model=4": model and caches split over a device mesh (kvjax.sharding)
+    kv_dtype: str | None = None  # every method's compressed page pools in this dtype; the full cache keeps the model's
 
     def __post_init__(self):
         from kvjax.budgets import check_budget
@@ -100,6 +101,11 @@ class EvalConfig:
             raise ValueError(f"unknown protocol {self.protocol!r}; allowed: {', '.join(PROTOCOLS)}")
         if not self.tasks and self.fidelity_texts <= 0:
             raise ValueError("nothing to run: give tasks, or fidelity_texts > 0 for the fidelity check alone")
+        if self.kv_dtype is not None:
+            from kvjax.kv_quantization import check_kv_dtype
+
+            name = check_kv_dtype(self.kv_dtype, self.dtype)
+            self.kv_dtype = None if name == jnp.dtype(self.dtype).name else name
 
     @property
     def out_dir(self) -> str:
@@ -109,7 +115,7 @@ class EvalConfig:
     def identity(self) -> dict:
         """Settings a resumed run must share with the records already written."""
         return {"model": self.model, "dtype": self.dtype, "seed": self.seed, "chunk_size": self.chunk_size,
-                "protocol": self.protocol, "suite": self.suite, "split": self.split}
+                "protocol": self.protocol, "suite": self.suite, "split": self.split, "kv_dtype": self.kv_dtype}
 
 
 RECALL_STATS = ("recall_trigger_rate", "bytes_recalled")  # per run of methods that recall from the host tier
@@ -167,6 +173,7 @@ def _prepare_out_dir(cfg: EvalConfig) -> None:
         old.setdefault("protocol", "query-aware")  # runs written before protocols existed
         old.setdefault("suite", "kvjax")  # runs written before suites and splits existed: kvjax tasks, seed 0 = dev
         old["split"] = run_split(old)
+        old.setdefault("kv_dtype", None)  # runs written before kv_dtype existed: the model's dtype
         mismatch = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
         if mismatch:
             raise ValueError(f"{cfg.out_dir} holds a run with different settings {mismatch} (old, new); "
@@ -224,6 +231,12 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 bar.set_postfix_str(f"{task} {length} prefill")
             spec = CacheSpec.for_model(model.config, len(rows), L, q_len + max_new, model.dtype,
                                        longest_row=max(len(r) for r in rows), mesh=model.mesh)
+            # the methods' compressed pools in cfg.kv_dtype; the full cache (the reference) in the model's dtype
+            pools = spec if cfg.kv_dtype is None else dataclasses.replace(spec, kv_dtype=cfg.kv_dtype)
+            if cfg.kv_dtype is not None:  # a method that cannot store it refuses here, before any prefill
+                for name, _, method in missing:
+                    if name != "full":
+                        jax.eval_shape(lambda m=method: m.init_cache(pools))
             tokens = place_rows(jnp.asarray(tokens), model.mesh)
             shared = [g for g in missing if can_share_prefill(g[2])]
             t0 = time.perf_counter()
@@ -240,12 +253,13 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 if bar is not None:
                     bar.set_postfix_str(f"{task} {length} {name} {blabel}")
                 t0 = time.perf_counter()
+                mine_spec = spec if name == "full" else pools
                 if staged is not None and can_share_prefill(method):
-                    cache, method_first = compress(cache_for(staged, method)), first
+                    cache, method_first = compress(cache_for(staged, method).replace(spec=mine_spec)), first
                 elif method.rereads_context():  # KVzip: one prefill + reconstruction for every budget of a batch
                     key = method.reconstruction_key()
                     if key not in reconstructed:
-                        own = place_cache(key.init_cache(spec).replace(pad=jnp.asarray(pad)))
+                        own = place_cache(key.init_cache(pools).replace(pad=jnp.asarray(pad)))
                         logits, own = prefill_prompt(model.graphdef, model.params, tokens, own, chunk_size=cfg.chunk_size)
                         jax.block_until_ready(logits)
                         t1 = time.perf_counter()
@@ -258,7 +272,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                     mine = jax.tree_util.tree_map(jnp.copy, own).replace(method=method)
                     cache = compress(allocate(mine))
                 else:  # a method with its own prefill (it evicts while prefilling, or keeps other state)
-                    cache = place_cache(method.init_cache(spec).replace(pad=jnp.asarray(pad)))
+                    cache = place_cache(method.init_cache(mine_spec).replace(pad=jnp.asarray(pad)))
                     logits, cache = prefill_prompt(model.graphdef, model.params, tokens, cache, chunk_size=cfg.chunk_size)
                     cache, method_first = compress(cache), jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 stats = cache.stats()
@@ -396,6 +410,9 @@ def build_parser():
     p.add_argument("--protocol", default="query-aware", choices=PROTOCOLS,
                    help="query-aware: the question is inside the compressed prompt; query-agnostic: the context alone is "
                    "compressed, then the question is prefilled onto it")
+    p.add_argument("--kv-dtype", default=None, help="storage dtype of every method's compressed page pools: the --dtype "
+                   "(default), bfloat16, int8 or float8_e4m3fn (per-token scales, docs/QUANTIZATION.md); the full cache, "
+                   "the reference, keeps the --dtype; a method without page pools refuses another")
     p.add_argument("--fidelity-texts", type=int, default=0, help="texts for the KL / top-1 fidelity check (0 = skip)")
     p.add_argument("--fidelity-prefix", type=int, default=4096)
     p.add_argument("--fidelity-tokens", type=int, default=256)
@@ -416,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_size=args.batch_size, chunk_size=args.chunk_size,
         run_name=args.run_name or f"eval-{os.path.basename(args.model)}", out_root=args.out_root,
         fidelity_texts=args.fidelity_texts, fidelity_prefix=args.fidelity_prefix, fidelity_tokens=args.fidelity_tokens,
-        protocol=args.protocol, command="kvjax eval " + " ".join(argv), mesh=mesh,
+        protocol=args.protocol, command="kvjax eval " + " ".join(argv), mesh=mesh, kv_dtype=args.kv_dtype,
     )
     run_eval(cfg, progress=not args.no_progress)
     print(os.path.join(cfg.out_dir, "README.md"))

@@ -209,3 +209,35 @@ def test_kvzip_in_an_eval_reconstructs_once_per_batch_for_every_budget(tiny_chat
         assert whole["output"] == full["output"]
         assert whole["reconstruct_s"] == half["reconstruct_s"] > 0
         assert half["device_bytes"] < 0.75 * whole["device_bytes"]
+
+
+def test_kv_dtype_stores_the_methods_pools_quantized_and_keeps_the_full_cache(tiny_chat_model, tmp_path, capsys):
+    """``--kv-dtype int8``: the full cache (the reference) is the same as in a run without it, SnapKV's and KVzip's pools
+    hold int8 with per-token scales (fewer device bytes), a method without page pools refuses, and a run directory
+    keeps its kv_dtype."""
+    common = ["eval", "--model", tiny_chat_model, "--methods", "snapkv,kvzip", "--budgets", "0.5", "--tasks",
+              "niah_single", "--lengths", "300", "--samples", "2", "--batch-size", "2", "--chunk-size", "128",
+              "--out-root", str(tmp_path), "--no-progress"]
+    assert cli_main(common + ["--run-name", "f32"]) == 0
+    assert cli_main(common + ["--run-name", "int8", "--kv-dtype", "int8"]) == 0
+    f32 = {(r["index"], r["method"]): r for r in _lines(tmp_path / "f32" / "samples.jsonl")}
+    int8 = {(r["index"], r["method"]): r for r in _lines(tmp_path / "int8" / "samples.jsonl")}
+    assert f32.keys() == int8.keys() and len(int8) == 2 * 3
+    for (i, m), r in int8.items():
+        if m == "full":
+            assert (r["output"], r["device_bytes"]) == (f32[i, m]["output"], f32[i, m]["device_bytes"])
+        else:  # K and V: D bytes + a 4-byte scale per token instead of 4 D bytes, besides the block table and lengths
+            assert r["device_bytes"] < 0.5 * f32[i, m]["device_bytes"], m
+    assert "KV storage: every method's compressed page pools in **int8**" in (tmp_path / "int8" / "README.md").read_text()
+    assert json.loads((tmp_path / "int8" / "config.json").read_text())["kv_dtype"] == "int8"
+    # the model's own dtype is no quantization: the run is the float32 one
+    assert cli_main(common + ["--run-name", "f32", "--kv-dtype", "float32"]) == 0
+    assert cli_main(common + ["--run-name", "f32", "--kv-dtype", "int8"]) == 2  # another kv_dtype in that directory
+    capsys.readouterr()
+    assert cli_main(["eval", "--model", tiny_chat_model, "--methods", "synckv:budget=0.5", "--tasks", "niah_single",
+                     "--lengths", "300", "--samples", "1", "--out-root", str(tmp_path), "--no-progress", "--run-name",
+                     "sk", "--kv-dtype", "int8"]) == 2
+    assert "kv_dtype=int8 is not supported by synckv" in capsys.readouterr().err
+    assert not (tmp_path / "sk" / "samples.jsonl").exists() or not _lines(tmp_path / "sk" / "samples.jsonl")
+    assert cli_main(common + ["--run-name", "bad", "--kv-dtype", "int4"]) == 2
+    assert "kv_dtype='int4' is not supported" in capsys.readouterr().err

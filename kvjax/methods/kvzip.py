@@ -26,8 +26,8 @@ budget's, not a masked full cache. A batch compiles its compression once for its
 each batch anyway).
 
 Cost: one extra forward pass per chunk over ``chunk`` + ~25 tokens, attending the whole context, plus a second softmax
-per layer over the sinks, the chunk and the pass for every pass query (measured on a 2-core CPU: 2.9x the prefill's
-time at 4K, docs/methods/kvzip.md). ``kvjax.generate`` reports it as ``timings["reconstruct_s"]``, ``kvjax eval`` as
+per layer over the sinks, the chunk and the pass for every pass query (measured on a 2-core CPU: prefill plus passes
+3.0x the full cache's prefill at 4K and 8K, docs/methods/kvzip.md). ``kvjax.generate`` reports it as ``timings["reconstruct_s"]``, ``kvjax eval`` as
 each record's ``reconstruct_s``.
 A left-padded batch works: each row's chunks start at its own context, every pass is right-padded to one length,
 and a row without a chunk in a pass scores nothing in it.
