@@ -183,29 +183,35 @@ def kernel_reads_contiguous(slots: int, head_dim: int, implementation: str) -> b
             and head_dim & (head_dim - 1) == 0)
 
 
-def contiguous_decode_attention(q, k, v, *, length, pad, implementation: str, mesh=None):
+def contiguous_decode_attention(q, k, v, *, length, pad, implementation: str, mesh=None, k_scales=None,
+                                v_scales=None):
     """One query token per row ``q[B, Hq, D]`` over a contiguous cache ``k, v[B, Hkv, S, D]`` whose row ``b`` holds
     slots ``pad[b] .. length - 1``, with the paged decode kernel: the cache is read as pages of
     :data:`KERNEL_PAGE` tokens (a free reshape, an identity block table, ``starts = pad``), one fused pass over K and
     V with an online softmax. XLA's dense path writes the ``[S, G]`` f32 scores, reads them for the softmax and
     writes a padded bf16 copy of the probabilities for the value product: 1.45x the step's bytes floor for the
     default model's full cache at 30K tokens in the program compiled for an H100 (``kvjax.evals.plan``).
+    ``k_scales, v_scales[B, Hkv, S]``: the per-token float32 scales of an int8 / fp8 cache
+    (:mod:`kvjax.kv_quantization`), read as the pages' scales (the kernel's GPU form dequantizes each block it reads,
+    its TPU and Mosaic GPU forms get the cache dequantized before the call); None for a float cache.
     On a multi-device ``mesh`` each device reads its own rows and KV heads under ``shard_map``."""
     from kvjax.pallas_kernels import paged_decode_attention
 
     from kvjax.sharding import ROWS_HEADS, is_split
 
     impl = resolve_implementation(implementation)
+    scales = () if k_scales is None else (k_scales, v_scales)
 
-    def local(q, k, v, length, pad):
+    def local(q, k, v, length, pad, *scales):
         B, H, S, D = k.shape
         pages = S // KERNEL_PAGE
         table = (jnp.arange(B * H, dtype=jnp.int32)[:, None] * pages + jnp.arange(pages, dtype=jnp.int32))
         lengths = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B, H))
         starts = jnp.broadcast_to(pad.astype(jnp.int32)[:, None], (B, H))
+        page_scales = dict(zip(("k_scales", "v_scales"), (s.reshape(B * H * pages, KERNEL_PAGE) for s in scales)))
         return paged_decode_attention(q, k.reshape(B * H * pages, KERNEL_PAGE, D),
                                       v.reshape(B * H * pages, KERNEL_PAGE, D), table.reshape(B, H, pages), lengths,
-                                      starts=starts, implementation=impl)
+                                      starts=starts, implementation=impl, **page_scales)
 
     if is_split(mesh):
         from jax.sharding import PartitionSpec as P
@@ -217,9 +223,10 @@ def contiguous_decode_attention(q, k, v, *, length, pad, implementation: str, me
         except ImportError:  # pragma: no cover - old jax
             from jax.experimental.shard_map import shard_map
 
-        return shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, ROWS_HEADS, ROWS_HEADS, P(), P(DATA)),
-                         out_specs=ROWS_HEADS, check_vma=False)(q, k, v, length, pad)
-    return local(q, k, v, length, pad)
+        return shard_map(local, mesh=mesh, in_specs=(ROWS_HEADS, ROWS_HEADS, ROWS_HEADS, P(), P(DATA))
+                         + (ROWS_HEADS,) * len(scales), out_specs=ROWS_HEADS, check_vma=False)(q, k, v, length, pad,
+                                                                                                *scales)
+    return local(q, k, v, length, pad, *scales)
 
 
 def chunk_attention_sums(q, k, start, pad, block: int, q_block: int = 512):
