@@ -75,10 +75,13 @@ def fidelity_texts(tokenizer, num_texts: int, prefix_tokens: int, continuation_t
     return np.stack([np.asarray(ids[s:s + need], np.int32) for s in sorted(starts)])
 
 
-def run_fidelity(model, methods, texts: np.ndarray, prefix_tokens: int, *, chunk_size: int = 1024, progress: bool = False):
+def run_fidelity(model, methods, texts: np.ndarray, prefix_tokens: int, *, chunk_size: int = 1024, progress: bool = False,
+                 kv_dtype=None):
     """Compare every method in ``methods`` (a dict label -> method) with the full cache on ``texts``.
 
-    Returns ``{label: {kl, top1, nll, device_bytes, ...}}`` plus ``"full"``. One shared prefill.
+    Returns ``{label: {kl, top1, nll, device_bytes, ...}}`` plus ``"full"``. One shared prefill. ``kv_dtype``: the
+    storage dtype of the methods' caches (:mod:`kvjax.kv_quantization`; None: the model's); the reference ``"full"``
+    keeps the model's.
     """
     from kvjax.cache import CacheSpec
     from kvjax.decoding import compress, prefill_prompt
@@ -92,6 +95,11 @@ def run_fidelity(model, methods, texts: np.ndarray, prefix_tokens: int, *, chunk
     full = FullCache()
     all_methods = {"full": full, **{k: v for k, v in methods.items() if k != "full"}}
     spec = CacheSpec.for_model(model.config, B, prefix_tokens, N, model.dtype)
+    stored = CacheSpec.for_model(model.config, B, prefix_tokens, N, model.dtype, kv_dtype=kv_dtype)
+    if kv_dtype is not None:  # a method that cannot store kv_dtype refuses here, before the prefill
+        for label, method in all_methods.items():
+            if label != "full":
+                jax.eval_shape(lambda m=method: m.init_cache(stored))
     staged = init_shared_cache(list(all_methods.values()), spec)
     _, staged = prefill_prompt(model.graphdef, model.params, texts[:, :prefix_tokens], staged, chunk_size=chunk_size)
     feed = jnp.asarray(texts[:, prefix_tokens:prefix_tokens + N])
@@ -104,7 +112,7 @@ def run_fidelity(model, methods, texts: np.ndarray, prefix_tokens: int, *, chunk
     ref = None
     out = {}
     for label, method in items:
-        cache = compress(cache_for(staged, method))
+        cache = compress(cache_for(staged, method).replace(spec=spec if label == "full" else stored))
         stats = cache.stats()
         logprobs, _ = teacher_forced_logprobs(model.graphdef, model.params, cache, feed)
         logprobs = np.asarray(logprobs)

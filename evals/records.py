@@ -32,12 +32,23 @@ def split_budget(spec: str) -> tuple[str, object]:
     return ":".join([base] + [f"{k}={v}" for k, v in kwargs.items()]), budget
 
 
-def method_budgets(methods, budgets) -> list[tuple[str, object]]:
-    """``(method name, budget)`` of every method other than the full cache: a spec's own budget
-    (:func:`split_budget`), else each of ``budgets``."""
+def stored_full_name(kv_dtype: str) -> str:
+    """The row name of the full cache stored in ``kv_dtype`` (``"full:kv_dtype=int8"``), beside the reference
+    ``"full"`` in the model's dtype."""
+    return f"full:kv_dtype={kv_dtype}"
+
+
+def method_budgets(methods, budgets, kv_dtype=None) -> list[tuple[str, object]]:
+    """``(method name, budget)`` of every configuration besides the reference full cache: a spec's own budget
+    (:func:`split_budget`), else each of ``budgets``. ``full`` listed with a ``kv_dtype`` (a run's other than the
+    model's) is the full cache stored in it, ``(stored_full_name(kv_dtype), None)``; listed without, nothing (the
+    reference always runs)."""
     pairs = []
     for spec in methods:
-        if spec != "full":
+        if spec == "full":
+            if kv_dtype is not None:
+                pairs.append((stored_full_name(kv_dtype), None))
+        else:
             name, own = split_budget(spec)
             pairs += [(name, b) for b in (budgets if own is None else (own,))]
     return pairs

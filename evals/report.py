@@ -31,17 +31,19 @@ def _config_key(method: str, budget: str, methods_order: list[str]):
 
 
 def method_names(config: dict) -> list[str]:
-    """The run's method names as its records carry them, in the order given (a spec's ``budget=`` removed)."""
+    """The run's method names as its records carry them, in the order given (a spec's ``budget=`` removed; ``full``
+    with a ``kv_dtype``: the stored full cache's row, :func:`kvjax.evals.records.stored_full_name`)."""
     from kvjax.evals.records import method_budgets
 
-    return list(dict.fromkeys(name for name, _ in method_budgets(config.get("methods", []), config.get("budgets", []))))
+    pairs = method_budgets(config.get("methods", []), config.get("budgets", []), config.get("kv_dtype"))
+    return list(dict.fromkeys(name for name, _ in pairs))
 
 
 def expected_records(config: dict) -> int:
     """Task records a complete run writes: per sample, the full cache and every (method, budget) of its grid."""
     from kvjax.evals.records import method_budgets
 
-    configs = len(method_budgets(config.get("methods", []), config.get("budgets", [])))
+    configs = len(method_budgets(config.get("methods", []), config.get("budgets", []), config.get("kv_dtype")))
     return len(config.get("tasks", [])) * len(config.get("lengths", [])) * int(config.get("samples", 0)) * (1 + configs)
 
 
@@ -161,9 +163,13 @@ def render_markdown(summary: dict, config: dict) -> str:
         "",
     ]
     if config.get("kv_dtype"):
+        from kvjax.evals.records import stored_full_name
+
+        stored_full = (f"; the row `{stored_full_name(config['kv_dtype'])}`: the full cache stored in "
+                       f"{config['kv_dtype']}" if "full" in config.get("methods", []) else "")
         lines += [f"KV storage: every method's compressed page pools in **{config['kv_dtype']}** (per-token scales for "
-                  "int8 / float8, counted in the device bytes: docs/QUANTIZATION.md); the full cache in the model's "
-                  f"{config.get('dtype')}.", ""]
+                  "int8 / float8, counted in the device bytes: docs/QUANTIZATION.md)" + stored_full + "; the full "
+                  f"cache `full`, the reference, in the model's {config.get('dtype')}.", ""]
     expected = expected_records(config)
     pending = []
     if summary["num_records"] < expected:
@@ -272,11 +278,16 @@ def plot(summary: dict, out_dir: str) -> list[str]:
         return paths
     full = next((r for r in rows if r["method"] == "full"), None)
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "full"]
+    # every token kept, without a budget: the full cache stored in another dtype (evals.records.stored_full_name)
+    whole = [r for r in rows if r["method"] != "full" and r["budget"] == "full"]
     fig = figure((6.5, 4.2))
     ax = fig.subplots()
     for m in methods:
-        pts = sorted((float(r["budget"]), r["mean_accuracy"]) for r in rows if r["method"] == m)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        pts = sorted((float(r["budget"]), r["mean_accuracy"]) for r in rows if r["method"] == m and r["budget"] != "full")
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    for r in whole:
+        ax.axhline(r["mean_accuracy"], color="gray", linestyle=":", label=r["method"])
     if full is not None:
         ax.axhline(full["mean_accuracy"], color="black", linestyle="--", label="full cache")
     ax.set_xlabel("budget (fraction of the prompt's KV kept)")
@@ -294,8 +305,10 @@ def plot(summary: dict, out_dir: str) -> list[str]:
     plot_accuracy_vs_bytes(points, full["mean_accuracy"] if full is not None else None, paths[-1],
                            f"accuracy vs device memory ({', '.join(map(str, summary['lengths']))} tokens)")
 
-    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=_budget_key)
-    names = (["full"] if full is not None else []) + methods
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "full" and r["budget"] != "full"}, key=_budget_key)
+    whole_names = {r["method"] for r in whole}
+    names = (["full"] if full is not None else []) + [m for m in methods if m in whole_names] + \
+        [m for m in methods if m not in whole_names]
     ncols = max(len(budgets), 1)
     fig = figure((2.4 * ncols + 1.2, 1.9 * len(names) + 0.6), layout="constrained")
     axes = fig.subplots(len(names), ncols, squeeze=False)
@@ -304,15 +317,16 @@ def plot(summary: dict, out_dir: str) -> list[str]:
     for i, m in enumerate(names):
         for j in range(ncols):
             ax = axes[i][j]
-            key = "full@full" if m == "full" else f"{m}@{budgets[j]}" if budgets else None
+            one = m == "full" or m in whole_names  # one cell: every token kept
+            key = f"{m}@full" if one else f"{m}@{budgets[j]}" if budgets else None
             grid = np.asarray(summary["depth_heatmap"].get(key, np.full((DEPTH_BINS, len(lens)), np.nan)), float)
-            if m == "full" and j > 0:
+            if one and j > 0:
                 ax.axis("off")
                 continue
             image = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="upper")
             ax.set_xticks(range(len(lens)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lens], fontsize=7)
             ax.set_yticks(range(DEPTH_BINS), [f"{k / DEPTH_BINS:.1f}-{(k + 1) / DEPTH_BINS:.1f}" for k in range(DEPTH_BINS)], fontsize=6)
-            ax.set_title(m if m == "full" else f"{m} @ {budgets[j]}", fontsize=8)
+            ax.set_title(m if one else f"{m} @ {budgets[j]}", fontsize=8)
             if j == 0:
                 ax.set_ylabel("depth", fontsize=7)
     if image is not None:

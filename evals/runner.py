@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.evals.records import budget_label, method_budgets, read_jsonl, run_split, split_budget
+from kvjax.evals.records import budget_label, method_budgets, read_jsonl, run_split, split_budget, stored_full_name
 from kvjax.evals.suites import SPLITS, SUITES, get_suite
 from kvjax.evals.tasks import MAX_NEW_TOKENS  # noqa: F401  (the kvjax suite's answer lengths, for scripts)
 from kvjax.distributed import add_mesh_args, setup_devices
@@ -68,7 +68,9 @@ class EvalConfig:
     protocol: str = "query-aware"
     command: str = ""
     mesh: str | None = None  # "data=2,model=4": model and caches split over a device mesh (kvjax.sharding)
-    kv_dtype: str | None = None  # every method's compressed page pools in this dtype; the full cache keeps the model's
+    # every method's compressed page pools in this dtype, and the full cache when "full" is in methods (its own row,
+    # stored_full_name(kv_dtype)); the reference full cache keeps the model's dtype
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         from kvjax.budgets import check_budget
@@ -77,6 +79,10 @@ class EvalConfig:
         unknown = [m for m in self.methods if parse_method_spec(m)[0] not in METHODS]
         if unknown:
             raise ValueError(f"unknown methods {unknown}; available: {', '.join(sorted(METHODS))}")
+        options = [m for m in self.methods if m != "full" and parse_method_spec(m)[0] == "full"]
+        if options:
+            raise ValueError(f"{options}: the full cache takes no options in methods; list 'full' (with kv_dtype: the "
+                             "full cache stored in that dtype, as its own row beside the reference)")
         for m in self.methods:
             split_budget(m)  # a bad budget inside a spec fails here, before any model is loaded
         suite = get_suite(self.suite)
@@ -137,12 +143,15 @@ def method_grid(cfg: EvalConfig) -> list[tuple[str, str, object]]:
     """``(method name, budget label, method instance)`` for the full cache and every method x budget.
 
     A method whose spec names a budget (``hcattention:budget=0.05``) runs at that budget only (:func:`split_budget`).
+    With a ``kv_dtype``, ``full`` in the methods adds the full cache stored in it (:func:`stored_full_name`, budget
+    label ``"full"``); the row named ``"full"`` is always the reference, in the model's dtype.
     """
     from kvjax.methods import FullCache, get_method
 
     grid = [("full", "full", FullCache())]
-    for name, b in method_budgets(cfg.methods, cfg.budgets):
-        entry = (name, budget_label(b), get_method(name, budget=b))
+    stored_full = None if cfg.kv_dtype is None else stored_full_name(cfg.kv_dtype)
+    for name, b in method_budgets(cfg.methods, cfg.budgets, cfg.kv_dtype):
+        entry = (name, budget_label(b), FullCache() if name == stored_full else get_method(name, budget=b))
         if any(g[:2] == entry[:2] for g in grid):
             raise ValueError(f"method {name!r} at budget {entry[1]} is listed twice")
         grid.append(entry)
@@ -231,7 +240,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                 bar.set_postfix_str(f"{task} {length} prefill")
             spec = CacheSpec.for_model(model.config, len(rows), L, q_len + max_new, model.dtype,
                                        longest_row=max(len(r) for r in rows), mesh=model.mesh)
-            # the methods' compressed pools in cfg.kv_dtype; the full cache (the reference) in the model's dtype
+            # the methods' compressed pools (and the stored full cache) in cfg.kv_dtype; the reference in the model's dtype
             pools = spec if cfg.kv_dtype is None else dataclasses.replace(spec, kv_dtype=cfg.kv_dtype)
             if cfg.kv_dtype is not None:  # a method that cannot store it refuses here, before any prefill
                 for name, _, method in missing:
@@ -297,7 +306,8 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                     text = tok.decode(ids, skip_special_tokens=True)
                     records.append({
                         "task": task, "length": length, "index": s.index, "depth": s.depth, "haystack": s.haystack,
-                        "method": name, "budget": blabel, "protocol": cfg.protocol, "suite": cfg.suite, "split": cfg.split,
+                        "method": name, "budget": blabel, "kv_dtype": mine_spec.kv_dtype, "protocol": cfg.protocol,
+                        "suite": cfg.suite, "split": cfg.split,
                         "prompt_tokens": len(s.prompt_ids), "padded_length": L, "question_tokens": q_len,
                         "answers": list(s.answers), "output": text, "score": suite.score(task, text, s.answers),
                         "device_bytes": (stats["device_bytes"] - artifact_bytes) // len(rows) + artifact_bytes,
@@ -339,11 +349,14 @@ def run_fidelity_checks(cfg: EvalConfig, model, *, progress: bool = True) -> int
         return 0
     texts = fidelity_texts(model.tokenizer, cfg.fidelity_texts, cfg.fidelity_prefix, cfg.fidelity_tokens, seed=cfg.seed)
     results = run_fidelity(model, {f"{n}@{b}": m for n, b, m in missing}, texts, cfg.fidelity_prefix,
-                           chunk_size=cfg.chunk_size, progress=progress)  # the full cache is always the reference
-    rows = ([] if full_done else [("full", "full", "full")]) + [(n, b, f"{n}@{b}") for n, b, _ in missing]
+                           chunk_size=cfg.chunk_size, progress=progress,
+                           kv_dtype=cfg.kv_dtype)  # the full cache in the model's dtype is always the reference
+    model_dtype = jnp.dtype(cfg.dtype).name
+    rows = (([] if full_done else [("full", "full", "full", model_dtype)])
+            + [(n, b, f"{n}@{b}", cfg.kv_dtype or model_dtype) for n, b, _ in missing])
     with open(path, "a", encoding="utf-8") as out:
-        for name, blabel, label in rows:
-            out.write(json.dumps({"method": name, "budget": blabel, "prefix_tokens": cfg.fidelity_prefix,
+        for name, blabel, label, kv_dtype in rows:
+            out.write(json.dumps({"method": name, "budget": blabel, "kv_dtype": kv_dtype, "prefix_tokens": cfg.fidelity_prefix,
                                   "continuation_tokens": cfg.fidelity_tokens, "texts": cfg.fidelity_texts,
                                   **results[label]}) + "\n")
     n = len(rows)
@@ -394,7 +407,9 @@ def build_parser():
     presets = "; ".join(f"{m}:preset={p} = {':'.join(f'{k}={v}' for k, v in o.items())}"
                         for m, have in PRESETS.items() for p, o in have.items())
     p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS,
-                   help=f"comma list of {', '.join(sorted(METHODS))} (the full cache always runs); hyper-parameters as "
+                   help=f"comma list of {', '.join(sorted(METHODS))} (the full cache, the reference, always runs; "
+                   "'full' listed with --kv-dtype adds the full cache stored in that dtype as its own row); "
+                   "hyper-parameters as "
                    "name:key=value, e.g. synckv:stride=10; name:budget=B runs that entry at budget B alone instead of at "
                    f"every --budgets entry; presets chosen on the dev split: {presets}")
     p.add_argument("--budgets", type=_csv(parse_budget), default=(0.1, 0.25, 0.5), help="comma list of fractions (or ints: tokens/head)")
@@ -411,8 +426,9 @@ def build_parser():
                    help="query-aware: the question is inside the compressed prompt; query-agnostic: the context alone is "
                    "compressed, then the question is prefilled onto it")
     p.add_argument("--kv-dtype", default=None, help="storage dtype of every method's compressed page pools: the --dtype "
-                   "(default), bfloat16, int8 or float8_e4m3fn (per-token scales, docs/QUANTIZATION.md); the full cache, "
-                   "the reference, keeps the --dtype; a method without page pools refuses another")
+                   "(default), bfloat16, int8 or float8_e4m3fn (per-token scales, docs/QUANTIZATION.md); 'full' in "
+                   "--methods: the full cache stored in it too, as the row full:kv_dtype=D; the reference full cache "
+                   "keeps the --dtype; a method without page pools refuses another")
     p.add_argument("--fidelity-texts", type=int, default=0, help="texts for the KL / top-1 fidelity check (0 = skip)")
     p.add_argument("--fidelity-prefix", type=int, default=4096)
     p.add_argument("--fidelity-tokens", type=int, default=256)
