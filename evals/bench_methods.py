@@ -1,8 +1,9 @@
 """Methods benchmark: latency and memory vs context length for every KV-cache method, against the full cache.
 
-For one model and dtype, and each prompt length ``L`` (batch 1, exactly ``L`` random token ids,
-``prompt_tokens(vocab, L, --seed)``: the content does not change the cost), it measures in one
-process, for the full cache and each requested method (``kvjax.methods.METHODS``):
+For one model and dtype, each prompt length ``L`` and each batch ``B`` (``--batch``, default 1: ``B`` rows of
+exactly ``L`` random token ids, row ``b`` = ``prompt_tokens(vocab, L, --seed + b)``, so row 0 is the batch-1 prompt;
+the content does not change the cost), it measures in one process, for the full cache and each requested method
+(``kvjax.methods.METHODS``):
 
 * **prefill**: the full cache prefills into its own ``FullCache().init_cache`` (chunked jitted
   ``prefill``), and so does every method that runs its own prefill (``recording()`` is None: Locret
@@ -14,7 +15,8 @@ process, for the full cache and each requested method (``kvjax.methods.METHODS``
   (the latter also reported alone as ``compress_s``);
 * **decode**: ``decode_loop(..., max_new_tokens=N, eos_ids=())`` (no EOS: all N tokens are
   generated; the first comes from the prefill logits, so N - 1 decode steps are timed), best of
-  ``--repeats`` runs, each on a freshly derived cache (``decode_loop`` donates it);
+  ``--repeats`` runs, each on a freshly derived cache (``decode_loop`` donates it). All ``B`` rows decode
+  together: ms per step (= ms per token of each row), and tokens/s = B x (N - 1) / the best run's seconds;
 * **compile**: ahead-of-time ``lower`` + ``compile`` of the prefill executables (one per
   chunk shape, per staging kind), of ``compress`` and of the decode loop per method,
   with the persistent compilation cache off; every executable then runs once (warm-up) before
@@ -36,19 +38,28 @@ process, for the full cache and each requested method (``kvjax.methods.METHODS``
   pages selected per step and the page bounds read to score them). The limit in ms = bytes / the
   machine's read bandwidth measured in the same run (``bench_machine.worker_bandwidth``, best of
   jitted ``jnp.sum`` and numpy sums over a ``--bandwidth-mib`` array);
-* **ratios** vs the full cache of the same run: decode speed-up (full ms/tok ÷ method ms/tok),
-  device-bytes ratio (method ÷ full), prefill ratio (method prefill s ÷ full prefill s).
+* **ratios** vs the full cache of the same run at the same (length, batch): decode speed-up (full ms/step ÷
+  method ms/step, = the tokens/s ratio), device-bytes ratio (method ÷ full), prefill ratio (method prefill s ÷ full
+  prefill s).
+
+A method spec's own ``budget=`` (``synckv:budget=0.25``) wins over ``--budget``, so one run can give methods
+different budgets.
+
+``--memory-budget GIB`` switches to the throughput mode (:mod:`kvjax.evals.bench_throughput`): no prefill; the largest
+batch each method's decode loop fits in that memory and its tokens/s there, from caches built without a prefill.
 
 Usage::
 
     python -m kvjax.evals.bench_methods                       # qwen2.5-coder-0.5b, all methods, 1K..8K (kvjax bench)
     python -m kvjax.evals.bench_methods --model smollm2-135m --lengths 256,512 --methods snapkv,quest \\
         --new-tokens 8 --chunk-size 256 --out /tmp/m.md
+    kvjax bench --lengths 8192,16384 --batch 1,4,16 --methods snapkv,synckv:budget=0.25   # throughput at batch
+    kvjax bench --lengths 8192 --memory-budget 16 --methods snapkv                     # largest batch in 16 GiB
 
 Results: Markdown at ``--out`` (default ``docs/results/bench_methods_<model>.md``), the raw
 numbers as JSON and a plot (decode ms/token and device KV bytes vs context length) next to it
-(same stem, ``.json`` / ``.png``), written by :mod:`kvjax.evals.bench_methods_report`, which also derives the
-limits and ratios from the measured rows. Progress (a tqdm bar and ``[bench]`` lines) goes to stderr.
+(same stem, ``.json`` / ``.png``; with several batches tokens/s and device bytes vs length per batch), written by
+:mod:`kvjax.evals.bench_methods_report`, which also derives the limits and ratios from the measured rows. Progress (a tqdm bar and ``[bench]`` lines) goes to stderr.
 """
 
 from __future__ import annotations
@@ -128,6 +139,24 @@ def parse_lengths(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def parse_batches(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]``: rows decoded together per cell, duplicates dropped, order kept; ValueError
+    unless every entry is an integer >= 1."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"--batch: expected comma-separated integers >= 1 (rows per cell), got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def batch_prompt_tokens(vocab_size: int, length: int, seed: int, batch: int) -> np.ndarray:
+    """Random prompt ids int32 [batch, length]: row ``b`` is ``prompt_tokens(vocab_size, length, seed + b)`` (row 0 is
+    the batch-1 prompt)."""
+    return np.concatenate([prompt_tokens(vocab_size, length, seed + b) for b in range(batch)])
+
+
 def default_out(model: str) -> str:
     """``docs/results/bench_methods_<model>.md`` (a path's last component, unsafe characters replaced)."""
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(os.path.normpath(model))) or "model"
@@ -170,6 +199,12 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
                    "= fraction of the prompt kept (default 0.1)")
     p.add_argument("--lengths", type=parse_lengths, default=list(DEFAULT_LENGTHS),
                    help=f"prompt lengths in tokens (default {','.join(map(str, DEFAULT_LENGTHS))})")
+    p.add_argument("--batch", default="1", metavar="B[,B...]",
+                   help="rows prefilled (different random prompts) and decoded together per cell, e.g. 1,4,16 (default 1)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                   help="throughput mode: no prefill; the largest batch each method's decode loop fits in GIB GiB "
+                        "(weights + cache + temporaries, from the compiled program) and its tokens/s there, from a "
+                        "cache built without a prefill (kvjax.evals.bench_throughput); --batch is not used")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run, >= 2 (N - 1 decode steps timed; default 64)")
     p.add_argument("--chunk-size", type=int, default=1024,
                    help="prefill chunk in tokens; prompt lengths must be multiples of it (0 = whole prompt; default 1024)")
@@ -196,7 +231,12 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
 
 
 def check_args(args) -> None:
-    """Reject values argparse cannot check alone (ValueError naming the value and what is allowed)."""
+    """Reject values argparse cannot check alone (ValueError naming the value and what is allowed); ``--batch``'s
+    text becomes its list of batches."""
+    if isinstance(args.batch, str):
+        args.batch = parse_batches(args.batch)
+    if args.memory_budget is not None and not args.memory_budget > 0:
+        raise ValueError(f"--memory-budget must be > 0 GiB, got {args.memory_budget}")
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (the first token comes from the prefill), got {args.new_tokens}")
     if args.repeats < 1:
@@ -210,10 +250,19 @@ def check_args(args) -> None:
 
 
 def make_methods(names, budget) -> dict:
-    """Method instances by name: the full cache as is, the others with ``budget`` (ValueError when it is invalid)."""
-    from kvjax.methods import get_method
+    """Method instances by name: the full cache as is, the others with ``budget`` unless their spec has its own
+    (ValueError when it is invalid)."""
+    from kvjax.methods import get_method, parse_method_spec
 
-    return {n: get_method(n) if n == REFERENCE else get_method(n, budget=budget) for n in names}
+    return {n: get_method(n) if n == REFERENCE or "budget" in parse_method_spec(n)[1] else get_method(n, budget=budget)
+            for n in names}
+
+
+def method_budget(name: str, budget):
+    """The budget ``name`` runs with: its spec's own ``budget=``, else ``budget`` (None for the full cache)."""
+    from kvjax.methods import parse_method_spec
+
+    return None if name == REFERENCE else parse_method_spec(name)[1].get("budget", budget)
 
 
 def bench_artifacts(methods: dict, config, random_weights: bool) -> tuple[dict, dict]:
@@ -418,7 +467,8 @@ def profile_decode(*, exe, params, first, key, cache, log_dir: str) -> None:
 def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
     """Compress + decode one method; ``derive(final)`` returns a fresh uncompressed cache (``final``: last use).
 
-    Returns timings, compile times, cache stats before/after decoding and the peak RSS of the timed part.
+    Returns timings (``tokens_per_s``: every row's N - 1 decoded tokens ÷ the best decode time), compile times, cache
+    stats before/after decoding, row 0's generated tokens and the peak RSS of the timed part.
     """
     import jax
 
@@ -455,9 +505,10 @@ def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
         cache, out, count = decode_exe(model.params, first, cache, key)
         jax.block_until_ready((out, count, cache))
         decode_times.append(time.perf_counter() - t)
-        if int(count[0]) != N:
-            raise RuntimeError(f"{name}: the decode loop produced {int(count[0])} tokens, expected {N}")
-        generated = [int(v) for v in np.asarray(out)[0]]
+        counts = np.asarray(count)
+        if (counts != N).any():
+            raise RuntimeError(f"{name}: the decode loop produced {counts.tolist()} tokens per row, expected {N}")
+        generated = [int(v) for v in np.asarray(out)[0]]  # row 0's
         if r == args.repeats - 1:
             stats_after = cache.stats()
         del cache, out, count
@@ -468,15 +519,22 @@ def measure_method(model, name: str, derive, first, key, args, L: int) -> dict:
     return {
         "compress_s": min(compress_times), "compress_times_s": compress_times,
         "decode_times_s": decode_times, "decode_ms_per_token": 1000 * min(decode_times) / (N - 1),
+        "tokens_per_s": tokens_per_second(int(first.shape[0]), N - 1, min(decode_times)),
         "compile_compress_s": compile_compress, "compile_decode_s": compile_decode,
         "stats_before": stats_before, "stats_after": stats_after, "generated": generated,
         "decode_memory": memory,
     }
 
 
-def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict | None = None) -> list[dict]:
-    """One row per method (full cache first) at prompt length ``L``, each with its artifact (``artifacts``, default
-    the shipped ones); a failing method gets an ``error`` row."""
+def tokens_per_second(batch: int, steps: int, seconds: float) -> float:
+    """Decode throughput: ``batch`` rows x ``steps`` decoded tokens each ÷ the loop's ``seconds``."""
+    return batch * steps / seconds
+
+
+def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict | None = None,
+                   batch: int = 1) -> list[dict]:
+    """One row per method (full cache first) at prompt length ``L`` and ``batch`` rows, each with its artifact
+    (``artifacts``, default the shipped ones); a failing method gets an ``error`` row."""
     import jax
     import jax.numpy as jnp
 
@@ -486,21 +544,24 @@ def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict
     config, N = model.config, args.new_tokens
     artifacts = artifacts or {}
     chunk = effective_chunk(L, args.chunk_size)
-    tokens = prompt_tokens(config.vocab_size, L, args.seed)
-    chunks = [jnp.asarray(tokens[:, i:i + chunk]) for i in range(0, L, chunk)]
+    B = batch
+    tokens = batch_prompt_tokens(config.vocab_size, L, args.seed, B)
+    chunks = [jnp.asarray(tokens[:, i:i + chunk]) for i in range(0, L, chunk)]  # [B, chunk] each
     key = jax.random.PRNGKey(args.seed)
-    rows = {name: {"prompt_tokens": L, "method": name, "new_tokens": N, "chunk": chunk,
-                   "budget": None if name == REFERENCE else args.budget} for name in methods}
+    rows = {name: {"prompt_tokens": L, "batch": B, "method": name, "new_tokens": N, "chunk": chunk,
+                   "budget": method_budget(name, args.budget)} for name in methods}
+    where = f"L={L}" if B == 1 else f"L={L} B={B}"
 
     def done(name, result=None, error=None):
         row = rows[name]
         if error is not None:
             row["error"] = error
-            _log(f"[bench] L={L} {name} FAILED: {error}")
+            _log(f"[bench] {where} {name} FAILED: {error}")
         else:
             row.update(result)
-            _log(f"[bench] L={L} {name}: prefill {row['prefill_s']:.2f} s (compress {row['compress_s'] * 1000:.1f} ms), "
-                 f"decode {row['decode_ms_per_token']:.2f} ms/tok, device KV {row['device_bytes'] / MIB:.1f} MiB")
+            _log(f"[bench] {where} {name}: prefill {row['prefill_s']:.2f} s (compress {row['compress_s'] * 1000:.1f} ms), "
+                 f"decode {row['decode_ms_per_token']:.2f} ms/step ({row['tokens_per_s']:.1f} tokens/s), "
+                 f"device KV {row['device_bytes'] / MIB:.1f} MiB")
         row["device_memory"] = _memory_stats()
         jax.clear_caches()  # drop traced/compiled functions (the AOT executables are gone already): RSS per method
         gc.collect()
@@ -521,7 +582,7 @@ def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict
             "device_bytes": before["device_bytes"], "host_bytes": before["host_bytes"],
             "cache_stats": before, "cache_stats_after_decode": after,
             "kv_read_bytes_per_step": kv_read_bytes_per_step(
-                name, before, after, config, L, N, jnp.dtype(model.dtype).itemsize),
+                name, before, after, config, L, N, jnp.dtype(model.dtype).itemsize, batch=B),
             **result,
         }
 
@@ -529,8 +590,8 @@ def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict
         """A method with its own prefill (the full cache; methods evicting while prefilling): measured alone."""
         try:
             method = methods[name]
-            _log(f"[bench] L={L} {name}: compiling and prefilling {L} tokens in chunks of {chunk} (own prefill)")
-            pf = _Prefiller(model, lambda: jax.block_until_ready(new_cache(method, config, 1, L, N, model.dtype,
+            _log(f"[bench] {where} {name}: compiling and prefilling {L} tokens in chunks of {chunk} (own prefill)")
+            pf = _Prefiller(model, lambda: jax.block_until_ready(new_cache(method, config, B, L, N, model.dtype,
                                                                            artifact=artifacts.get(name),
                                                                            mesh=model.mesh)), chunks)
             first, cache, seconds, memory = pf.measure()
@@ -560,8 +621,8 @@ def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict
         names, window, accumulate = kind["shared_by"], kind["window"], kind["accumulate"]
         group = [methods[n] for n in names]
         try:
-            _log(f"[bench] L={L} staging (window {window}, accumulate {accumulate}) for {', '.join(names)}")
-            spec = CacheSpec.for_model(config, 1, L, N, model.dtype, mesh=model.mesh)
+            _log(f"[bench] {where} staging (window {window}, accumulate {accumulate}) for {', '.join(names)}")
+            spec = CacheSpec.for_model(config, B, L, N, model.dtype, mesh=model.mesh)
             arts = [artifacts.get(n) for n in names]
             pf = _Prefiller(model, lambda: jax.block_until_ready(place_cache(init_shared_cache(group, spec, arts))),
                             chunks)
@@ -601,6 +662,10 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         argv = argv[1:]
     args = build_parser(prog).parse_args(argv)
     check_args(args)
+    if args.memory_budget is not None:
+        from kvjax.evals.bench_throughput import run as run_throughput
+
+        return run_throughput(args, argv, prog)
     mesh = setup_devices(args)
     methods = make_methods(args.methods, args.budget)
     out = args.out or default_out(args.model)
@@ -635,11 +700,13 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         traces0 = dict(TRACE_COUNTS)
 
         rows = []
-        with tqdm(total=len(args.lengths) * len(methods), desc="bench (length, method)", unit="run", file=sys.stderr) as bar:
+        cells = len(args.lengths) * len(args.batch) * len(methods)
+        with tqdm(total=cells, desc="bench (length, batch, method)", unit="run", file=sys.stderr) as bar:
             for L in args.lengths:
-                bar.set_postfix_str(f"L={L}")
-                rows += measure_length(model, L, methods, args, bar, artifacts)
-                gc.collect()
+                for B in args.batch:
+                    bar.set_postfix_str(f"L={L} B={B}")
+                    rows += measure_length(model, L, methods, args, bar, artifacts, batch=B)
+                    gc.collect()
         add_derived(rows, weights, bandwidth.get("machine"))
     finally:
         jax.config.update("jax_enable_compilation_cache", old_cache_flag)
@@ -647,7 +714,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
     report = {
         "command": f"{prog} {shlex.join(argv)}" if argv else prog,
         "args": {k: getattr(args, k) for k in (
-            "model", "methods", "budget", "lengths", "new_tokens", "chunk_size", "dtype", "repeats", "seed",
+            "model", "methods", "budget", "lengths", "batch", "new_tokens", "chunk_size", "dtype", "repeats", "seed",
             "bandwidth_mib", "bandwidth_repeats", "random_weights")} | {"out": out, "model_path": model.path},
         "machine": machine_info(),
         "versions": versions(),

@@ -1,6 +1,8 @@
 """The methods benchmark's report (:mod:`kvjax.evals.bench_methods` measures): the figures derived from the
 measured rows (bytes per step, bandwidth limit, ratios vs the full cache), the Markdown report, the
-plot (decode ms/token and device KV bytes vs context length) and the files they are written to."""
+plot (decode ms/token and device KV bytes vs context length; with several batches tokens/s and device KV bytes vs
+length per batch) and the files they are written to. A batch-1 run's report keeps the batch-1 form (no batch or
+tokens/s columns)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,19 @@ def _ratio(a, b):
     return a / b if a is not None and b not in (None, 0) else None
 
 
+def row_batch(r: dict) -> int:
+    """Rows decoded together in a measured row (1 in reports written before ``--batch``)."""
+    return r.get("batch", 1)
+
+
+def batched(report: dict) -> bool:
+    """Whether a report has a batch other than 1 (its tables then show the batch and tokens/s)."""
+    return report["args"].get("batch", [1]) != [1]
+
+
 def add_derived(rows: list[dict], weights: dict, bandwidth: float | None) -> None:
-    """Bytes per step, bandwidth limit and the ratios vs the full cache of the same length (in place)."""
-    full_by_length = {r["prompt_tokens"]: r for r in rows if r["method"] == REFERENCE and "error" not in r}
+    """Bytes per step, bandwidth limit and the ratios vs the full cache of the same length and batch (in place)."""
+    full_by_cell = {(r["prompt_tokens"], row_batch(r)): r for r in rows if r["method"] == REFERENCE and "error" not in r}
     for r in rows:
         if "error" in r:
             continue
@@ -33,8 +45,9 @@ def add_derived(rows: list[dict], weights: dict, bandwidth: float | None) -> Non
         r["step_bytes"] = None if kv is None else weights["weights_read_bytes"] + kv
         r["limit_ms_per_token"] = 1000 * r["step_bytes"] / bandwidth if r["step_bytes"] and bandwidth else None
         r["over_limit"] = _ratio(r["decode_ms_per_token"], r["limit_ms_per_token"])
-        full = full_by_length.get(r["prompt_tokens"])
+        full = full_by_cell.get((r["prompt_tokens"], row_batch(r)))
         r["decode_speedup"] = _ratio(full and full["decode_ms_per_token"], r["decode_ms_per_token"])
+        r["tokens_per_s_ratio"] = _ratio(r.get("tokens_per_s"), full and full.get("tokens_per_s"))
         r["device_bytes_ratio"] = _ratio(r["device_bytes"], full and full["device_bytes"])
         r["prefill_ratio"] = _ratio(r["prefill_s"], full and full["prefill_s"])
         peaks = [m["peak_kib"] for m in (r["prefill_memory"], r["decode_memory"])]
@@ -45,15 +58,19 @@ def add_derived(rows: list[dict], weights: dict, bandwidth: float | None) -> Non
 # Markdown, plot and files
 
 
-def _method_cells(r: dict) -> list:
-    """The main table's cells of one measured row (an error: its message, the rest marked missing)."""
-    head = [r["prompt_tokens"], r["method"]]
+def _method_cells(r: dict, with_batch: bool = False) -> list:
+    """The main table's cells of one measured row (an error: its message, the rest marked missing); ``with_batch``:
+    the batch after L and tokens/s and its ratio to the full cache in place of the decode speed-up."""
+    head = [r["prompt_tokens"], row_batch(r), r["method"]] if with_batch else [r["prompt_tokens"], r["method"]]
     if "error" in r:
-        return head + ["error"] + [MISSING] * 11
+        return head + ["error"] + [MISSING] * (12 if with_batch else 11)
     c = r["compile_s"]
+    decode = ([number(r["decode_ms_per_token"]), number(r["tokens_per_s"], "{:.1f}"),
+               number(r["tokens_per_s_ratio"], "{:.2f}×")] if with_batch
+              else [number(r["decode_ms_per_token"]), number(r["decode_speedup"], "{:.2f}×")])
     return head + [
         number(r["prefill_s"]), number(r["prefill_ratio"]), number(r["compress_s"], "{:.3f}"),
-        number(r["decode_ms_per_token"]), number(r["decode_speedup"], "{:.2f}×"),
+        *decode,
         number(r["limit_ms_per_token"]), number(r["over_limit"]),
         number(r["device_bytes"] / MIB, "{:.1f}"), number(r["device_bytes_ratio"], "{:.3f}"),
         number(r["host_bytes"] / MIB, "{:.1f}"),
@@ -68,10 +85,16 @@ def render_markdown(report: dict) -> str:
     w = report["weights"]
     budget = a["budget"]
     budget_text = f"{budget} tokens per KV head" if isinstance(budget, int) else f"{budget:g} of the prompt's KV"
+    if any("budget=" in n for n in a["methods"]):
+        budget_text += " (a method spec's own `budget=` wins)"
+    many = batched(report)
+    batch_text = (f"batches {', '.join(map(str, a['batch']))} (B rows of different random prompts prefilled and "
+                  "decoded together)" if many else "batch 1")
     lines = [
-        "# KV-cache methods: latency and memory vs context length",
+        "# KV-cache methods: " + ("throughput, latency and memory vs context length and batch" if many
+                                  else "latency and memory vs context length"),
         "",
-        f"Model `{a['model']}` ({a['dtype']}), batch 1, random prompt ids (seed {a['seed']}), budget {budget_text}, "
+        f"Model `{a['model']}` ({a['dtype']}), {batch_text}, random prompt ids (seed {a['seed']}), budget {budget_text}, "
         f"{a['new_tokens']} greedy new tokens ({a['new_tokens'] - 1} timed decode steps, no EOS), prefill chunk "
         f"{a['chunk_size'] or 'none (whole prompt)'}, best of {a['repeats']} decode run(s), after AOT compilation "
         "and a warm-up run.",
@@ -111,10 +134,16 @@ def render_markdown(report: dict) -> str:
         f"## {a['model']} {a['dtype']}",
         "",
     ]
-    head = ["L", "method", "prefill s", "prefill ÷ full", "compress s", "decode ms/tok", "decode speed-up vs full",
-            "limit ms/tok", "÷ limit", "device KV MiB", "÷ full bytes", "host KV MiB", "peak RSS GiB (prefill / decode)",
-            "compile s (prefill / decode)"]
-    lines += table(head, [_method_cells(r) for r in report["rows"]], align="rl" + "r" * 12)
+    if many:
+        head = ["L", "B", "method", "prefill s", "prefill ÷ full", "compress s", "decode ms/step", "tokens/s",
+                "tokens/s ÷ full", "limit ms/step", "÷ limit", "device KV MiB", "÷ full bytes", "host KV MiB",
+                "peak RSS GiB (prefill / decode)", "compile s (prefill / decode)"]
+        lines += table(head, [_method_cells(r, True) for r in report["rows"]], align="rrl" + "r" * 13)
+    else:
+        head = ["L", "method", "prefill s", "prefill ÷ full", "compress s", "decode ms/tok", "decode speed-up vs full",
+                "limit ms/tok", "÷ limit", "device KV MiB", "÷ full bytes", "host KV MiB",
+                "peak RSS GiB (prefill / decode)", "compile s (prefill / decode)"]
+        lines += table(head, [_method_cells(r) for r in report["rows"]], align="rl" + "r" * 12)
 
     recall_rows = [r for r in report["rows"] if "recall_events" in (r.get("cache_stats_after_decode") or {})]
     if recall_rows:
@@ -156,10 +185,20 @@ def render_markdown(report: dict) -> str:
         lines.append(f"- its own prefill (evicting while prefilling): {', '.join(own)}")
     for kind in report["staging_kinds"]:
         lines.append(f"- one staging prefill (observation window {kind['window']}, accumulated attention "
-                     f"{'yes' if kind['accumulate'] else 'no'}) per length, shared by {', '.join(kind['shared_by'])}")
+                     f"{'yes' if kind['accumulate'] else 'no'}) per length{' and batch' if many else ''}, shared by "
+                     f"{', '.join(kind['shared_by'])}")
 
+    lines += ["", "## Columns", ""]
+    if many:
+        lines += [
+            "- **B**: rows prefilled and decoded together (row b's prompt: random ids of seed + b). Every figure of a "
+            "row is the whole batch's: prefill of B rows, cache bytes of B rows, K/V read per step by B rows; ratios "
+            "are against the full cache at the same L and B.",
+            "- **decode ms/step**: `decode_loop` time ÷ (N − 1) steps (each step gives every row one token: each "
+            "row's ms per token). **tokens/s**: B × (N − 1) ÷ the best decode run's seconds. **tokens/s ÷ full**: "
+            "that ÷ the full cache's tokens/s at the same L and B (= its decode speed-up).",
+        ]
     lines += [
-        "", "## Columns", "",
         "- **prefill s**: the full cache: its chunked jitted `prefill` of the prompt (incl. the argmax of the first "
         "token). A static method: the shared staging prefill of its kind (same window / accumulation; "
         "`kvjax.shared_prefill`, timed once and reported for every method of the kind) + its own `compress`. "
@@ -194,8 +233,48 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _length_axes(ax, lengths) -> None:
+    """Log-2 context-length x axis labelled 1K, 2K, ..., a grid and the legend."""
+    ax.set_xscale("log", base=2)
+    if lengths:
+        ax.set_xticks(lengths, [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths])
+        ax.minorticks_off()
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot_batches(report: dict, path: str) -> None:
+    """PNG, one column per batch: tokens/s (top) and device KV bytes (bottom) vs context length, one line per method."""
+    rows = [r for r in report["rows"] if "error" not in r]
+    a = report["args"]
+    batches = a["batch"]
+    fig = figure((4.4 * len(batches), 8))
+    axes = fig.subplots(2, len(batches), squeeze=False)
+    lengths = sorted({r["prompt_tokens"] for r in rows})
+    for j, B in enumerate(batches):
+        top, bottom = axes[0][j], axes[1][j]
+        for name in a["methods"]:
+            rs = sorted((r for r in rows if r["method"] == name and row_batch(r) == B), key=lambda r: r["prompt_tokens"])
+            if rs:
+                x = [r["prompt_tokens"] for r in rs]
+                top.plot(x, [r["tokens_per_s"] for r in rs], marker="o", label=name)
+                bottom.plot(x, [r["device_bytes"] / MIB for r in rs], marker="o", label=name)
+        top.set(xlabel="context length (tokens)", ylabel="decode tokens / s", title=f"batch {B}: throughput")
+        bottom.set(xlabel="context length (tokens)", ylabel="device KV cache (MiB)", title=f"batch {B}: KV cache bytes")
+        bottom.set_yscale("log")
+        for ax in (top, bottom):
+            _length_axes(ax, lengths)
+    fig.suptitle(f"{a['model']} {a['dtype']}, budget {a['budget']}")
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110, tight=False)
+
+
 def plot(report: dict, path: str) -> None:
-    """PNG: decode ms/token vs context length per method (+ the full cache's limit, dashed), device KV bytes vs length."""
+    """PNG: decode ms/token vs context length per method (+ the full cache's limit, dashed), device KV bytes vs length;
+    a report with several batches: :func:`plot_batches`."""
+    if batched(report):
+        plot_batches(report, path)
+        return
     rows = [r for r in report["rows"] if "error" not in r]
     a = report["args"]
     fig = figure((12, 4.8))
@@ -214,14 +293,8 @@ def plot(report: dict, path: str) -> None:
     ax1.set(xlabel="context length (tokens)", ylabel="decode ms / token", title=f"decode latency, {a['model']} {a['dtype']}")
     ax2.set(xlabel="context length (tokens)", ylabel="device KV cache (MiB)", title=f"KV cache bytes, budget {a['budget']}")
     lengths = sorted({r["prompt_tokens"] for r in rows})
-    labels = [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths]
     for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        if lengths:
-            ax.set_xticks(lengths, labels)
-            ax.minorticks_off()
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        _length_axes(ax, lengths)
     ax2.set_yscale("log")
     fig.tight_layout()
     save_figure(fig, path, dpi=120, tight=False)
