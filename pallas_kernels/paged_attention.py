@@ -40,9 +40,9 @@ Three kernel forms:
   block table, and larger tables are split into several calls over the (row, head) pairs (e.g. B=8,
   H_kv=8, 32K tokens in 16-token pages: 512 KiB of table, 5 calls).  One head's table must fit
   on its own (up to 32766 pages), else ``ValueError``.  Compiled (``implementation="pallas"``)
-  the form requires ``page_size`` to be a multiple of 8 (f32 K/V) / 16 (bf16 K/V), the sublane
-  tiling, because a block of pages is reshaped to ``[tokens, D]``; other sizes raise
-  ``ValueError`` (interpret mode accepts any page size).
+  the form requires ``page_size`` to be a multiple of 8 (f32 K/V, and quantized K/V, converted to
+  f32 first) / 16 (bf16 K/V), the sublane tiling, because a block of pages is reshaped to
+  ``[tokens, D]``; other sizes raise ``ValueError`` (interpret mode accepts any page size).
 * ``backend="gpu"`` (Triton): split-K ("flash decoding").  Grid ``(B, H_kv, num_splits)``; each
   program walks its share of the block table in blocks of ``pages_per_block`` pages, gathering
   pages with vector indices, and writes a partial ``(o, l, m)``; a final ``jnp`` combine
@@ -69,11 +69,35 @@ with f32 accumulation, the usual flash-decoding choice), so with bf16 K/V it dif
 f32 reference by bf16 rounding of q and p (~1e-2 relative).
 
 Quantized pools (``k_scales, v_scales`` given: int8 / float8_e4m3fn pages with one float32 scale per
-stored token, ``[num_pages, page_size]``; :mod:`kvjax.kv_quantization`): the GPU form gathers the
-quantized pages and their scales and dequantizes the block in the kernel (f32 operands; the
-block is sized for f32); the reference dequantizes the gathered pages; the TPU and Mosaic GPU
-forms get the pools dequantized whole before the call (in the query's dtype), so there a quantized
-pool saves memory held but not bandwidth read.
+stored token, ``[num_pages, page_size]``; :mod:`kvjax.kv_quantization`), read as stored by the GPU and
+TPU forms, so a decode step reads 1 byte per element plus 4 per token and head, not a float copy:
+
+* GPU form: gathers the quantized pages and their scales and dequantizes the block in the kernel
+  (f32 operands; the block is sized for f32).
+* TPU form: each page is DMA-ed as stored (``[page_size, D]`` int8 / fp8) beside its scales, one
+  ``[page_size]`` row of the float32 scale pool per page into a ``[2, pages_per_block, page_size]``
+  VMEM buffer (double-buffered with the pages, its own DMA semaphores). The block is converted to
+  f32 and reshaped to ``[tokens, D]``; the scales are not broadcast over ``D`` (a float-sized copy)
+  but applied where tokens already lie on the lane axis: ``q . (k_t s_t) = (q . k_t) s_t`` scales
+  the score columns, ``sum_t p_t (v_t s_t) = (p s_v) @ V`` the softmax weights' columns, each with
+  the block's scales read as one ``[1, tokens]`` row. The value scales are masked like V (a stale
+  scale past a head's length may be NaN). Compiled, ``page_size`` must be a multiple of 8 (f32's
+  sublane tiling, as the block is reshaped in f32), not of int8's 32-row tiles: checked by compiling
+  for a TPU v5e with int8 pages of 8 to 256 tokens and fp8 pages of 8 to 32 (Mosaic converts
+  float8_e4m3fn on v5e, which has no fp8 unit). Not run on a TPU.
+  Why a page's scales are one row of the 2-D pool: a DMA's source must start on a 128-lane word
+  boundary, so a flat scale pool sliced at ``page * page_size`` is rejected by Mosaic unless pages
+  hold a multiple of 128 tokens; a row of a row-major ``[num_pages, page_size]`` array is
+  addressed by the page alone. The cost: XLA may hold the scale pool in another layout (it picks
+  pages-minor ``{0,1}`` for a ``[num_pages, 16]`` f32 array, which avoids padding 16 lanes to 128)
+  and then copies the scales to row-major before the kernel, every step: it reads 4 bytes per
+  stored token and pool and writes them with lanes padded to 128 (into VMEM in the compiled v5e
+  test program; against 2 * D bytes per token of int8 K/V).
+* Mosaic GPU form: gets the pools dequantized whole before the call (in the query's dtype), so
+  there a quantized pool saves memory held but not bandwidth read. Its blocks are upcast from
+  WGMMA register layouts built for 16/32-bit tiles, and it is not the GPU default (the Triton form,
+  which dequantizes in the kernel, is).
+* The reference dequantizes the gathered pages.
 
 Both run on CPU in interpret mode (``implementation="pallas_interpret"``): the TPU form under
 ``pltpu.InterpretParams()`` (which emulates DMAs, semaphores and uninitialised (NaN) VMEM), the
@@ -340,10 +364,12 @@ class PageBlocks:
 
 
 def _tpu_kernel(lengths_ref, starts_ref, bt_ref,  # scalar prefetch (SMEM)
-                q_ref, k_hbm, v_hbm,  # inputs
-                o_ref,  # output
-                k_buf, v_buf, sems, m_ref, l_ref, acc_ref,  # scratch
-                *, scale, pages_per_block, page_size, pages_padded, num_blocks):
+                q_ref, k_hbm, v_hbm, *refs,  # inputs (and the pools' scales when quantized), output, scratch
+                scale, pages_per_block, page_size, pages_padded, num_blocks, quantized):
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     n, i = pl.program_id(0), pl.program_id(1)  # flattened (row, KV head) of this call, block
     length = lengths_ref[n]
     start = starts_ref[n]
@@ -353,8 +379,10 @@ def _tpu_kernel(lengths_ref, starts_ref, bt_ref,  # scalar prefetch (SMEM)
     pages_used = jax.lax.div(length + page_size - 1, page_size)
     blocks_used = jax.lax.div(length + block_tokens - 1, block_tokens)
 
-    blocks = PageBlocks(bt_ref, n * pages_padded, pages_per_block, pages_used,
-                        [(k_hbm, k_buf, lambda slot: sems.at[0, slot]), (v_hbm, v_buf, lambda slot: sems.at[1, slot])])
+    streams = [(k_hbm, k_buf, lambda slot: sems.at[0, slot]), (v_hbm, v_buf, lambda slot: sems.at[1, slot])]
+    if quantized:  # each page's scales, a [page_size] row, beside it
+        streams += [(ks_hbm, ks_buf, lambda slot: sems.at[2, slot]), (vs_hbm, vs_buf, lambda slot: sems.at[3, slot])]
+    blocks = PageBlocks(bt_ref, n * pages_padded, pages_per_block, pages_used, streams)
 
     @pl.when(i == 0)
     def _init():
@@ -376,7 +404,10 @@ def _tpu_kernel(lengths_ref, starts_ref, bt_ref,  # scalar prefetch (SMEM)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                 preferred_element_type=jnp.float32) * scale  # [G, T]
         pos_row = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        s = jnp.where((pos_row >= start) & (pos_row < length), s, MASK_VALUE)
+        valid_row = (pos_row >= start) & (pos_row < length)
+        if quantized:  # q . (k_t s_t) = (q . k_t) s_t: the key scales multiply the score columns
+            s = s * _token_row(ks_buf[slot])
+        s = jnp.where(valid_row, s, MASK_VALUE)
         pos_col = i * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
         v = jnp.where((pos_col >= start) & (pos_col < length), v, 0.0)
         m_prev = m_ref[...]  # [G, 1]
@@ -384,6 +415,8 @@ def _tpu_kernel(lengths_ref, starts_ref, bt_ref,  # scalar prefetch (SMEM)
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        if quantized:  # sum_t p_t (v_t s_t) = (p s) @ v: the value scales multiply p's columns (masked: a stale
+            p = p * jnp.where(valid_row, _token_row(vs_buf[slot]), 0.0)  # scale may be NaN)
         acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, precision=_HIGHEST,
                                                       preferred_element_type=jnp.float32)
         m_ref[...] = m_next
@@ -392,6 +425,12 @@ def _tpu_kernel(lengths_ref, starts_ref, bt_ref,  # scalar prefetch (SMEM)
     def _finalize():
         l = l_ref[...]
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+
+
+def _token_row(scales):
+    """A block's per-token scales ``[pages_per_block, page_size]`` (one DMA-ed row per page) as one ``[1, tokens]``
+    row, the lane axis of the scores."""
+    return scales.reshape(1, scales.shape[0] * scales.shape[1])
 
 
 def _tpu_heads_per_call(num_heads: int, pages_padded: int, budget: int) -> int:
@@ -408,23 +447,27 @@ def _tpu_heads_per_call(num_heads: int, pages_padded: int, budget: int) -> int:
     return pl.cdiv(num_heads, n_calls)
 
 
-def _check_tpu_page_size(page_size: int, kv_dtype) -> None:
-    sublanes = 8 * 4 // jnp.dtype(kv_dtype).itemsize  # 8 (f32), 16 (bf16)
+def _check_tpu_page_size(page_size: int, kv_dtype, quantized: bool = False) -> None:
+    """ValueError unless ``page_size`` is a multiple of the sublane tiling of the block reshaped to ``[tokens, D]``:
+    the K/V dtype's (8 for f32, 16 for bf16), or f32's for a quantized pool (its block is converted to f32 first)."""
+    block_dtype = jnp.float32 if quantized else kv_dtype
+    sublanes = 8 * 4 // jnp.dtype(block_dtype).itemsize  # 8 (f32), 16 (bf16)
     if page_size % sublanes:
         raise ValueError(
             f"TPU form needs page_size to be a multiple of {sublanes} for "
-            f"{jnp.dtype(kv_dtype).name} K/V (a block of pages is reshaped to [tokens, D] "
-            f"without relayout), got page_size={page_size}")
+            f"{jnp.dtype(kv_dtype).name} K/V (a block of pages is reshaped to [tokens, D]"
+            f"{' in float32' if quantized else ''} without relayout), got page_size={page_size}")
 
 
 def _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, pages_per_block, interpret,
-               prefetch_budget):
+               prefetch_budget, k_scales=None, v_scales=None):
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, _ = k_pages.shape
     _, num_kv_heads, max_pages = block_table.shape
     group = num_q_heads // num_kv_heads
+    quantized = k_scales is not None
     if not interpret:
-        _check_tpu_page_size(page_size, k_pages.dtype)
+        _check_tpu_page_size(page_size, k_pages.dtype, quantized)
     num_blocks = pl.cdiv(max_pages, pages_per_block)
     pages_padded = num_blocks * pages_per_block
     num_heads = batch * num_kv_heads  # the kernel sees (row, KV head) pairs flattened
@@ -445,8 +488,10 @@ def _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
 
     kernel = functools.partial(
         _tpu_kernel, scale=scale, pages_per_block=pages_per_block, page_size=page_size,
-        pages_padded=pages_padded, num_blocks=num_blocks)
+        pages_padded=pages_padded, num_blocks=num_blocks, quantized=quantized)
     buf_shape = (2, pages_per_block, page_size, head_dim)
+    scales = (k_scales, v_scales) if quantized else ()
+    scale_bufs = [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * len(scales)
 
     def call(ln_c, st_c, bt_c, q_c):
         return pl.pallas_call(
@@ -454,13 +499,13 @@ def _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=3,
                 grid=(q_c.shape[0], num_blocks),
-                in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
-                          pl.BlockSpec(memory_space=pl.ANY)],
+                in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * (2 + len(scales)),
                 out_specs=q_spec,
                 scratch_shapes=[
                     pltpu.VMEM(buf_shape, k_pages.dtype),
                     pltpu.VMEM(buf_shape, v_pages.dtype),
-                    pltpu.SemaphoreType.DMA((2, 2)),
+                    *scale_bufs,
+                    pltpu.SemaphoreType.DMA((2 + len(scales), 2)),
                     pltpu.VMEM((group, 1), jnp.float32),
                     pltpu.VMEM((group, 1), jnp.float32),
                     pltpu.VMEM((group, head_dim), jnp.float32),
@@ -471,7 +516,7 @@ def _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
                 dimension_semantics=("parallel", "arbitrary")),
             interpret=pltpu.InterpretParams() if interpret else False,
             name="paged_decode_attention_tpu",
-        )(ln_c, st_c, bt_c.reshape(-1), q_c, k_pages, v_pages)
+        )(ln_c, st_c, bt_c.reshape(-1), q_c, k_pages, v_pages, *scales)
 
     # SMEM holds only the scalar-prefetch operands of one call: split the (row, head) pairs
     # into calls whose lengths + block table fit the budget (one call in the common case).
@@ -667,16 +712,16 @@ def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, starts, k
         return _paged_gpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
                           pages_per_block=pages_per_block, num_splits=num_splits,
                           interpret=interpret, k_scales=k_scales, v_scales=v_scales)
-    # the other forms read bf16 / f32 pools: a quantized pool is dequantized whole first
-    k_pages, v_pages = _dequantized(k_pages, k_scales, q.dtype), _dequantized(v_pages, v_scales, q.dtype)
     if backend == "mosaic_gpu":
         from kvjax.pallas_kernels.paged_attention_mgpu import paged_mgpu
 
+        # the Mosaic GPU form reads bf16 / f32 pools: a quantized pool is dequantized whole first
+        k_pages, v_pages = _dequantized(k_pages, k_scales, q.dtype), _dequantized(v_pages, v_scales, q.dtype)
         return paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
                           pages_per_block=pages_per_block, num_splits=num_splits, interpret=interpret)
     return _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
                       pages_per_block=pages_per_block, interpret=interpret,
-                      prefetch_budget=prefetch_budget)
+                      prefetch_budget=prefetch_budget, k_scales=k_scales, v_scales=v_scales)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=None,
@@ -693,7 +738,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
         ``starts .. lengths - 1`` are attended (a contiguous cache read as pages: a left-padded
         row's padding is never attended); ``lengths <= starts`` gives a zero output.
       k_scales, v_scales: float32 ``[num_pages, page_size]`` per-token scales of quantized pools, or None
-        (module docstring: the GPU form dequantizes in the kernel, the TPU and Mosaic GPU forms before it).
+        (module docstring: the GPU and TPU forms dequantize in the kernel, the Mosaic GPU form before it).
       scale: logit scale, default ``D ** -0.5``.
       implementation: ``"pallas"`` (compiled), ``"pallas_interpret"`` (CPU emulation) or
         ``"xla"`` (:func:`paged_decode_attention_reference`).

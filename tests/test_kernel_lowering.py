@@ -217,7 +217,8 @@ def test_paged_lowers(heads, dtype, page_size, platform):
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
 def test_paged_lowers_with_quantized_pools(kv_dtype, page_size, platform):
     """int8 / fp8 pools with per-token f32 scales (``kv_dtype``): the GPU form gathers the quantized pages and their
-    scales and dequantizes in the kernel (f32 matmuls, blocks sized for f32); the TPU form gets dequantized pools."""
+    scales and dequantizes in the kernel (f32 matmuls, blocks sized for f32); the TPU form DMAs the quantized pages and
+    their scale rows and dequantizes in the kernel (compiled for a v5e in ``tests/test_quantized_kernels.py``)."""
     q, k, v, table, lengths = _paged_args(2, (14, 2, 64), jnp.float32, page_size, tokens=2048)
     args = (q, S(k.shape, kv_dtype), S(v.shape, kv_dtype), table, lengths, S(k.shape[:2], jnp.float32),
             S(k.shape[:2], jnp.float32))
