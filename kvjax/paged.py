@@ -12,8 +12,8 @@
 * ``k_scales, v_scales[num_pages, page_size]`` (float32): with a quantized ``kv_dtype`` (int8,
   float8_e4m3fn) the pools hold quantized values and these their per-token scales
   (:mod:`kvjax.kv_quantization`); None otherwise. Attention dequantizes (pages x scales) before
-  its math: the XLA paths the gathered pages, the Pallas kernel's GPU form each block it reads;
-  its TPU and Mosaic GPU forms get the pools dequantized whole before the call
+  its math: the XLA paths the gathered pages, the Pallas kernel's GPU and TPU forms each block they
+  read; its Mosaic GPU form gets the pools dequantized whole before the call
   (:func:`kvjax.pallas_kernels.paged_decode_attention`).
 
 Keys stay post-RoPE at their original positions; later tokens (a question, decoded tokens) are
@@ -255,7 +255,8 @@ def paged_device_bytes(state: PagedKV) -> int:
 
 def paged_read_bytes(state: PagedKV) -> int:
     """K/V bytes one decode step reads from a paged layer: every held token of every head (concrete lengths), in the
-    stored dtype with its scales (the TPU and Mosaic GPU kernel forms also dequantize a quantized pool whole before
-    the call, which this count leaves out)."""
+    stored dtype with its scales, as the kernel's GPU and TPU forms read them (its Mosaic GPU form also dequantizes a
+    quantized pool whole before the call, and the TPU form's program may relayout the whole scale pools, which this
+    count leaves out)."""
     per_token = state.k_pages.shape[-1] * state.k_pages.dtype.itemsize + (4 if state.quantized else 0)
     return 2 * int(jnp.sum(state.lengths)) * per_token
