@@ -232,8 +232,8 @@ def compile_case(kv_dtype: str, page_size: int, dequantize_first: bool = False) 
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    calls = re.findall(r"custom_call_target=\"tpu_custom_call\", operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}",
-                       text)
+    layouts = r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}"  # {s8[..]{2,1,0}, ...}: the operand types
+    calls = re.findall(r"custom_call_target=\"tpu_custom_call\", " + layouts, text)
     local = f"{num_pages // mesh.size},{page_size},{head_dim}"
     floats = sorted(set(re.findall(rf"\b((?:f32|bf16|f16)\[{local}\])", text)))
     return {"kernel_operands": [re.findall(r"\w+\[[\d,]*\]", c) for c in calls], "float_pools": floats,
