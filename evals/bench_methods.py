@@ -56,8 +56,8 @@ Usage::
     kvjax bench --lengths 8192,16384 --batch 1,4,16 --methods snapkv,synckv:budget=0.25   # throughput at batch
     kvjax bench --lengths 8192 --memory-budget 16 --methods snapkv                     # largest batch in 16 GiB
 
-Results: Markdown at ``--out`` (default ``docs/results/bench_methods_<model>.md``), the raw
-numbers as JSON and a plot (decode ms/token and device KV bytes vs context length) next to it
+Results: Markdown at ``--out`` (default ``docs/results/bench_methods_<model>.md``; rewritten after each (length, batch)
+cell, so an interrupted run keeps what it measured), the raw numbers as JSON and a plot (decode ms/token and device KV bytes vs context length) next to it
 (same stem, ``.json`` / ``.png``; with several batches tokens/s and device bytes vs length per batch), written by
 :mod:`kvjax.evals.bench_methods_report`, which also derives the limits and ratios from the measured rows. Progress (a tqdm bar and ``[bench]`` lines) goes to stderr.
 """
@@ -700,38 +700,45 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         traces0 = dict(TRACE_COUNTS)
 
         rows = []
-        cells = len(args.lengths) * len(args.batch) * len(methods)
-        with tqdm(total=cells, desc="bench (length, batch, method)", unit="run", file=sys.stderr) as bar:
-            for L in args.lengths:
-                for B in args.batch:
-                    bar.set_postfix_str(f"L={L} B={B}")
-                    rows += measure_length(model, L, methods, args, bar, artifacts, batch=B)
-                    gc.collect()
-        add_derived(rows, weights, bandwidth.get("machine"))
+        cells = [(L, B) for L in args.lengths for B in args.batch]
+
+        def report_so_far() -> dict:
+            add_derived(rows, weights, bandwidth.get("machine"))
+            return {
+                "command": f"{prog} {shlex.join(argv)}" if argv else prog,
+                "args": {k: getattr(args, k) for k in (
+                    "model", "methods", "budget", "lengths", "batch", "new_tokens", "chunk_size", "dtype", "repeats",
+                    "seed", "bandwidth_mib", "bandwidth_repeats", "random_weights")} | {"out": out, "model_path": model.path},
+                "machine": machine_info(),
+                "versions": versions(),
+                "backend": jax.default_backend(),
+                "decode_compiler_options": decode_options(args),
+                "devices": [str(d) for d in jax.devices()],
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "bandwidth": bandwidth,
+                "weights": weights,
+                "load_s": load_s,
+                "method_configs": {n: repr(m) for n, m in methods.items()},
+                "artifacts": artifact_sources,
+                "staging_kinds": staging_kinds(methods),
+                "trace_counts": {k: TRACE_COUNTS[k] - traces0.get(k, 0) for k in TRACE_COUNTS},
+                "rows": rows,
+                "cells_done": len(rows) // len(methods), "cells": len(cells),
+                "total_s": time.perf_counter() - start,
+            }
+
+        with tqdm(total=len(cells) * len(methods), desc="bench (length, batch, method)", unit="run",
+                  file=sys.stderr) as bar:
+            for i, (L, B) in enumerate(cells):
+                bar.set_postfix_str(f"L={L} B={B}")
+                rows += measure_length(model, L, methods, args, bar, artifacts, batch=B)
+                gc.collect()
+                if i + 1 < len(cells):  # an interrupted run keeps the cells it measured
+                    write_report(report_so_far(), out, with_plot=False)
+        report = report_so_far()
     finally:
         jax.config.update("jax_enable_compilation_cache", old_cache_flag)
 
-    report = {
-        "command": f"{prog} {shlex.join(argv)}" if argv else prog,
-        "args": {k: getattr(args, k) for k in (
-            "model", "methods", "budget", "lengths", "batch", "new_tokens", "chunk_size", "dtype", "repeats", "seed",
-            "bandwidth_mib", "bandwidth_repeats", "random_weights")} | {"out": out, "model_path": model.path},
-        "machine": machine_info(),
-        "versions": versions(),
-        "backend": jax.default_backend(),
-        "decode_compiler_options": decode_options(args),
-        "devices": [str(d) for d in jax.devices()],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "bandwidth": bandwidth,
-        "weights": weights,
-        "load_s": load_s,
-        "method_configs": {n: repr(m) for n, m in methods.items()},
-        "artifacts": artifact_sources,
-        "staging_kinds": staging_kinds(methods),
-        "trace_counts": {k: TRACE_COUNTS[k] - traces0.get(k, 0) for k in TRACE_COUNTS},
-        "rows": rows,
-        "total_s": time.perf_counter() - start,
-    }
     md, written = write_report(report, out, with_plot=not args.no_plot)
     print(md)
     _log(f"[bench] wrote {', '.join(written)} in {report['total_s'] / 60:.1f} min")

@@ -106,6 +106,9 @@ def render_markdown(report: dict) -> str:
         f"- versions: python {m['python']}, " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
         f"- date: {report['date']}, total time {report['total_s'] / 60:.1f} min",
     ]
+    if report.get("cells_done", 0) < report.get("cells", 0):
+        lines.append(f"- **partial**: {report['cells_done']} of {report['cells']} (length, batch) cells measured; the "
+                     "run rewrites this file after each cell")
     options = report.get("decode_compiler_options")
     lines.append("- decode loop compiled with XLA options " + (", ".join(f"`{k}={v}`" for k, v in options.items())
                                                             if options else "none (XLA's defaults)"))

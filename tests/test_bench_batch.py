@@ -168,3 +168,22 @@ def test_a_memory_budget_below_the_weights_is_refused(tiny_chat_model, tmp_path)
     with pytest.raises(ValueError, match="not more than the model's weights"):
         bench_methods.main(["--model", tiny_chat_model, "--lengths", "256", "--methods", "snapkv",
                             "--memory-budget", "0.001", "--out", str(tmp_path / "x.md")])
+
+
+@pytest.mark.real_model
+def test_an_interrupted_run_keeps_its_finished_cells(tiny_chat_model, tmp_path, monkeypatch):
+    """The report is rewritten after each (length, batch) cell: a run stopped in its second cell leaves the first."""
+    def measure(model, L, methods, args, bar=None, artifacts=None, batch=1):
+        if batch == 2:
+            raise KeyboardInterrupt
+        return [{"prompt_tokens": L, "batch": batch, "method": n, "error": "stand-in"} for n in methods]
+
+    monkeypatch.setattr(bench_methods, "measure_length", measure)
+    out = tmp_path / "p.md"
+    with pytest.raises(KeyboardInterrupt):
+        bench_methods.main(["--model", tiny_chat_model, "--lengths", "256", "--batch", "1,2", "--methods", "snapkv",
+                            "--budget", "0.25", "--new-tokens", "4", "--chunk-size", "256", "--bandwidth-mib", "16", "--bandwidth-repeats", "1", "--out", str(out)])
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert [(r["batch"], r["method"]) for r in report["rows"]] == [(1, "full"), (1, "snapkv")]
+    assert (report["cells_done"], report["cells"]) == (1, 2)
+    assert "- **partial**: 1 of 2 (length, batch) cells measured" in out.read_text()
