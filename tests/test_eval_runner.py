@@ -213,8 +213,8 @@ def test_kvzip_in_an_eval_reconstructs_once_per_batch_for_every_budget(tiny_chat
 
 def test_kv_dtype_stores_the_methods_pools_quantized_and_keeps_the_full_cache(tiny_chat_model, tmp_path, capsys):
     """``--kv-dtype int8``: the full cache (the reference) is the same as in a run without it, SnapKV's and KVzip's pools
-    hold int8 with per-token scales (fewer device bytes), a method without page pools refuses, and a run directory
-    keeps its kv_dtype."""
+    hold int8 with per-token scales (fewer device bytes), every record names its dtype, a method without page pools
+    refuses, and a run directory keeps its kv_dtype."""
     common = ["eval", "--model", tiny_chat_model, "--methods", "snapkv,kvzip", "--budgets", "0.5", "--tasks",
               "niah_single", "--lengths", "300", "--samples", "2", "--batch-size", "2", "--chunk-size", "128",
               "--out-root", str(tmp_path), "--no-progress"]
@@ -224,6 +224,7 @@ def test_kv_dtype_stores_the_methods_pools_quantized_and_keeps_the_full_cache(ti
     int8 = {(r["index"], r["method"]): r for r in _lines(tmp_path / "int8" / "samples.jsonl")}
     assert f32.keys() == int8.keys() and len(int8) == 2 * 3
     for (i, m), r in int8.items():
+        assert r["kv_dtype"] == ("float32" if m == "full" else "int8") and f32[i, m]["kv_dtype"] == "float32"
         if m == "full":
             assert (r["output"], r["device_bytes"]) == (f32[i, m]["output"], f32[i, m]["device_bytes"])
         else:  # K and V: D bytes + a 4-byte scale per token instead of 4 D bytes, besides the block table and lengths
