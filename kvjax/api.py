@@ -303,9 +303,9 @@ def generate(
         ``prompt + "\n" + question`` and split in front of the question; the questions of a batch
         must have one length in tokens.
       artifact: calibration data / trained weights of methods that need them.
-      kv_dtype: storage dtype of the compressed page pools: None (the model's), "bfloat16", "int8" or
-        "float8_e4m3fn" (per-token scales, :mod:`kvjax.kv_quantization`); methods without page pools accept only
-        the model's.
+      kv_dtype: storage dtype of the compressed page pools and of the full cache: None (the model's), "bfloat16",
+        "int8" or "float8_e4m3fn" (per-token scales, :mod:`kvjax.kv_quantization`); the other methods without page
+        pools accept only the model's.
     """
     tok = model.tokenizer
     rows, question_rows, eos, pad_id = text_batch(tok, prompt, question, chat)

@@ -48,8 +48,8 @@ class CacheSpec:
       longest_row: real tokens of the longest prompt row (budgets allocate for it).
       room: slots per head after the prompt (question tokens + generated tokens).
       dtype: name of the K/V dtype ("float32" | "bfloat16").
-      kv_dtype: name of the dtype the compressed page pools store (None: ``dtype``; "bfloat16", or "int8" /
-        "float8_e4m3fn" with per-token scales: :mod:`kvjax.kv_quantization`).
+      kv_dtype: name of the dtype the compressed page pools and the full cache store (None: ``dtype``; "bfloat16",
+        or "int8" / "float8_e4m3fn" with per-token scales: :mod:`kvjax.kv_quantization`).
       model_id: identity of the model (:func:`kvjax.artifacts.model_identity`), checked against artifacts.
       mesh: the ``(data, model)`` :class:`jax.sharding.Mesh` the cache is split over (:mod:`kvjax.sharding`),
         or None for one device.

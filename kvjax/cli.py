@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
-    g.add_argument("--kv-dtype", default=None, help="storage dtype of the compressed page pools: the --dtype (default), "
+    g.add_argument("--kv-dtype", default=None, help="storage dtype of the compressed page pools (and of --method full's "
+                   "cache): the --dtype (default), "
                    f"{', '.join(KV_DTYPES)} (int8 and fp8 with per-token scales; docs/QUANTIZATION.md)")
     add_mesh_args(g)
     g.set_defaults(func=cmd_generate)

@@ -20,11 +20,11 @@ does not depend on which tokens share its page, which makes quantize-then-evict 
 evict-then-quantize. A per-page scale would make every stored token's error depend on the
 page's largest neighbour.
 
-What is quantized: only the page pools the compressed cache keeps (:func:`kvjax.paged.build_paged`
-at compression, :func:`kvjax.paged.append` for later tokens). The prefill (staging, working buffers)
-stays in the model's dtype, so selection scores are computed on unquantized prefill keys; methods
-whose compressed layout is not the paged pool reject a ``kv_dtype`` other than the model's
-(:func:`reject_kv_dtype`).
+What is quantized: the page pools the compressed cache keeps (:func:`kvjax.paged.build_paged`
+at compression, :func:`kvjax.paged.append` for later tokens) and the full cache's contiguous buffer
+(:mod:`kvjax.methods.full`). The prefill (staging, working buffers) stays in the model's dtype, so
+selection scores are computed on unquantized prefill keys; the other methods whose compressed layout
+is not the paged pool reject a ``kv_dtype`` other than the model's (:func:`reject_kv_dtype`).
 """
 
 from __future__ import annotations
@@ -83,4 +83,4 @@ def reject_kv_dtype(spec, method: str, why: str) -> None:
     if spec.kv_dtype != spec.dtype:
         raise ValueError(f"kv_dtype={spec.kv_dtype} is not supported by {method}: {why}; another kv_dtype than the "
                          f"model's ({spec.dtype}) is stored only in the paged pools of the evict-after-prefill and "
-                         "bounded-prefill methods")
+                         "bounded-prefill methods and in the full cache")

@@ -163,7 +163,7 @@ class StagedPrefill(NoArtifact):
 
     def check_spec(self, spec: CacheSpec) -> None:
         """Reject a spec the method cannot serve (clear errors before any array is made); by default a ``kv_dtype``
-        other than the model's (:mod:`kvjax.kv_quantization`), which only the paged pools store."""
+        other than the model's (:mod:`kvjax.kv_quantization`), which only the paged pools (and the full cache) store."""
         reject_kv_dtype(spec, self.name, "its compressed cache is not the paged pool")
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
