@@ -132,7 +132,8 @@ def shortfalls(summary: dict) -> list[str]:
         worst = max(gaps, key=gaps.get, default=None)
         mean_gap = full["mean_accuracy"] - r["mean_accuracy"]
         if mean_gap >= SHORTFALL_POINTS or (worst is not None and gaps[worst] >= SHORTFALL_POINTS):
-            out.append(f"{r['method']} at budget {r['budget']}: {r['mean_accuracy']:.1f}% vs full {full['mean_accuracy']:.1f}% "
+            where = "" if r["budget"] == "full" else f" at budget {r['budget']}"  # the full cache in another kv_dtype
+            out.append(f"{r['method']}{where}: {r['mean_accuracy']:.1f}% vs full {full['mean_accuracy']:.1f}% "
                        f"(worst: {worst} {r['accuracy'][worst]:.1f}% vs {full['accuracy'][worst]:.1f}%)")
     return out
 

@@ -27,6 +27,11 @@ def test_shortfalls_flag_a_low_mean_and_a_single_low_task_but_not_small_gaps():
     assert out[1].startswith("y at budget 0.1: 68.8% vs full 93.8%") and "worst: a@4096 50.0% vs 100.0%" in out[1]
 
 
+def test_a_full_cache_stored_in_another_dtype_is_named_without_a_budget():
+    rows = [_row("full", "full", {"a@4096": 100.0}), _row("full:kv_dtype=int8", "full", {"a@4096": 75.0})]
+    assert shortfalls({"rows": rows}) == ["full:kv_dtype=int8: 75.0% vs full 100.0% (worst: a@4096 75.0% vs 100.0%)"]
+
+
 def test_no_full_cache_row_means_no_shortfalls():
     assert shortfalls({"rows": [_row("x", "0.1", {"a@4096": 0.0})]}) == []
 
