@@ -45,6 +45,14 @@ the content does not change the cost), it measures in one process, for the full 
 A method spec's own ``budget=`` (``synckv:budget=0.25``) wins over ``--budget``, so one run can give methods
 different budgets.
 
+``--kv-dtype D`` (``bfloat16``, ``int8`` or ``float8_e4m3fn``; docs/QUANTIZATION.md) stores every listed method's
+compressed cache in ``D``: its device bytes are the stored bytes (int8 / fp8 values and their float32 per-token
+scales), and the bandwidth limit reads them. The full-cache reference stays in the model's dtype (every ratio is
+against it), and ``full`` listed in ``--methods`` adds the full cache stored in ``D`` as its own row
+``full:kv_dtype=D`` (:func:`kvjax.evals.records.stored_full_name`, as ``kvjax eval`` names it), which prefills on
+its own as the reference does. A method that cannot store ``D`` (Quest, HCAttention, HeteroCache, SyncKV, eviction
+during decode) is refused with the settings, before anything is measured.
+
 ``--memory-budget GIB`` switches to the throughput mode (:mod:`kvjax.evals.bench_throughput`): no prefill; the largest
 batch each method's decode loop fits in that memory and its tokens/s there, from caches built without a prefill.
 
@@ -78,10 +86,12 @@ import numpy as np
 
 from kvjax.evals.bench_machine import (MIB, effective_chunk, machine_info, peak_rss_kib, prompt_tokens, reset_peak_rss,
                                  rss_now_kib, versions, worker_bandwidth)
-from kvjax.evals.bench_methods_report import REFERENCE, add_derived, write_report
+from kvjax.evals.bench_methods_report import REFERENCE, add_derived, full_cache_row, write_report
+from kvjax.evals.records import stored_full_name
 from kvjax.budgets import parse_budget
 from kvjax.cache import new_cache
 from kvjax.distributed import add_mesh_args, setup_devices
+from kvjax.kv_quantization import KV_DTYPES, check_kv_dtype, is_quantized
 from kvjax.sharding import place_cache
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -111,9 +121,10 @@ def registered_methods() -> tuple[str, ...]:
     return tuple(METHODS)
 
 
-def parse_methods(text: str) -> list[str]:
-    """``"snapkv,quest"`` -> ``["full", "snapkv", "quest"]``: known names (or specs such as
-    ``synckv:stride=10``), no duplicates, the full cache first."""
+def listed_methods(text: str) -> list[str]:
+    """``"snapkv,quest,snapkv"`` -> ``["snapkv", "quest"]``: the listed known names (or specs such as
+    ``synckv:stride=10``), no duplicates, in order; ``full`` kept where listed (with ``--kv-dtype`` it adds the full
+    cache stored in that dtype: :func:`method_rows`)."""
     from kvjax.methods import parse_method_spec
 
     allowed = registered_methods()
@@ -124,7 +135,33 @@ def parse_methods(text: str) -> list[str]:
             f"unknown method(s) {', '.join(map(repr, bad)) or repr(text)}; allowed: a comma-separated subset of "
             f"{','.join(allowed)}"
         )
-    return [REFERENCE] + [n for n in dict.fromkeys(names) if n != REFERENCE]
+    options = [v for v in names if v != REFERENCE and parse_method_spec(v)[0] == REFERENCE]
+    if options:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, options))}: the full cache takes no options; "
+                                         "list 'full' with --kv-dtype D for the full cache stored in D "
+                                         "(row full:kv_dtype=D)")
+    return list(dict.fromkeys(names))
+
+
+def parse_methods(text: str) -> list[str]:
+    """``"snapkv,quest"`` -> ``["full", "snapkv", "quest"]``: known names (or specs such as
+    ``synckv:stride=10``), no duplicates, the full cache first."""
+    return method_rows(listed_methods(text))
+
+
+def method_rows(listed, kv_dtype: str | None = None) -> list[str]:
+    """The rows a bench measures for the ``listed`` methods: the full cache (the reference, in the model's dtype)
+    first, then with a ``kv_dtype`` (other than the model's) the full cache stored in it,
+    ``stored_full_name(kv_dtype)``, when ``full`` is listed (as ``kvjax eval`` does), then the other methods in order.
+    A name already resolved (``full:kv_dtype=D``) is kept, so resolving twice changes nothing."""
+    stored = [stored_full_name(kv_dtype)] if kv_dtype is not None and REFERENCE in listed else []
+    return list(dict.fromkeys([REFERENCE] + stored + [n for n in listed if n != REFERENCE]))
+
+
+def storage_dtype(name: str, kv_dtype: str | None) -> str | None:
+    """The ``kv_dtype`` row ``name``'s cache is stored in: None (the model's dtype) for the reference full cache,
+    else ``kv_dtype``."""
+    return None if name == REFERENCE else kv_dtype
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -192,8 +229,10 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"ready model, HF directory or .gguf (default {DEFAULT_MODEL}); with --random-weights also a "
                         "shape-only model (llama-3.1-8b, qwen2.5-7b)")
-    p.add_argument("--methods", type=parse_methods, default=parse_methods(methods),
-                   help=f"comma-separated methods (default {methods}); the full cache is always measured as the reference")
+    p.add_argument("--methods", type=listed_methods, default=listed_methods(methods),
+                   help=f"comma-separated methods (default {methods}); the full cache is always measured as the "
+                        "reference; 'full' listed with --kv-dtype D adds the full cache stored in D as the row "
+                        "full:kv_dtype=D")
     p.add_argument("--budget", type=parse_budget, default=0.1,
                    help="KV budget of the compressing methods: an int = tokens per KV head per layer, a float in (0, 1] "
                    "= fraction of the prompt kept (default 0.1)")
@@ -209,6 +248,13 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=1024,
                    help="prefill chunk in tokens; prompt lengths must be multiples of it (0 = whole prompt; default 1024)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and cache dtype")
+    p.add_argument("--kv-dtype", default=None, metavar="D",
+                   help=f"storage dtype of every listed method's compressed cache: the --dtype (default), "
+                        f"{', '.join(KV_DTYPES)} (int8 and fp8 with a float32 scale per token and KV head; "
+                        "docs/QUANTIZATION.md); device bytes are the stored bytes, scales included. The full-cache "
+                        "reference keeps the --dtype (ratios are against it); 'full' in --methods adds the full cache "
+                        "stored in D as the row full:kv_dtype=D. A method that cannot store D is refused before "
+                        "anything is measured")
     p.add_argument("--repeats", type=int, default=1, help="timed decode (and compress) runs per method, best reported (default 1)")
     p.add_argument("--seed", type=int, default=0, help="prompt ids seed")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size of the bandwidth measurement (MiB)")
@@ -232,9 +278,16 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Reject values argparse cannot check alone (ValueError naming the value and what is allowed); ``--batch``'s
-    text becomes its list of batches."""
+    text becomes its list of batches, ``--kv-dtype`` its dtype's name (None for the model's dtype) and ``--methods``
+    the rows measured (:func:`method_rows`)."""
     if isinstance(args.batch, str):
         args.batch = parse_batches(args.batch)
+    try:
+        kv = check_kv_dtype(args.kv_dtype, args.dtype)
+    except ValueError as e:
+        raise ValueError(f"--kv-dtype: {e}") from None
+    args.kv_dtype = None if kv == args.dtype else kv
+    args.methods = method_rows(args.methods, args.kv_dtype)
     if args.memory_budget is not None and not args.memory_budget > 0:
         raise ValueError(f"--memory-budget must be > 0 GiB, got {args.memory_budget}")
     if args.new_tokens < 2:
@@ -250,11 +303,12 @@ def check_args(args) -> None:
 
 
 def make_methods(names, budget) -> dict:
-    """Method instances by name: the full cache as is, the others with ``budget`` unless their spec has its own
-    (ValueError when it is invalid)."""
+    """Method instances by name: the full cache (the reference and ``full:kv_dtype=D``, the same method stored
+    otherwise) as is, the others with ``budget`` unless their spec has its own (ValueError when it is invalid)."""
     from kvjax.methods import get_method, parse_method_spec
 
-    return {n: get_method(n) if n == REFERENCE or "budget" in parse_method_spec(n)[1] else get_method(n, budget=budget)
+    return {n: get_method(REFERENCE) if full_cache_row(n)
+            else get_method(n) if "budget" in parse_method_spec(n)[1] else get_method(n, budget=budget)
             for n in names}
 
 
@@ -262,7 +316,7 @@ def method_budget(name: str, budget):
     """The budget ``name`` runs with: its spec's own ``budget=``, else ``budget`` (None for the full cache)."""
     from kvjax.methods import parse_method_spec
 
-    return None if name == REFERENCE else parse_method_spec(name)[1].get("budget", budget)
+    return None if full_cache_row(name) else parse_method_spec(name)[1].get("budget", budget)
 
 
 def bench_artifacts(methods: dict, config, random_weights: bool) -> tuple[dict, dict]:
@@ -286,8 +340,10 @@ def bench_artifacts(methods: dict, config, random_weights: bool) -> tuple[dict, 
     return artifacts, sources
 
 
-def check_methods_fit(methods: dict, config, lengths, new_tokens: int, artifacts: dict | None = None) -> None:
-    """Every (method, length) must be feasible: budget vs prompt, model context."""
+def check_methods_fit(methods: dict, config, lengths, new_tokens: int, artifacts: dict | None = None,
+                      kv_dtype: str | None = None, dtype="float32") -> None:
+    """Every (method, length) must be feasible: budget vs prompt, model context, and every method but the reference
+    must store its cache in ``kv_dtype`` (``dtype``: the model's); one ValueError naming every problem."""
     import jax
 
     artifacts = artifacts or {}
@@ -302,8 +358,8 @@ def check_methods_fit(methods: dict, config, lengths, new_tokens: int, artifacts
             if name == REFERENCE:
                 continue
             try:
-                jax.eval_shape(lambda m=m, a=artifacts.get(name): new_cache(m, config, 1, L, new_tokens, "float32",
-                                                                           artifact=a))  # validates, allocates nothing
+                jax.eval_shape(lambda m=m, a=artifacts.get(name): new_cache(
+                    m, config, 1, L, new_tokens, dtype, artifact=a, kv_dtype=kv_dtype))  # validates, allocates nothing
             except ValueError as e:
                 problems.append(f"{name} at L={L}: {e}")
     if problems:
@@ -333,11 +389,22 @@ def weights_read_bytes(model) -> dict:
     }
 
 
+def stored_vector_bytes(head_dim: int, dtype, kv_dtype: str | None = None) -> int:
+    """Bytes of one stored key (or value) vector of ``head_dim`` values in ``kv_dtype`` (None: the model's
+    ``dtype``), with its float32 scale when quantized (int8, float8_e4m3fn)."""
+    import jax.numpy as jnp
+
+    stored = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
+    return head_dim * stored.itemsize + (4 if is_quantized(stored.name) else 0)
+
+
 def kv_read_bytes_per_step(name: str, stats_before: dict, stats_after: dict | None, config, prompt_len: int,
-                           new_tokens: int, itemsize: int, batch: int = 1) -> float:
-    """K/V bytes one decode step reads at the mean decode context (see the module docstring)."""
-    if name == REFERENCE:
-        return batch * config.kv_bytes_per_token(itemsize) * (prompt_len + new_tokens / 2)
+                           new_tokens: int, itemsize: int, batch: int = 1, vector_bytes: int | None = None) -> float:
+    """K/V bytes one decode step reads at the mean decode context (see the module docstring); ``vector_bytes``: one
+    stored K or V vector's bytes (:func:`stored_vector_bytes`; default ``head_dim`` values of ``itemsize``)."""
+    vector = config.head_dim * itemsize if vector_bytes is None else vector_bytes
+    if full_cache_row(name):
+        return batch * 2 * config.num_layers * config.num_kv_heads * vector * (prompt_len + new_tokens / 2)
     kept = stats_before.get("kept_tokens_per_head")
     # Quest (selected pages + page bounds) and methods without a kept-token count (HeteroCache, SyncKV,
     # HCAttention): the method's own account (``method.bytes_read_per_step``), mean of before and after decoding
@@ -347,7 +414,7 @@ def kv_read_bytes_per_step(name: str, stats_before: dict, stats_after: dict | No
         return (before + after) / 2
     grow = 0 if stats_before.get("evicts_during_decode") else new_tokens / 2  # H2O with eviction: fixed capacity
     tokens = sum(c + grow for layer in kept for c in layer)  # over layers and KV heads
-    return batch * 2 * config.head_dim * itemsize * tokens
+    return batch * 2 * vector * tokens
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,7 +431,7 @@ def staging_kinds(methods: dict) -> list[dict]:
     """The distinct stagings of the static methods: ``{"window", "accumulate", "shared_by": [names]}``, in order."""
     kinds: dict[tuple, list[str]] = {}
     for name, m in methods.items():
-        if name != REFERENCE and m.recording() is not None:  # the others run their own prefill
+        if not full_cache_row(name) and m.recording() is not None:  # the others run their own prefill
             kinds.setdefault(staging_kind(m), []).append(name)
     return [{"window": w, "accumulate": acc, "shared_by": names} for (w, acc), names in kinds.items()]
 
@@ -534,7 +601,8 @@ def tokens_per_second(batch: int, steps: int, seconds: float) -> float:
 def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict | None = None,
                    batch: int = 1) -> list[dict]:
     """One row per method (full cache first) at prompt length ``L`` and ``batch`` rows, each with its artifact
-    (``artifacts``, default the shipped ones); a failing method gets an ``error`` row."""
+    (``artifacts``, default the shipped ones) and stored in ``args.kv_dtype`` (the reference full cache in the
+    model's dtype); a failing method gets an ``error`` row."""
     import jax
     import jax.numpy as jnp
 
@@ -548,8 +616,11 @@ def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict
     tokens = batch_prompt_tokens(config.vocab_size, L, args.seed, B)
     chunks = [jnp.asarray(tokens[:, i:i + chunk]) for i in range(0, L, chunk)]  # [B, chunk] each
     key = jax.random.PRNGKey(args.seed)
+    kv_dtype = args.kv_dtype
+    model_dtype = jnp.dtype(model.dtype).name
     rows = {name: {"prompt_tokens": L, "batch": B, "method": name, "new_tokens": N, "chunk": chunk,
-                   "budget": method_budget(name, args.budget)} for name in methods}
+                   "budget": method_budget(name, args.budget),
+                   "kv_dtype": storage_dtype(name, kv_dtype) or model_dtype} for name in methods}
     where = f"L={L}" if B == 1 else f"L={L} B={B}"
 
     def done(name, result=None, error=None):
@@ -582,18 +653,22 @@ def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict
             "device_bytes": before["device_bytes"], "host_bytes": before["host_bytes"],
             "cache_stats": before, "cache_stats_after_decode": after,
             "kv_read_bytes_per_step": kv_read_bytes_per_step(
-                name, before, after, config, L, N, jnp.dtype(model.dtype).itemsize, batch=B),
+                name, before, after, config, L, N, jnp.dtype(model.dtype).itemsize, batch=B,
+                vector_bytes=stored_vector_bytes(config.head_dim, model.dtype, storage_dtype(name, kv_dtype))),
             **result,
         }
 
     def own_prefill(name):
-        """A method with its own prefill (the full cache; methods evicting while prefilling): measured alone."""
+        """A method with its own prefill (the full cache, stored or not; methods evicting while prefilling): measured
+        alone."""
         try:
             method = methods[name]
             _log(f"[bench] {where} {name}: compiling and prefilling {L} tokens in chunks of {chunk} (own prefill)")
             pf = _Prefiller(model, lambda: jax.block_until_ready(new_cache(method, config, B, L, N, model.dtype,
                                                                            artifact=artifacts.get(name),
-                                                                           mesh=model.mesh)), chunks)
+                                                                           mesh=model.mesh,
+                                                                           kv_dtype=storage_dtype(name, kv_dtype))),
+                            chunks)
             first, cache, seconds, memory = pf.measure()
             staging = {"kind": "own prefill", "seconds": seconds, "compile_s": pf.compile_s, "memory": memory}
             del pf
@@ -613,7 +688,7 @@ def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict
         gc.collect()
 
     for name in methods:
-        if name == REFERENCE or methods[name].recording() is None:
+        if full_cache_row(name) or methods[name].recording() is None:
             own_prefill(name)
 
     # static methods: one measured staging prefill per kind
@@ -622,7 +697,8 @@ def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict
         group = [methods[n] for n in names]
         try:
             _log(f"[bench] {where} staging (window {window}, accumulate {accumulate}) for {', '.join(names)}")
-            spec = CacheSpec.for_model(config, B, L, N, model.dtype, mesh=model.mesh)
+            # the staging in the model's dtype; each method's compressed cache in kv_dtype
+            spec = CacheSpec.for_model(config, B, L, N, model.dtype, mesh=model.mesh, kv_dtype=kv_dtype)
             arts = [artifacts.get(n) for n in names]
             pf = _Prefiller(model, lambda: jax.block_until_ready(place_cache(init_shared_cache(group, spec, arts))),
                             chunks)
@@ -674,14 +750,20 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
     from tqdm import tqdm
 
     from kvjax.decoding import TRACE_COUNTS
-    from kvjax.models import load_model
+    from kvjax.models import load_model, model_architecture
+
+    # the settings checked on the model's architecture (no weights read) before anything is measured: budgets vs
+    # prompts, context, and every method storing its cache in --kv-dtype
+    config, _ = model_architecture(args.model)
+    artifacts, artifact_sources = bench_artifacts(methods, config, args.random_weights)
+    check_methods_fit(methods, config, args.lengths, args.new_tokens, artifacts, args.kv_dtype, args.dtype)
 
     start = time.perf_counter()
     old_cache_flag = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # compile times are real compilations
     try:
-        _log(f"[bench] {args.model} {args.dtype}: bandwidth, then {len(args.lengths)} lengths x "
-             f"{len(methods)} methods ({', '.join(methods)})")
+        _log(f"[bench] {args.model} {args.dtype}" + (f", KV stored in {args.kv_dtype}" if args.kv_dtype else "")
+             + f": bandwidth, then {len(args.lengths)} lengths x {len(methods)} methods ({', '.join(methods)})")
         try:
             bandwidth = worker_bandwidth(args)
             _log(f"[bench] machine read bandwidth {bandwidth['machine'] / 1e9:.1f} GB/s ({bandwidth['machine_source']})")
@@ -694,8 +776,6 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         model = load_model(args.model, args.dtype, tokenizer=False, mesh=mesh, random_weights=args.random_weights)
         jax.block_until_ready(model.params)
         load_s = time.perf_counter() - t
-        artifacts, artifact_sources = bench_artifacts(methods, model.config, args.random_weights)
-        check_methods_fit(methods, model.config, args.lengths, args.new_tokens, artifacts)
         weights = weights_read_bytes(model)
         traces0 = dict(TRACE_COUNTS)
 
@@ -707,8 +787,9 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
             return {
                 "command": f"{prog} {shlex.join(argv)}" if argv else prog,
                 "args": {k: getattr(args, k) for k in (
-                    "model", "methods", "budget", "lengths", "batch", "new_tokens", "chunk_size", "dtype", "repeats",
-                    "seed", "bandwidth_mib", "bandwidth_repeats", "random_weights")} | {"out": out, "model_path": model.path},
+                    "model", "methods", "budget", "lengths", "batch", "new_tokens", "chunk_size", "dtype", "kv_dtype",
+                    "repeats", "seed", "bandwidth_mib", "bandwidth_repeats", "random_weights")}
+                | {"out": out, "model_path": model.path},
                 "machine": machine_info(),
                 "versions": versions(),
                 "backend": jax.default_backend(),

@@ -16,6 +16,12 @@ REFERENCE = "full"  # the method every ratio is against
 KIB_PER_GIB = 1024 ** 2
 
 
+def full_cache_row(name: str) -> bool:
+    """Whether a row measures the full cache: the reference ``full`` or the full cache stored in another dtype
+    (``full:kv_dtype=int8``, :func:`kvjax.evals.records.stored_full_name`)."""
+    return name.split(":", 1)[0] == REFERENCE
+
+
 # --------------------------------------------------------------------------------------------
 # derived figures
 
@@ -79,6 +85,20 @@ def _method_cells(r: dict, with_batch: bool = False) -> list:
     ]
 
 
+def kv_storage_line(args: dict) -> str:
+    """The report's line on the dtype the caches are stored in (``--kv-dtype``; reports written before it: the
+    model's dtype)."""
+    kv = args.get("kv_dtype")
+    if kv is None:
+        return f"- KV stored in the model's dtype ({args['dtype']}, no `--kv-dtype`)"
+    scales = (", a float32 scale per token and KV head, counted in the device bytes"
+              if kv in ("int8", "float8_e4m3fn") else "")
+    stored = [n for n in args["methods"] if n != REFERENCE]
+    return (f"- KV stored in **{kv}** (`--kv-dtype {kv}`{scales}; docs/QUANTIZATION.md): "
+            f"{', '.join(f'`{n}`' for n in stored) or 'no method'}; the reference `full` in the model's dtype "
+            f"({args['dtype']}), every ratio against it")
+
+
 def render_markdown(report: dict) -> str:
     """The Markdown report: set-up, one table per model/dtype, the limit's inputs and notes on every column."""
     m, v, bw, a = report["machine"], report["versions"], report["bandwidth"], report["args"]
@@ -112,6 +132,7 @@ def render_markdown(report: dict) -> str:
     options = report.get("decode_compiler_options")
     lines.append("- decode loop compiled with XLA options " + (", ".join(f"`{k}={v}`" for k, v in options.items())
                                                             if options else "none (XLA's defaults)"))
+    lines.append(kv_storage_line(a))
     if a.get("random_weights"):
         lines.append("- **random weights** (`--random-weights`): the model's shapes, not its trained weights. Times and "
                      "bytes are the model's; data-dependent figures (recall trigger rates, selections) are not")
@@ -182,8 +203,11 @@ def render_markdown(report: dict) -> str:
                           f"{a['value_rows_fetched_per_head_per_call']:.1f}", f"{a['bytes_moved_per_call'] / 1024:.1f}"])
         lines += table(["L", "method", "keys", "tau", "value path", "selected", "value rows selected / head / call",
                         "value rows fetched / head / call", "KiB moved / step"], cells, align="rllrlrrrr")
-    own = sorted({r["method"] for r in report["rows"] if r.get("staging") == "own prefill" and r["method"] != REFERENCE})
-    lines += ["", "## Prefill sharing", "", "- full: its own `FullCache().init_cache` prefill."]
+    own = sorted({r["method"] for r in report["rows"] if r.get("staging") == "own prefill"
+                  and not full_cache_row(r["method"])})
+    fulls = sorted({r["method"] for r in report["rows"] if full_cache_row(r["method"])}, key=len)
+    lines += ["", "## Prefill sharing", "", f"- {', '.join(fulls) or REFERENCE}: "
+              f"{'each ' if len(fulls) > 1 else ''}its own `FullCache().init_cache` prefill."]
     if own:
         lines.append(f"- its own prefill (evicting while prefilling): {', '.join(own)}")
     for kind in report["staging_kinds"]:
@@ -213,7 +237,8 @@ def render_markdown(report: dict) -> str:
         "- **limit ms/tok**: bytes one decode step must read ÷ the machine read bandwidth above. Bytes = weights "
         "read per step + K/V read at the mean decode context: full: every layer and KV head's `L + N/2` tokens; "
         "eviction methods: `kept_tokens_per_head` + N/2 per head; Quest: its `kv_bytes_read_per_step` (selected "
-        "pages + page bounds; dense layers whole), averaged before/after decoding. The dense full cache's XLA "
+        "pages + page bounds; dense layers whole), averaged before/after decoding; each K or V vector in the row's "
+        "stored dtype (`kv_dtype` in the JSON) with its scale when quantized. The dense full cache's XLA "
         "attention reads its whole buffer (L + N rounded up to 256 slots), i.e. somewhat more than counted. "
         "**÷ limit**: measured ms/tok ÷ limit (1.00 = at the memory-bandwidth limit).",
         "- **device KV MiB / host KV MiB**: `cache.stats()` of the compressed cache before decoding: every array "

@@ -30,6 +30,10 @@ Data-dependent behaviour is what random contents cannot reproduce (HeteroCache's
 kept); see :mod:`kvjax.evals.synthetic`. A method with no artifact for the model gets a synthetic one only with
 ``--random-weights`` (as in the bench). One device only (``replicated_cache`` lays out one device's pages).
 
+``--kv-dtype D`` as in the bench: every listed method's compressed cache stored in ``D`` (its memory and cache bytes
+the stored ones, scales included), the full-cache reference in the model's dtype, ``full`` listed adds the row
+``full:kv_dtype=D``; a method that cannot store ``D`` is refused before anything is compiled.
+
 Results: Markdown at ``--out`` (default ``docs/results/bench_throughput_<model>_<GIB>gib.md``), JSON and a plot (largest
 batch and tokens/s vs length per method) next to it.
 """
@@ -48,8 +52,8 @@ import numpy as np
 
 from kvjax.evals.bench_machine import GIB, MIB, machine_info, versions
 from kvjax.evals.bench_methods import (bench_artifacts, check_methods_fit, decode_options, make_methods, method_budget,
-                                       tokens_per_second)
-from kvjax.evals.bench_methods_report import REFERENCE
+                                       storage_dtype, tokens_per_second)
+from kvjax.evals.bench_methods_report import REFERENCE, kv_storage_line
 from kvjax.reports import MISSING, figure, number, save_figure, table
 from kvjax.reports import write_report as write_files
 
@@ -119,10 +123,11 @@ def room_tokens(new_tokens: int, repeats: int) -> int:
 
 
 def decode_memory(model, method, L: int, room: int, batch: int, new_tokens: int, artifact=None,
-                  options: dict | None = None) -> dict:
+                  options: dict | None = None, kv_dtype: str | None = None) -> dict:
     """Compile the decode loop for ``batch`` rows of ``method``'s compressed cache after ``L`` prompt tokens with
-    ``room`` slots (described abstractly, nothing allocated): :func:`compiled_memory` of it, plus the cache's own
-    bytes (``cache_device_bytes``, ``cache_host_bytes``) and the compile seconds."""
+    ``room`` slots, stored in ``kv_dtype`` (None: the model's dtype; described abstractly, nothing allocated):
+    :func:`compiled_memory` of it, plus the cache's own bytes (``cache_device_bytes``, ``cache_host_bytes``) and the
+    compile seconds."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -133,7 +138,7 @@ def decode_memory(model, method, L: int, room: int, batch: int, new_tokens: int,
     from kvjax.sharding import AXES
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), AXES)
-    spec = CacheSpec.for_model(model.config, batch, L, room, model.dtype)
+    spec = CacheSpec.for_model(model.config, batch, L, room, model.dtype, kv_dtype=kv_dtype)
     cache = abstract_compressed_cache(method, spec, mesh, artifact)
     t = time.perf_counter()
     compiled = decode_loop_jit.lower(model.graphdef, model.params, jax.ShapeDtypeStruct((batch,), jnp.int32), cache,
@@ -185,12 +190,13 @@ def measure_cell(model, name: str, method, L: int, args, budget_bytes: int, arti
 
     N, room = args.new_tokens, room_tokens(args.new_tokens, args.repeats)
     options = decode_options(args)
+    kv_dtype = storage_dtype(name, args.kv_dtype)  # the reference in the model's dtype, the others in --kv-dtype
     row = {"prompt_tokens": L, "method": name, "budget": method_budget(name, args.budget), "new_tokens": N,
-           "room": room}
+           "room": room, "kv_dtype": kv_dtype or np.dtype(model.dtype).name}
     details: dict[int, dict] = {}
 
     def memory_of(b):
-        details[b] = decode_memory(model, method, L, room, b, N, artifact, options)
+        details[b] = decode_memory(model, method, L, room, b, N, artifact, options, kv_dtype)
         jax.clear_caches()
         return details[b]["device_bytes"]
 
@@ -205,7 +211,7 @@ def measure_cell(model, name: str, method, L: int, args, budget_bytes: int, arti
     row.update(fits=True, memory_bytes=at["device_bytes"], host_memory_bytes=at["host_bytes"],
                temp_bytes=at["temp_bytes"], cache_device_bytes=at["cache_device_bytes"],
                cache_host_bytes=at["cache_host_bytes"])
-    spec = CacheSpec.for_model(model.config, B, L, room, model.dtype)
+    spec = CacheSpec.for_model(model.config, B, L, room, model.dtype, kv_dtype=kv_dtype)
     t = time.perf_counter()
     cache = replicated_cache(method, spec, artifact, args.seed)
     jax.block_until_ready(cache)
@@ -260,7 +266,7 @@ def run(args, argv: list[str], prog: str) -> int:
     check_budget(budget_bytes, weights)
     artifacts, sources = bench_artifacts(methods, model.config, args.random_weights)
     room = room_tokens(args.new_tokens, args.repeats)
-    check_methods_fit(methods, model.config, args.lengths, room, artifacts)
+    check_methods_fit(methods, model.config, args.lengths, room, artifacts, args.kv_dtype, args.dtype)
     rows = []
     old_cache_flag = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
@@ -284,8 +290,8 @@ def run(args, argv: list[str], prog: str) -> int:
         "command": f"{prog} {shlex.join(argv)}" if argv else prog,
         "mode": "throughput",
         "args": {k: getattr(args, k) for k in (
-            "model", "methods", "budget", "lengths", "memory_budget", "new_tokens", "dtype", "repeats", "seed",
-            "random_weights")} | {"out": out, "model_path": model.path},
+            "model", "methods", "budget", "lengths", "memory_budget", "new_tokens", "dtype", "kv_dtype", "repeats",
+            "seed", "random_weights")} | {"out": out, "model_path": model.path},
         "memory_budget_bytes": budget_bytes, "weights_bytes": weights,
         "machine": machine_info(), "versions": versions(), "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()], "decode_compiler_options": decode_options(args),
@@ -335,6 +341,7 @@ def render_markdown(report: dict) -> str:
         f"JAX backend {report['backend']} ({', '.join(report['devices'])})",
         f"- versions: python {m['python']}, " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         f"- date: {report['date']}, total time {report['total_s'] / 60:.1f} min",
+        kv_storage_line(a),
     ]
     options = report.get("decode_compiler_options")
     lines.append("- decode loop compiled with XLA options " + (", ".join(f"`{k}={v}`" for k, v in options.items())

@@ -124,15 +124,28 @@ def _decode_speed(timings: dict) -> str:
 
 # the five seed methods (the tuned presets where they have one) and SnapKV, the baseline their papers compare against
 DEMO_METHODS = ("snapkv", "hbw", "heterocache:preset=tuned", "synckv:preset=tuned", "hcattention:preset=tuned", "locret")
+# with --kv-dtype: those of them whose compressed cache is the paged pool, the only one stored quantized (the others
+# refuse another kv_dtype than the model's)
+DEMO_KV_METHODS = ("snapkv", "hbw", "locret")
 
 
-def demo_methods(specs) -> list[tuple[str, object]]:
+def demo_kv_dtype(kv_dtype, dtype) -> str | None:
+    """The demo's ``--kv-dtype``: its name, None when it is the model's ``dtype`` (or not given); ValueError naming
+    the allowed values otherwise."""
+    name = check_kv_dtype(kv_dtype, dtype)
+    return None if name == dtype else name
+
+
+def demo_methods(specs, kv_dtype: str | None = None) -> list[tuple[str, object]]:
     """``(label, method)`` for the full cache and each spec (``name[:budget=B][:key=value]``, default budget 0.1),
-    built before any model loads so a typo costs nothing."""
-    from kvjax.evals.records import split_budget
+    built before any model loads so a typo costs nothing. With a ``kv_dtype`` (other than the model's) the full
+    cache stored in it follows the reference, labelled ``full:kv_dtype=D`` as ``kvjax eval`` names it."""
+    from kvjax.evals.records import split_budget, stored_full_name
     from kvjax.methods import FullCache, get_method
 
     out = [("full", FullCache())]
+    if kv_dtype is not None:
+        out.append((stored_full_name(kv_dtype), FullCache()))
     for spec in specs:
         name, budget = split_budget(spec)
         if name == "full":
@@ -140,6 +153,36 @@ def demo_methods(specs) -> list[tuple[str, object]]:
         budget = 0.1 if budget is None else budget
         out.append((f"{name} @ {budget:g}", get_method(name, budget=budget)))
     return out
+
+
+def demo_groups(runs, kv_dtype: str | None) -> list[tuple[str | None, list]]:
+    """``(kv_dtype, runs)`` of each ``kvjax.compare`` call for the demo's ``(label, method)`` runs: all in one call
+    without a ``kv_dtype``; with one, the reference full cache (label ``full``) in the model's dtype, then every
+    other run stored in ``kv_dtype``."""
+    if kv_dtype is None:
+        return [(None, list(runs))]
+    groups = ((None, [r for r in runs if r[0] == "full"]), (kv_dtype, [r for r in runs if r[0] != "full"]))
+    return [(kv, group) for kv, group in groups if group]
+
+
+def check_demo_kv_dtype(model: str, methods, length: int, dtype, kv_dtype: str) -> None:
+    """ValueError naming every demo method that cannot store its cache in ``kv_dtype``, checked on the model's
+    architecture (no weights read) before the model loads."""
+    import jax
+
+    from kvjax.cache import new_cache
+    from kvjax.models import model_architecture
+
+    config, _ = model_architecture(model)
+    problems = []
+    for label, m in methods:
+        try:
+            jax.eval_shape(lambda m=m: new_cache(m, config, 1, length, 16, dtype, kv_dtype=kv_dtype))
+        except ValueError as e:
+            problems.append(f"{label}: {e}")
+    if problems:
+        raise ValueError(f"--kv-dtype {kv_dtype}: not every method can store it (choose --methods among those that "
+                         "can):\n  " + "\n  ".join(problems))
 
 
 def demo_table(rows) -> str:
@@ -192,8 +235,13 @@ def cmd_demo(args) -> int:
     question inside the compressed prompt, then asked after the context alone was compressed."""
     import kvjax
     from kvjax.evals.passkey import QUESTION, make_passkey
+    from kvjax.methods import FullCache
 
-    methods = demo_methods(args.methods)
+    kv_dtype = demo_kv_dtype(args.kv_dtype, args.dtype)
+    specs = args.methods if args.methods is not None else DEMO_METHODS if kv_dtype is None else DEMO_KV_METHODS
+    methods = demo_methods(specs, kv_dtype)
+    if kv_dtype is not None:
+        check_demo_kv_dtype(args.model, methods, args.length, args.dtype, kv_dtype)
     t0 = time.perf_counter()
     model = kvjax.load(args.model, args.dtype, progress=True, mesh=setup_devices(args))
     print(f"model {args.model} ({args.dtype}) loaded in {time.perf_counter() - t0:.1f} s")
@@ -203,11 +251,14 @@ def cmd_demo(args) -> int:
     rows = []
     for protocol, prompt, question in (("in the prompt", sample.prompt, None), ("after compression", context, QUESTION)):
         # the full cache's answer does not change when the question comes after the (uncompressed) context
-        runs = [(label, m) for label, m in methods if question is None or label != "full"]
+        runs = [(label, m) for label, m in methods if question is None or not isinstance(m, FullCache)]
         print(f"  question {protocol}: {', '.join(label for label, _ in runs)} ...", flush=True)
-        results = kvjax.compare(model, prompt, [m for _, m in runs], question=question, max_new_tokens=16, chat=True,
-                                chunk_size=args.chunk_size, steady_timings=True)
-        for (label, _), r in zip(runs, results):
+        labels, results = [], []  # the reference full cache in the model's dtype, the others in --kv-dtype
+        for kv, group in demo_groups(runs, kv_dtype):
+            labels += [label for label, _ in group]
+            results += kvjax.compare(model, prompt, [m for _, m in group], question=question, max_new_tokens=16,
+                                     chat=True, chunk_size=args.chunk_size, steady_timings=True, kv_dtype=kv)
+        for label, r in zip(labels, results):
             rows.append({"protocol": protocol, "method": label, "answer": r.text.strip().replace("\n", " "),
                          "ok": sample.answer in r.text,
                          "device_bytes": r.cache_stats["device_bytes"] - r.cache_stats["artifact_device_bytes"],
@@ -216,6 +267,9 @@ def cmd_demo(args) -> int:
                          "first_step_s": r.timings["first_step_s"],
                          "decode_ms_per_token": r.timings["decode_steady_ms_per_token"]})
     print()
+    if kv_dtype is not None:
+        print(f"KV stored in {kv_dtype}: every method's compressed cache and {methods[1][0]}; the full cache in "
+              f"{args.dtype}\n")
     print(demo_table(rows))
     print("\n" + DEMO_NOTE)
     if args.png:
@@ -223,7 +277,8 @@ def cmd_demo(args) -> int:
 
         device = jax.devices()[0]
         demo_png(rows, args.png, f"kvjax demo: {args.model}, {sample.num_tokens}-token pass-key prompt, "
-                 f"needle at {sample.depth:.0%}, {args.dtype}, jax {jax.__version__}, "
+                 f"needle at {sample.depth:.0%}, {args.dtype}" + (f", KV in {kv_dtype}" if kv_dtype else "")
+                 + f", jax {jax.__version__}, "
                  f"{device.platform} ({device.device_kind})")
         print(f"table: {args.png}")
     return 0
@@ -319,14 +374,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="a pass key in a ~4K-token haystack: the full cache and compressed methods side by side")
     _add_model_args(d)
-    d.add_argument("--methods", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()), default=DEMO_METHODS,
-                   help=f"comma list of method specs, name[:budget=B][:key=value] (default {','.join(DEMO_METHODS)}; "
-                        "budget 0.1 when none is given); the full cache always runs")
+    d.add_argument("--methods", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()), default=None,
+                   help=f"comma list of method specs, name[:budget=B][:key=value] (default {','.join(DEMO_METHODS)}, "
+                        f"with --kv-dtype {','.join(DEMO_KV_METHODS)}; budget 0.1 when none is given); the full cache "
+                        "always runs")
     d.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
     d.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1]")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--chunk-size", type=int, default=1024)
     d.add_argument("--png", default=None, help="also write the table as a PNG to this path")
+    d.add_argument("--kv-dtype", default=None, metavar="D",
+                   help=f"store every method's compressed cache in D: the --dtype (default), {', '.join(KV_DTYPES)} "
+                        "(int8 and fp8 with per-token scales; docs/QUANTIZATION.md). The table then shows the full "
+                        "cache twice, in the --dtype (full) and stored in D (full:kv_dtype=D, with the question in the "
+                        "prompt only, as full); a method that cannot store D (HeteroCache, SyncKV, HCAttention) is "
+                        "refused before the model loads")
     add_mesh_args(d)
     d.set_defaults(func=cmd_demo)
 
