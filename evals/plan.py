@@ -1,7 +1,7 @@
 """Plan on the CPU: compile every method's decode step for an H100 and for TPU v5e / v5p / v6e slices, without them.
 
 ``python -m kvjax.evals.plan [--model llama-3.1-8b] [--targets h100,v5e-8] [--methods ...] [--budgets 0.1,0.25]
-[--lengths 32768,131072] [--out FILE.md]``
+[--lengths 32768,131072] [--kv-dtype int8] [--out FILE.md]``
 
 For each target, method, budget and prompt length this compiles the jitted one-token decode step
 (:func:`kvjax.decoding.decode_step`, with kvjax's compiler options for the platform) over the compressed cache built
@@ -24,7 +24,9 @@ side of those copies and the host computations' operands too; the GPU compiler g
 device); the bytes-only step time at the target's nominal HBM bandwidth and, on a GPU, the modelled step time
 (:mod:`kvjax.evals.cost_model`: bytes at the measured bandwidth, a cost per kernel, the host link's bytes at its
 measured bandwidth), and tokens per second at the largest batch. ``--remodel PLAN.json`` adds the modelled columns to a
-committed plan from the counts it recorded, without compiling. The floor column is the bytes a step reading everything it holds cannot avoid: the weights it reads plus the
+committed plan from the counts it recorded, without compiling. ``--kv-dtype`` plans the caches stored in that dtype
+(``CacheSpec.kv_dtype``: the full cache and the page pools, int8 / float8_e4m3fn with float32 per-token scales; a
+method without a quantized layout reports its ValueError in its cell). The floor column is the bytes a step reading everything it holds cannot avoid: the weights it reads plus the
 compressed cache's device bytes (Quest and HCAttention select what they read, so their floor is lower than this).
 
 Needs jax's CUDA plugin (``.aot-gpu/``) and ``libtpu`` (``.aot-tpu/``), both put there by ``scripts/setup_env.sh``
@@ -50,7 +52,7 @@ from kvjax.reports import number, table, write_report
 
 DEFAULT_METHODS = ("full,snapkv,streaming_llm,h2o,pyramidkv,hbw,quest,chunked_eviction,locret,hcattention,heterocache,"
                    "synckv,synckv:num_representatives=1")
-DEFAULT_OUT = "docs/results/plan_{model}_jax{jax}.md"
+DEFAULT_OUT = "docs/results/plan_{model}{kv}_jax{jax}.md"  # {kv}: "_" + the --kv-dtype when given
 VERIFY_ATTEMPTS = 4  # compilations at most per cell to find the largest batch that fits
 GIB = 2**30
 
@@ -357,8 +359,9 @@ def weights_read(config, params) -> int:
 
 
 def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, length: int, room: int, artifact=None,
-                 *, graphdef=None, params=None) -> dict:
-    """Compile ``method``'s one-token decode step for ``target`` at ``batch`` rows after ``length`` prompt tokens.
+                 *, graphdef=None, params=None, kv_dtype: str | None = None) -> dict:
+    """Compile ``method``'s one-token decode step for ``target`` at ``batch`` rows after ``length`` prompt tokens, its
+    cache stored in ``kv_dtype`` (None: the model's ``dtype``; :class:`kvjax.cache.CacheSpec`).
 
     Returns the compiled program's memory (per device: ``device_bytes`` = arguments + outputs - donated aliases +
     temporaries; ``host_bytes`` likewise for host memory), the bytes it moves (``device_traffic``, ``host_traffic``:
@@ -377,7 +380,8 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
     from kvjax.decoding import decode_compiler_options, decode_step_jit
     from kvjax.sharding import DATA, is_split
 
-    spec = CacheSpec.for_model(config, batch, length, room, dtype, mesh=mesh if is_split(mesh) else None)
+    spec = CacheSpec.for_model(config, batch, length, room, dtype, mesh=mesh if is_split(mesh) else None,
+                               kv_dtype=kv_dtype)
     if graphdef is None:
         graphdef, params = abstract_params(config, jnp.dtype(dtype), mesh)
     t = time.perf_counter()
@@ -432,16 +436,18 @@ def compile_step(target: Target, mesh, config, dtype: str, method, batch: int, l
 
 
 def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, room: int, artifact, graphdef, params,
-              *, verify: bool = True) -> dict:
+              *, verify: bool = True, kv_dtype: str | None = None) -> dict:
     """One row of the plan: the step compiled at the smallest batch (the mesh's data axis), the largest batch that fits
     (the parameters and the artifact are fixed, the rest of the compiled memory grows with the rows), compiled again at that batch to
-    check it fits (unless ``verify`` is False); projected step times and tokens/s at both batches."""
+    check it fits (unless ``verify`` is False); projected step times and tokens/s at both batches. ``kv_dtype``: the
+    dtype the cache stores (None: the model's ``dtype``)."""
     import jax
 
     from kvjax.sharding import DATA, axis_size
 
     b1 = axis_size(mesh, DATA)
-    one = compile_step(target, mesh, config, dtype, method, b1, length, room, artifact, graphdef=graphdef, params=params)
+    one = compile_step(target, mesh, config, dtype, method, b1, length, room, artifact, graphdef=graphdef, params=params,
+                       kv_dtype=kv_dtype)
     # fixed: each chip's shards of the parameters (the embedding and the LM head are replicated) and the artifact
     # (replicated: trained heads, codebooks)
     fixed = sum(shard_bytes(x) for x in jax.tree_util.tree_leaves(params)) + one["artifact_bytes"]
@@ -466,7 +472,7 @@ def plan_cell(target: Target, mesh, config, dtype: str, method, length: int, roo
         for _ in range(VERIFY_ATTEMPTS):
             try:
                 big = compile_step(target, mesh, config, dtype, method, B, length, room, artifact, graphdef=graphdef,
-                                   params=params)
+                                   params=params, kv_dtype=kv_dtype)
             except Exception as e:  # noqa: BLE001 - XLA refusing a batch (RESOURCE_EXHAUSTED) is an answer
                 row["verify_failures"].append({"batch": B, "error": f"{type(e).__name__}: {e}"[:200]})
                 big = None
@@ -539,7 +545,10 @@ def render(report: dict) -> str:
         "",
         f"- command: `{report['command']}`",
         f"- jax {report['jax']}, libtpu {report.get('libtpu') or '-'}, CUDA plugin {report.get('plugin') or '-'}, "
-        f"{report['date']}; {a['dtype']} weights (random, the model's shapes), decode room {a['room']} tokens",
+        f"{report['date']}; {a['dtype']} weights (random, the model's shapes), decode room {a['room']} tokens; "
+        + (f"KV stored in {a['kv_dtype']} (`kv_dtype`: the full cache and the page pools, with a float32 scale per "
+           "token and KV head for int8 / float8_e4m3fn: `kvjax.kv_quantization`)" if a.get("kv_dtype") else
+           f"KV stored in the model's dtype ({a['dtype']})"),
         "- one-token decode step (`kvjax.decoding.decode_step`) over the method's compressed cache (`init_cache` + "
         "`compress`, traced: `kvjax.evals.synthetic.abstract_compressed_cache`), compiled by XLA for the target without it",
         "- memory per chip from `memory_analysis()` (arguments + outputs - donated + temporaries); `max batch`: the "
@@ -639,6 +648,9 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="32768,131008", help="comma-separated prompt lengths (tokens)")
     p.add_argument("--room", type=int, default=64, help="decode room per head (tokens)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8", "float8_e4m3fn"],
+                   help="dtype the cache stores (the full cache and the page pools; default: --dtype); methods "
+                        "without a quantized layout report the error in their cell")
     p.add_argument("--no-verify", action="store_true", help="skip compiling at the largest batch")
     p.add_argument("--out", default=None, help=f"Markdown report (default {DEFAULT_OUT}; JSON beside it)")
     p.add_argument("--remodel", default=None, metavar="PLAN.json",
@@ -670,7 +682,8 @@ def main(argv=None) -> int:
     names = parse_methods(args.methods)
     budgets = [float(b) for b in args.budgets.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
-    args.out = args.out or DEFAULT_OUT.format(model=args.model, jax=jax.__version__)
+    args.out = args.out or DEFAULT_OUT.format(model=args.model, kv=f"_{args.kv_dtype}" if args.kv_dtype else "",
+                                              jax=jax.__version__)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     cells = [(n, b) for n in names for b in ([None] if n == "full" else budgets)]
     report = {"command": "python -m kvjax.evals.plan " + shlex.join(argv), "args": vars(args), "jax": jax.__version__,
@@ -694,10 +707,10 @@ def main(argv=None) -> int:
                     row = {"method": name, "budget": budget, "length": L}
                     try:
                         method = get_method(name) if budget is None else get_method(name, budget=budget)
-                        spec = CacheSpec.for_model(config, 1, L, args.room, args.dtype)
+                        spec = CacheSpec.for_model(config, 1, L, args.room, args.dtype, kv_dtype=args.kv_dtype)
                         artifact = synthetic_artifact(method, spec)
                         row.update(plan_cell(target, mesh, config, args.dtype, method, L, args.room, artifact,
-                                             graphdef, params, verify=not args.no_verify))
+                                             graphdef, params, verify=not args.no_verify, kv_dtype=args.kv_dtype))
                     except Exception as e:  # noqa: BLE001 - an infeasible or failing cell is reported, the plan goes on
                         row["error"] = f"{type(e).__name__}: {e}".replace("|", "/").replace("\n", " ")[:240]
                     rows.append(row)
