@@ -1,4 +1,4 @@
-"""A decode step's time on a GPU, modelled from its compiled program and measured device constants.
+"""A decode step's time on a GPU (or this CPU), modelled from its compiled program and measured device constants.
 
 step = device bytes / attainable bandwidth + kernels × per-kernel cost + host → device bytes / link bandwidth
 + device → host bytes / link bandwidth. The terms add (serial) unless the device's ``host_overlap`` says a measured
@@ -21,7 +21,9 @@ Counted from the compiled (optimized) HLO of the step:
   (device → host).
 
 Every device constant is in :data:`DEVICES`, each with the committed file it comes from (``docs/GPU.md``, "The cost
-model", shows the table).
+model", shows the table). The CPU's entry has no host link (``host_to_device`` / ``device_to_host`` None): host and
+device are the same memory, so its step is memory bytes / bandwidth + kernels (XLA:CPU ops) × per-op cost; a program
+that moved bytes over a host link cannot be modelled on it (:func:`step_time` refuses).
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ from kvjax.evals.hlo import memory_bytes
 
 @dataclasses.dataclass(frozen=True)
 class DeviceConstants:
-    """One GPU's measured constants; ``sources`` names, per field, the committed files the value comes from."""
+    """One device's measured constants; ``sources`` names, per field, the committed files the value comes from."""
 
     name: str
     bandwidth: float  # attainable device-memory bytes/s (measured probe)
     kernel_s: float  # seconds per kernel launched (fitted on the device's committed step times)
-    host_to_device: float  # bytes/s over the host link, host -> device (measured)
-    device_to_host: float  # bytes/s, device -> host
+    host_to_device: float | None  # bytes/s over the host link, host -> device (measured); None: no link (a CPU)
+    device_to_host: float | None  # bytes/s, device -> host; None: no link
     host_overlap: bool  # True only where a measured trace shows host transfers hidden behind device work
     sources: dict
 
@@ -60,6 +62,10 @@ H100_LINK = ("docs/results/microbench/recall_step_h100.md", "docs/results/microb
 BACKTEST = "docs/results/cost_model_backtest.json"
 OVERLAP_TRACE = "docs/results/profile_recall_scheduler_h100/step_anatomy.md"
 
+CPU_PROBES = ("docs/results/bench_methods_qwen2.5-coder-0.5b.md", "docs/results/bench_methods_smollm2-135m.md",
+              "docs/results/bench_heterocache_synckv_qwen2.5-coder-0.5b.md")
+CPU_BACKTEST = "docs/results/cost_model_backtest_cpu.json"
+
 # bandwidth: the median of the runs' read probes (jitted jnp.sum over 1 GiB, "machine read bandwidth"); host link:
 # the median "GB/s of the extra" of the microbenchmarks' `always` rows (a layer's whole recall every step, no
 # conditional), no device -> host probe is committed, so that direction takes the same figure; kernel_s: the
@@ -77,6 +83,13 @@ DEVICES = {
         host_overlap=False,
         sources={"bandwidth": H200_PROBES, "kernel_s": (BACKTEST,), "host_to_device": H100_LINK,
                  "device_to_host": H100_LINK, "host_overlap": (OVERLAP_TRACE,)}),
+    # the project's 2-core CPU machine (Intel Xeon, XLA:CPU, float32): bandwidth the median of its back-tested runs'
+    # read probes (26.2 / 23.0 / 30.3 GB/s: the qwen bench_methods run's 26.2); per op (an XLA:CPU kernel: fusion,
+    # copy, unfused op) fitted on both models' bench_methods runs (kvjax.evals.cost_backtest --cpu); no host link:
+    # host and device are the same memory
+    "cpu": DeviceConstants(
+        "cpu", bandwidth=26.2e9, kernel_s=22.67e-6, host_to_device=None, device_to_host=None, host_overlap=False,
+        sources={"bandwidth": CPU_PROBES, "kernel_s": (CPU_BACKTEST,)}),
 }
 
 
@@ -135,7 +148,13 @@ def step_time(counts: StepCounts, device: DeviceConstants) -> dict:
     device terms and the host term's excess over them where ``device.host_overlap``), with ``overlap``."""
     bytes_s = counts.device_bytes / device.bandwidth
     kernels_s = counts.kernels * device.kernel_s
-    host_s = counts.host_to_device / device.host_to_device + counts.device_to_host / device.device_to_host
+    if device.host_to_device is None or device.device_to_host is None:  # one memory: nothing crosses a link
+        if counts.host_to_device or counts.device_to_host:
+            raise ValueError(f"{device.name} has no host link, but the program moves "
+                             f"{counts.host_to_device} / {counts.device_to_host} bytes over one")
+        host_s = 0.0
+    else:
+        host_s = counts.host_to_device / device.host_to_device + counts.device_to_host / device.device_to_host
     device_s = bytes_s + kernels_s
     step = max(device_s, host_s) if device.host_overlap else device_s + host_s
     return {"bytes_s": bytes_s, "kernels_s": kernels_s, "host_s": host_s, "step_s": step,
@@ -146,6 +165,9 @@ ASSUMPTIONS = ("modelled step = device bytes / attainable bandwidth + kernels ×
                "(both directions) / measured link bandwidth, serial (no measured trace shows the host transfers "
                "hidden); constants per GPU in `kvjax.evals.cost_model.DEVICES`: measured bandwidth probes and host "
                "link, a per-kernel cost fitted on the committed H100 / H200 step times")
+CPU_ASSUMPTIONS = ("modelled step = memory bytes / measured read bandwidth + XLA:CPU kernels × per-op cost (no host "
+                   "link: host and device are the same memory); constants in `kvjax.evals.cost_model.DEVICES['cpu']`: "
+                   "the median read probe of the back-tested runs, a per-op cost fitted on committed CPU step times")
 
 
-__all__ = ["DeviceConstants", "DEVICES", "StepCounts", "host_transfers", "count_step", "step_time", "ASSUMPTIONS"]
+__all__ = ["DeviceConstants", "DEVICES", "StepCounts", "host_transfers", "count_step", "step_time", "ASSUMPTIONS", "CPU_ASSUMPTIONS"]

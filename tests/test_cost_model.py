@@ -106,9 +106,14 @@ def test_step_time_by_hand():
         pytest.approx(3.0 + 200e-6)
 
 
+def _linked(device) -> bool:
+    return device.host_to_device is not None
+
+
 def test_constants_sources_exist():
     for device in DEVICES.values():
-        for field in ("bandwidth", "kernel_s", "host_to_device", "device_to_host", "host_overlap"):
+        fields = ("bandwidth", "kernel_s") + (("host_to_device", "device_to_host", "host_overlap") if _linked(device) else ())
+        for field in fields:
             assert device.sources.get(field), (device.name, field)
             for path in device.sources[field]:
                 assert os.path.isfile(os.path.join(ROOT, path)), path
@@ -129,7 +134,7 @@ def test_constants_are_their_sources_figures():
     for device in DEVICES.values():
         assert device.bandwidth == pytest.approx(
             1e9 * _median_of(device.sources["bandwidth"], r"machine read bandwidth ([0-9.]+) GB/s"), rel=1e-6)
-        for field in ("host_to_device", "device_to_host"):
+        for field in ("host_to_device", "device_to_host") if _linked(device) else ():
             assert getattr(device, field) == pytest.approx(
                 1e9 * _median_of(device.sources[field], r"^\| always \|(?: kvjax \|| xla-default \|)?(?: [^|]* \|){4} ([0-9.]+) \|$"),
                 rel=1e-6)
@@ -142,3 +147,90 @@ def test_constants_are_their_sources_figures():
 def test_assumptions_name_the_terms():
     for term in ("bandwidth", "kernels", "host", "serial"):
         assert term in cost_model.ASSUMPTIONS
+
+
+# A CPU step: a matrix-vector fusion over the weights, an unfused add, a copy (XLA:CPU memory only, no host space).
+CPU_HLO = """HloModule cpu_step
+
+%fused_mv (a: f32[512,128], b: f32[128]) -> f32[512] {
+  %a = f32[512,128]{1,0} parameter(0)
+  %b = f32[128]{0} parameter(1)
+  ROOT %d = f32[512]{0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (w: f32[512,128], x: f32[128], y: f32[512]) -> (f32[512], f32[512]) {
+  %w = f32[512,128]{1,0} parameter(0)
+  %x = f32[128]{0} parameter(1)
+  %y = f32[512]{0} parameter(2)
+  %mv = f32[512]{0} fusion(%w, %x), kind=kOutput, calls=%fused_mv
+  %sum = f32[512]{0} add(%mv, %y)
+  %cp = f32[512]{0} copy(%sum)
+  ROOT %out = (f32[512]{0}, f32[512]{0}) tuple(%sum, %cp)
+}
+"""
+CPU_BYTES = (512 * 128 * 4 + 128 * 4 + 512 * 4) + 3 * 512 * 4 + 2 * 512 * 4  # fusion, add, copy: operands + output
+
+
+def test_cpu_projection_by_hand():
+    """On the CPU (no host link) the step is memory bytes / bandwidth + kernels × per-op cost, nothing else."""
+    counts = count_step(CPU_HLO)
+    assert counts == StepCounts(CPU_BYTES, 3, 0, 0)
+    cpu = DEVICES["cpu"]
+    assert cpu.host_to_device is None and cpu.device_to_host is None
+    modelled = step_time(counts, cpu)
+    assert modelled["bytes_s"] == pytest.approx(CPU_BYTES / cpu.bandwidth)
+    assert modelled["kernels_s"] == pytest.approx(3 * cpu.kernel_s)
+    assert modelled["host_s"] == 0
+    assert modelled["step_s"] == pytest.approx(CPU_BYTES / cpu.bandwidth + 3 * cpu.kernel_s)
+    made_up = DeviceConstants("cpu-test", bandwidth=2e10, kernel_s=1e-5, host_to_device=None, device_to_host=None,
+                              host_overlap=False, sources={})
+    assert step_time(counts, made_up)["step_s"] == pytest.approx(CPU_BYTES / 2e10 + 3e-5)
+    with pytest.raises(ValueError, match="no host link"):  # one memory: a program moving link bytes is not a CPU's
+        step_time(StepCounts(1e6, 3, 4096, 0), made_up)
+
+
+def test_cpu_fit_recovers_a_known_per_op_cost():
+    """Rows made by the model itself with a known per-op cost: the fit on either model's rows finds it, every modelled
+    row is exact, and a contention row (measured far slower) is left out of the fit."""
+    from kvjax.evals import cost_backtest as bt
+
+    bandwidth, per_op = 25e9, 23e-6
+    rows = []
+    for model, run in (("qwen2.5-coder-0.5b", bt.CPU_FIT_RUNS[0]), ("smollm2-135m", bt.CPU_FIT_RUNS[1])):
+        for i, (gib, kernels) in enumerate([(1.9, 660), (2.0, 850), (2.2, 1100), (0.5, 820), (0.6, 1400)]):
+            device_bytes = gib * 2**30
+            rows.append({"file": run, "model": model, "note": "", "device_bytes": device_bytes, "kernels": kernels,
+                         "host_to_device": 0, "device_to_host": 0,
+                         "measured_s": device_bytes / bandwidth + kernels * per_op})
+    assert bt.fit_kernel_s(rows, bandwidth) == pytest.approx(per_op, rel=1e-9)
+    rows.append({"file": bt.CPU_FIT_RUNS[0], "model": "qwen2.5-coder-0.5b", "note": "contention", "device_bytes": 2e9,
+                 "kernels": 800, "host_to_device": 0, "device_to_host": 0, "measured_s": 0.5})
+    report = bt.cpu_backtest(rows, bandwidth)
+    for fitted in ("qwen2.5-coder-0.5b", "smollm2-135m", "cpu"):
+        assert report["fits"][fitted] == pytest.approx(per_op, rel=1e-9), fitted
+    for r in rows[:-1]:
+        for label in ("own", "other", "both"):
+            assert r[f"model_{label}"]["step_s"] == pytest.approx(r["measured_s"], rel=1e-9)
+        assert r["bytes_only_s"] == pytest.approx(r["device_bytes"] / bandwidth)
+    assert not rows[-1]["fit_row"]
+    assert report["summary"]["both bench_methods, fit rows"]["both"]["max"] == pytest.approx(0, abs=1e-9)
+    # a second per-op cost on the other model: each model's own fit finds its own
+    for r in rows[:-1]:
+        if r["model"] == "smollm2-135m":
+            r["measured_s"] = r["device_bytes"] / bandwidth + r["kernels"] * 2 * per_op
+    report = bt.cpu_backtest(rows, bandwidth)
+    assert report["fits"]["qwen2.5-coder-0.5b"] == pytest.approx(per_op, rel=1e-9)
+    assert report["fits"]["smollm2-135m"] == pytest.approx(2 * per_op, rel=1e-9)
+
+
+def test_cpu_rows_rebuilt_or_skipped_with_a_reason():
+    from kvjax.evals import cost_backtest as bt
+
+    assert bt.method_options("SnapKV(budget=0.1, gqa='mean', groups=(1, 8), window=32)") == {
+        "budget": "0.1", "gqa": "'mean'", "groups": "(1, 8)", "window": "32"}
+    method, why = bt.rebuilt_method("snapkv", 0.1, "SnapKV(budget=0.1, page_size=16, gqa='mean', block=256, "
+                                    "implementation='auto', window=32, accumulate=False, kernel=7, pooling='max')")
+    assert method is not None and why is None  # a dropped staging option is no part of the decode step
+    method, why = bt.rebuilt_method("snapkv", 0.1, "SnapKV(budget=0.1, page_size=32, gqa='mean', block=256, "
+                                    "implementation='auto', window=32, kernel=7, pooling='max')")
+    assert method is None and "page_size 32 -> 16" in why
