@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from kvjax.evals.bench_machine import GIB, MIB
+from kvjax.kv_quantization import is_quantized
 from kvjax.reports import MISSING, figure, number, save_figure, table
 from kvjax.reports import write_report as write_files
 
@@ -91,8 +92,7 @@ def kv_storage_line(args: dict) -> str:
     kv = args.get("kv_dtype")
     if kv is None:
         return f"- KV stored in the model's dtype ({args['dtype']}, no `--kv-dtype`)"
-    scales = (", a float32 scale per token and KV head, counted in the device bytes"
-              if kv in ("int8", "float8_e4m3fn") else "")
+    scales = ", a float32 scale per token and KV head, counted in the device bytes" if is_quantized(kv) else ""
     stored = [n for n in args["methods"] if n != REFERENCE]
     return (f"- KV stored in **{kv}** (`--kv-dtype {kv}`{scales}; docs/QUANTIZATION.md): "
             f"{', '.join(f'`{n}`' for n in stored) or 'no method'}; the reference `full` in the model's dtype "
