@@ -89,9 +89,9 @@ from kvjax.evals.bench_machine import (MIB, effective_chunk, machine_info, peak_
 from kvjax.evals.bench_methods_report import REFERENCE, add_derived, full_cache_row, write_report
 from kvjax.evals.records import stored_full_name
 from kvjax.budgets import parse_budget
-from kvjax.cache import new_cache
+from kvjax.cache import new_cache, unstorable
 from kvjax.distributed import add_mesh_args, setup_devices
-from kvjax.kv_quantization import KV_DTYPES, check_kv_dtype, is_quantized
+from kvjax.kv_quantization import KV_DTYPES, check_kv_dtype, stored_vector_bytes
 from kvjax.sharding import place_cache
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -344,24 +344,15 @@ def check_methods_fit(methods: dict, config, lengths, new_tokens: int, artifacts
                       kv_dtype: str | None = None, dtype="float32") -> None:
     """Every (method, length) must be feasible: budget vs prompt, model context, and every method but the reference
     must store its cache in ``kv_dtype`` (``dtype``: the model's); one ValueError naming every problem."""
-    import jax
-
-    artifacts = artifacts or {}
-
+    others = {name: m for name, m in methods.items() if name != REFERENCE}
     problems = []
     for L in lengths:
         if L + new_tokens > config.max_position_embeddings:
             problems.append(f"L={L}: {L} prompt + {new_tokens} new tokens exceed the model's context of "
                             f"{config.max_position_embeddings} tokens")
             continue
-        for name, m in methods.items():
-            if name == REFERENCE:
-                continue
-            try:
-                jax.eval_shape(lambda m=m, a=artifacts.get(name): new_cache(
-                    m, config, 1, L, new_tokens, dtype, artifact=a, kv_dtype=kv_dtype))  # validates, allocates nothing
-            except ValueError as e:
-                problems.append(f"{name} at L={L}: {e}")
+        problems += [f"{name} at L={L}: {why}" for name, why in unstorable(
+            others, config, L, new_tokens, dtype, kv_dtype=kv_dtype, artifacts=artifacts).items()]
     if problems:
         raise ValueError("infeasible benchmark settings:\n  " + "\n  ".join(problems))
 
@@ -387,15 +378,6 @@ def weights_read_bytes(model) -> dict:
         "param_bytes": param_bytes, "embedding_bytes": embed_bytes, "tied_embeddings": tied,
         "weights_read_bytes": param_bytes if tied else param_bytes - embed_bytes,
     }
-
-
-def stored_vector_bytes(head_dim: int, dtype, kv_dtype: str | None = None) -> int:
-    """Bytes of one stored key (or value) vector of ``head_dim`` values in ``kv_dtype`` (None: the model's
-    ``dtype``), with its float32 scale when quantized (int8, float8_e4m3fn)."""
-    import jax.numpy as jnp
-
-    stored = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
-    return head_dim * stored.itemsize + (4 if is_quantized(stored.name) else 0)
 
 
 def kv_read_bytes_per_step(name: str, stats_before: dict, stats_after: dict | None, config, prompt_len: int,
@@ -654,7 +636,7 @@ def measure_length(model, L: int, methods: dict, args, bar=None, artifacts: dict
             "cache_stats": before, "cache_stats_after_decode": after,
             "kv_read_bytes_per_step": kv_read_bytes_per_step(
                 name, before, after, config, L, N, jnp.dtype(model.dtype).itemsize, batch=B,
-                vector_bytes=stored_vector_bytes(config.head_dim, model.dtype, storage_dtype(name, kv_dtype))),
+                vector_bytes=stored_vector_bytes(config.head_dim, storage_dtype(name, kv_dtype) or model.dtype)),
             **result,
         }
 

@@ -280,3 +280,20 @@ def new_cache(method, config, batch: int, prompt_slots: int, room: int, dtype, *
     spec = CacheSpec.for_model(config, batch, prompt_slots, room, dtype, longest_row=longest_row, mesh=mesh,
                                kv_dtype=kv_dtype)
     return place_cache(method.init_cache(spec, artifact))
+
+
+def unstorable(methods: dict, config, prompt_slots: int, room: int, dtype, *, kv_dtype=None,
+               artifacts: dict | None = None) -> dict[str, str]:
+    """name -> reason for each of ``methods`` (name -> method) whose cache cannot be built for one row of
+    ``prompt_slots`` + ``room`` tokens stored in ``kv_dtype``; checked by shape alone (nothing is allocated)."""
+    import jax
+
+    artifacts = artifacts or {}
+    problems = {}
+    for name, m in methods.items():
+        try:
+            jax.eval_shape(lambda m=m, a=artifacts.get(name): new_cache(m, config, 1, prompt_slots, room, dtype,
+                                                                        artifact=a, kv_dtype=kv_dtype))
+        except ValueError as e:
+            problems[name] = str(e)
+    return problems

@@ -168,18 +168,12 @@ def demo_groups(runs, kv_dtype: str | None) -> list[tuple[str | None, list]]:
 def check_demo_kv_dtype(model: str, methods, length: int, dtype, kv_dtype: str) -> None:
     """ValueError naming every demo method that cannot store its cache in ``kv_dtype``, checked on the model's
     architecture (no weights read) before the model loads."""
-    import jax
-
-    from kvjax.cache import new_cache
+    from kvjax.cache import unstorable
     from kvjax.models import model_architecture
 
     config, _ = model_architecture(model)
-    problems = []
-    for label, m in methods:
-        try:
-            jax.eval_shape(lambda m=m: new_cache(m, config, 1, length, 16, dtype, kv_dtype=kv_dtype))
-        except ValueError as e:
-            problems.append(f"{label}: {e}")
+    problems = [f"{label}: {why}" for label, why in unstorable(dict(methods), config, length, 16, dtype,
+                                                                kv_dtype=kv_dtype).items()]
     if problems:
         raise ValueError(f"--kv-dtype {kv_dtype}: not every method can store it (choose --methods among those that "
                          "can):\n  " + "\n  ".join(problems))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}  # largest stored magnitude of each quantized dtype
+SCALE_DTYPE = jnp.float32  # one scale per stored vector
 KV_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")  # besides the model's dtype
 
 
@@ -56,6 +57,13 @@ def is_quantized(kv_dtype) -> bool:
     return kv_dtype in QMAX
 
 
+def stored_vector_bytes(head_dim: int, kv_dtype) -> int:
+    """Bytes of one stored key (or value) vector of ``head_dim`` values in ``kv_dtype``, its scale included when
+    quantized."""
+    name = jnp.dtype(kv_dtype).name
+    return head_dim * jnp.dtype(name).itemsize + (jnp.dtype(SCALE_DTYPE).itemsize if is_quantized(name) else 0)
+
+
 def quantize(x, kv_dtype: str):
     """``(q, scales)`` of ``x[..., D]`` for ``kv_dtype``: ``q`` in that dtype, ``scales[...]`` float32 (one per
     vector of ``D`` values); ``scales`` is None for an unquantized dtype (a cast)."""
@@ -63,7 +71,7 @@ def quantize(x, kv_dtype: str):
         return x.astype(kv_dtype), None
     x = x.astype(jnp.float32)
     qmax = QMAX[kv_dtype]
-    scales = jnp.max(jnp.abs(x), axis=-1) / qmax
+    scales = (jnp.max(jnp.abs(x), axis=-1) / qmax).astype(SCALE_DTYPE)
     y = x / jnp.where(scales > 0, scales, 1.0)[..., None]
     if kv_dtype == "int8":
         y = jnp.round(y)

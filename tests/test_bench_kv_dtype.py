@@ -12,6 +12,7 @@ import pytest
 import kvjax
 from kvjax.cli import DEMO_KV_METHODS, DEMO_METHODS, demo_groups, demo_methods, main as cli_main
 from kvjax.evals import bench_methods
+from kvjax.kv_quantization import stored_vector_bytes
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8  # the tiny model
 INT8_VECTOR = HEAD_DIM * 1 + 4  # one stored K (or V) vector: int8 values + its float32 scale
@@ -119,9 +120,10 @@ def test_bench_kv_dtype_values_and_method_rows():
     assert methods["full:kv_dtype=int8"] == methods["full"]
     assert bench_methods.method_budget("full:kv_dtype=int8", 0.1) is None
     assert [bench_methods.storage_dtype(n, "int8") for n in methods] == [None, "int8", "int8"]
-    assert bench_methods.stored_vector_bytes(128, "bfloat16", "int8") == 132
-    assert bench_methods.stored_vector_bytes(128, "float32", "bfloat16") == 256
-    assert bench_methods.stored_vector_bytes(128, "float32") == 512
+    assert stored_vector_bytes(128, "int8") == 128 + 4  # one float32 scale per vector
+    assert stored_vector_bytes(128, "float8_e4m3fn") == 128 + 4
+    assert stored_vector_bytes(128, "bfloat16") == 256
+    assert stored_vector_bytes(128, "float32") == 512
 
 
 def test_demo_kv_dtype_parses_and_labels_the_stored_full_cache(monkeypatch):
