@@ -299,24 +299,35 @@ def gather_rows(x_host, idx, count):
     return jnp.where(live[..., None], rows, 0)
 
 
-def weighted_rows_on_host(x_host, idx, weights):
+def float_rows(x, ids=None, scales=None):
+    """Rows ``ids[n, R]`` of ``x[n, S, D]`` (every row when None) in float32, times their ``scales[n, S, 1]`` when
+    the rows are stored quantized (:mod:`kvjax.kv_quantization`); inside a host region the rows never leave it."""
+    rows = x if ids is None else take_blocks(x, ids)
+    rows = rows.astype(jnp.float32)
+    if scales is not None:
+        rows = rows * (scales if ids is None else take_blocks(scales, ids))
+    return rows
+
+
+def weighted_rows_on_host(x_host, idx, weights, scales=None):
     """``out[i, q] = sum_r weights[i, q, r] * x_host[i, idx[i, r]]`` computed **where the rows live** (host).
 
     Only ``idx[n, R]`` and ``weights[n, Q, R]`` go to the host and ``out[n, Q, D]`` (float32) comes back:
     the rows themselves never move. Entries with zero weight contribute nothing (their ``idx`` may be
-    any valid row).
+    any valid row). ``scales[n, S, 1]`` (host): the rows are stored quantized, dequantized on the host.
     """
     S = x_host.shape[1]
 
-    def weighted(x, ids, w):
+    def weighted(x, ids, w, *scales):
         ids, w = jax.device_put(ids, HOST), jax.device_put(w, HOST)
-        rows = take_blocks(x, jnp.clip(ids, 0, S - 1)).astype(jnp.float32)
+        rows = float_rows(x, jnp.clip(ids, 0, S - 1), *scales)
         return jnp.einsum("nqr,nrd->nqd", w.astype(jnp.float32), rows)
 
-    return _device_host(weighted)(x_host, jnp.asarray(idx, jnp.int32), weights)
+    extra = () if scales is None else (scales,)
+    return _device_host(weighted)(x_host, jnp.asarray(idx, jnp.int32), weights, *extra)
 
 
-def weighted_union_on_host(x_host, weights, sizes: tuple[int, ...], which):
+def weighted_union_on_host(x_host, weights, sizes: tuple[int, ...], which, scales=None):
     """``out[i, q] = sum_s weights[i, q, s] * x_host[i, s]`` computed **where the rows live** (host), over only
     ``R = sizes[which]`` rows per head: each head's rows of nonzero weight, then rows of zero weight up to ``R``.
 
@@ -325,20 +336,21 @@ def weighted_union_on_host(x_host, weights, sizes: tuple[int, ...], which):
     host computation, so the device never waits to learn it (a conditional of the device program would be a host
     synchronisation on a GPU). libtpu's host compiler rejects a conditional in a host computation: on a TPU choose
     the size in the device program (a TPU runs conditionals without the host) and call :func:`weighted_rows_on_host`.
+    ``scales[n, S, 1]`` (host): the rows are stored quantized, dequantized on the host.
     """
     S = x_host.shape[1]
     if not sizes or any(not 1 <= R <= S for R in sizes):
         raise ValueError(f"sizes must be row counts in [1, {S}], got {sizes}")
 
-    def weighted(x, w, which):
+    def weighted(x, w, which, *scales):
         w = jax.device_put(w, HOST).astype(jnp.float32)
 
         def over(R: int):
             def summed():
                 if R == S:
-                    return jnp.einsum("nqs,nsd->nqd", w, x.astype(jnp.float32))
+                    return jnp.einsum("nqs,nsd->nqd", w, float_rows(x, None, *scales))
                 ids = lax.top_k((w != 0).any(1).astype(jnp.float32), R)[1]  # [n, R]: the nonzero rows first
-                rows = take_blocks(x, ids).astype(jnp.float32)
+                rows = float_rows(x, ids, *scales)
                 return jnp.einsum("nqr,nrd->nqd", jax.vmap(lambda a, i: a[:, i])(w, ids), rows)
             return summed
 
@@ -346,7 +358,8 @@ def weighted_union_on_host(x_host, weights, sizes: tuple[int, ...], which):
             return over(sizes[0])()
         return lax.switch(jax.device_put(which, HOST), [over(R) for R in sizes])
 
-    return _device_host(weighted)(x_host, weights, jnp.asarray(which, jnp.int32))
+    extra = () if scales is None else (scales,)
+    return _device_host(weighted)(x_host, weights, jnp.asarray(which, jnp.int32), *extra)
 
 
 def recall(host: HostKV, idx, count, *, mechanism: str = "host_gather"):

@@ -22,7 +22,8 @@ page's largest neighbour.
 
 What is quantized: the page pools the compressed cache keeps (:func:`kvjax.paged.build_paged`
 at compression, :func:`kvjax.paged.append` for later tokens) and the full cache's contiguous buffer
-(:mod:`kvjax.methods.full`). The prefill (staging, working buffers) stays in the model's dtype, so
+(:mod:`kvjax.methods.full`), and HCAttention's host values (:mod:`kvjax.methods.hcattention`, its scales in
+host memory beside them). The prefill (staging, working buffers) stays in the model's dtype, so
 selection scores are computed on unquantized prefill keys; the other methods whose compressed layout
 is not the paged pool reject a ``kv_dtype`` other than the model's (:func:`reject_kv_dtype`).
 """
@@ -91,4 +92,4 @@ def reject_kv_dtype(spec, method: str, why: str) -> None:
     if spec.kv_dtype != spec.dtype:
         raise ValueError(f"kv_dtype={spec.kv_dtype} is not supported by {method}: {why}; another kv_dtype than the "
                          f"model's ({spec.dtype}) is stored only in the paged pools of the evict-after-prefill and "
-                         "bounded-prefill methods and in the full cache")
+                         "bounded-prefill methods, in the full cache and in HCAttention's host values")

@@ -31,7 +31,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.attention import MASK_VALUE, resolve_implementation
-from kvjax.kv_quantization import dequantize, quantize
+from kvjax.kv_quantization import dequantize, quantize, stored_vector_bytes
 
 try:  # jax >= 0.7 (0.10, 0.11 here); older releases kept it in jax.experimental
     from jax import shard_map
@@ -258,5 +258,5 @@ def paged_read_bytes(state: PagedKV) -> int:
     stored dtype with its scales, as the kernel's GPU and TPU forms read them (its Mosaic GPU form also dequantizes a
     quantized pool whole before the call, and the TPU form's program may relayout the whole scale pools, which this
     count leaves out)."""
-    per_token = state.k_pages.shape[-1] * state.k_pages.dtype.itemsize + (4 if state.quantized else 0)
+    per_token = stored_vector_bytes(state.k_pages.shape[-1], state.k_pages.dtype)
     return 2 * int(jnp.sum(state.lengths)) * per_token

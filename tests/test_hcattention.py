@@ -139,8 +139,27 @@ def _decoded(codes, codebooks):
     return out.astype(np.float64)
 
 
-def _layer_case(quantized: bool, seed: int = 0):
-    """A hand-built compressed layer (2 rows, one left-padded; 2 newer tokens held), 3 new tokens to attend."""
+def _stored_values(values, kv_dtype):
+    """numpy: (stored values, scales ``[..., 1]`` or None, their float64 dequantization) of the per-token absmax
+    scheme, written out independently of :mod:`kvjax.kv_quantization`."""
+    import ml_dtypes
+
+    if kv_dtype is None:
+        return values, None, values.astype(np.float64)
+    if kv_dtype == "bfloat16":
+        stored = values.astype(ml_dtypes.bfloat16)
+        return stored, None, stored.astype(np.float64)
+    qmax = {"int8": 127.0, "float8_e4m3fn": 448.0}[kv_dtype]
+    s = np.abs(values.astype(np.float64)).max(-1, keepdims=True) / qmax
+    y = values / np.where(s > 0, s, 1.0)
+    stored = (np.clip(np.round(y), -127, 127).astype(np.int8) if kv_dtype == "int8"
+              else np.clip(y, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn))
+    return stored, s.astype(np.float32), stored.astype(np.float64) * s.astype(np.float32)
+
+
+def _layer_case(quantized: bool, seed: int = 0, kv_dtype=None):
+    """A hand-built compressed layer (2 rows, one left-padded; 2 newer tokens held), 3 new tokens to attend; the
+    prompt values stored in ``kv_dtype`` (None: float32)."""
     rng = np.random.default_rng(seed)
     B, H, G, S, D, T, room = 2, 2, 3, 24, 8, 3, 6
     pad = np.array([0, 5])
@@ -160,9 +179,10 @@ def _layer_case(quantized: bool, seed: int = 0):
         art = Artifact(arrays={"codebooks": jnp.asarray(cb[None])}, kind="hcattention", model_id="m")
         codes = encode_keys(jnp.asarray(keys), jnp.asarray(cb))
         ref_keys = _decoded(np.asarray(codes), cb)
+    stored, scales, values = _stored_values(values, kv_dtype)
     state = HCAttentionKV(
-        codes=codes, keys=None if quantized else jnp.asarray(keys), values=to_host(jnp.asarray(values.reshape(B * H, S, D))),
-        recent_k=jnp.asarray(rk), recent_v=jnp.asarray(rv), selected=jnp.zeros(()), queries=jnp.zeros(()),
+        codes=codes, keys=None if quantized else jnp.asarray(keys), values=to_host(jnp.asarray(stored.reshape(B * H, S, D))),
+        value_scales=None if scales is None else to_host(jnp.asarray(scales.reshape(B * H, S, 1))), recent_k=jnp.asarray(rk), recent_v=jnp.asarray(rv), selected=jnp.zeros(()), queries=jnp.zeros(()),
         rows=jnp.zeros(()), fetched=jnp.zeros(()), calls=jnp.zeros((), jnp.int32), moved=jnp.zeros(()),
         truncated=jnp.zeros((), jnp.int32))
     ctx = AttendContext(start=jnp.asarray(S + n_prev, jnp.int32), pad=jnp.asarray(pad, jnp.int32),
@@ -188,6 +208,58 @@ def test_layer_output_matches_numpy(value_path, quantized, tau, renormalize):
     np.testing.assert_array_equal(np.asarray(new.recent_k), rk_all)
     if tau < 1:
         assert 0 < float(new.selected) / float(new.queries) < 1  # the comparison is not against the full attention
+
+
+@pytest.mark.parametrize("value_path,choice", [("host", "host"), ("host", "device"), ("device", "device")])
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn", "bfloat16"])
+def test_host_values_in_kv_dtype_match_their_dequantization(value_path, choice, kv_dtype):
+    """Host values stored in ``kv_dtype`` (int8 / fp8 with a float32 scale per token and KV head, or bf16): the layer's
+    output equals the float64 reference over the dequantized values on every path (whole prompt, a bucket of rows,
+    rows moved to the device), and differs from the float32 values' output by the scheme's error; the device path
+    moves each row's stored bytes and its scale."""
+    state, qkv, ctx, _, reference = _layer_case(False, kv_dtype=kv_dtype)
+    exact = _layer_case(False)[4]
+    for tau in (0.4, 1.0):
+        method = HCAttention(groups=0, tau=tau, value_path=value_path, row_buckets=5, row_size_choice=choice)
+        out, new = jax.jit(method.decode_attend)(state, *qkv, ctx)
+        np.testing.assert_allclose(np.asarray(out), reference(tau), atol=2e-5, rtol=2e-5)
+        assert np.abs(np.asarray(out) - exact(tau)).max() > 1e-4  # the values really are stored coarser
+    if value_path == "device":
+        B, H, D = 2, 2, 8
+        per_row = 4 + D * jnp.dtype(kv_dtype).itemsize + (0 if kv_dtype == "bfloat16" else 4)
+        assert float(new.moved) == per_row * float(new.fetched)
+        assert float(new.fetched) % (B * H) == 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
+def test_host_values_stored_in_kv_dtype(tiny, kv_dtype):
+    """``kv_dtype`` stores HCAttention's host values (scales beside them in host memory, counted); the codes, the
+    codebooks and the exact newer tokens on the device are unchanged."""
+    cfg = tiny.config
+    g, c = 4, 8
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, size=(1, L)).astype(np.int32))
+    art = codebook_artifact(cfg, g, c)
+    caches = {}
+    for kv in (None, kv_dtype):
+        cache = new_cache(HCAttention(groups=g, centroids=c, tau=0.9, block=16), cfg, 1, L, 4, tiny.dtype, artifact=art,
+                          kv_dtype=kv)
+        _, cache = prefill(tiny.graphdef, tiny.params, tokens, cache)
+        caches[kv] = compress(cache)
+    H, D = cfg.num_kv_heads, cfg.head_dim
+    st, ref = caches[kv_dtype].layers[0], caches[None].layers[0]
+    assert st.values.dtype == jnp.dtype(kv_dtype) and st.values.sharding.memory_kind == "pinned_host"
+    scale_bytes = 0 if kv_dtype == "bfloat16" else 4
+    if scale_bytes:
+        assert st.value_scales.shape == (H, L, 1) and st.value_scales.sharding.memory_kind == "pinned_host"
+        deq = np.asarray(st.values, np.float64) * np.asarray(st.value_scales)
+        np.testing.assert_allclose(deq, np.asarray(ref.values), atol=np.abs(np.asarray(ref.values)).max() / 127 / 2 + 1e-7)
+    else:
+        assert st.value_scales is None
+    s, s_ref = caches[kv_dtype].stats(), caches[None].stats()
+    assert s["host_value_bytes"] == caches[kv_dtype].host_bytes() == cfg.num_layers * H * L * (
+        D * jnp.dtype(kv_dtype).itemsize + scale_bytes)
+    assert s["host_value_dtype"] == kv_dtype and s_ref["host_value_dtype"] == "float32"
+    assert caches[kv_dtype].device_bytes() == caches[None].device_bytes()
 
 
 @pytest.mark.parametrize("value_path", ["host", "device"])
@@ -254,7 +326,7 @@ def test_pallas_interpret_scoring_equals_xla():
     ctx = AttendContext(start=jnp.asarray(S, jnp.int32), pad=jnp.zeros((B,), jnp.int32),
                         positions=jnp.zeros((B, 1), jnp.int32), artifact=art, layer=0)
     qg = jnp.asarray(rng.normal(size=(B, H, G, 1, D)).astype(np.float32))
-    st = HCAttentionKV(codes=codes, keys=None, values=None, recent_k=None, recent_v=None, selected=None,
+    st = HCAttentionKV(codes=codes, keys=None, values=None, value_scales=None, recent_k=None, recent_v=None, selected=None,
                        queries=None, rows=None, fetched=None, calls=None, moved=None, truncated=None)
     xla = HCAttention(groups=8, centroids=16, implementation="xla").prompt_logits(st, qg, ctx)
     interp = HCAttention(groups=8, centroids=16, implementation="pallas_interpret").prompt_logits(st, qg, ctx)

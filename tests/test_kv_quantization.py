@@ -237,7 +237,7 @@ def test_bad_kv_dtype_on_the_command_line(capsys):
 
 
 @pytest.mark.parametrize("method", [
-    Quest(budget=16, page_size=8), HCAttention(), HeteroCache(budget=0.5), SyncKV(budget=0.5),
+    Quest(budget=16, page_size=8), HeteroCache(budget=0.5), SyncKV(budget=0.5),
     H2O(budget=16, evict_during_decode=True), Locret(budget=16, evict_during_decode=True),
 ], ids=lambda m: m.name)
 @pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])

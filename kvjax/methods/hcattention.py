@@ -6,7 +6,9 @@ Lifecycle:
 * **prefill** is the ordinary dense staging (shared with every static method, :mod:`kvjax.shared_prefill`).
 * **finish_prefill** encodes each layer's prompt keys (post-RoPE) to codes ``P[B, Hkv, S, g]`` against
   the layer's codebooks (uint8 for ``c <= 256``, uint16 above; :func:`kvjax.pq_codebooks.encode_keys`),
-  drops the full keys from the device and moves the prompt's values to ``pinned_host`` memory. With
+  drops the full keys from the device and moves the prompt's values to ``pinned_host`` memory, stored in the
+  spec's ``kv_dtype`` (int8 / fp8 with a float32 scale per token and KV head beside them; dequantized on the
+  host by the host path, on the device after the transfer by the device path). With
   ``groups=0`` the keys stay exact on the device (the paper's "value offloading only" configuration).
 * **decode_attend** (any number of new tokens: a question or one decoded token) per layer and query:
 
@@ -86,7 +88,7 @@ from kvjax.artifacts import Artifact, installed_artifact, no_artifact, require_a
 from kvjax.attention import resolve_implementation
 from kvjax.cache import Cache, CacheSpec
 from kvjax.host_tier import gather_rows, to_host, weighted_rows_on_host, weighted_union_on_host
-from kvjax.kv_quantization import reject_kv_dtype
+from kvjax.kv_quantization import quantize, stored_vector_bytes
 from kvjax.methods.base import LayerLocal
 from kvjax.pq_codebooks import KIND, code_dtype, codebook_variant, decode_keys, encode_keys
 from kvjax.paged import shard_map
@@ -122,7 +124,10 @@ class HCAttentionKV:
       codes: ``[B, Hkv, S, g]`` uint8/uint16 codes of the prompt keys (None with exact keys).
       keys: ``[B, Hkv, S, D]`` exact prompt keys (only with ``groups=0``).
       values: ``[B * Hkv, S, D]`` prompt values in ``pinned_host`` memory, (row, head) pairs in the order of
-        :func:`kvjax.sharding.flatten_heads` (row by row, head by head on one device).
+        :func:`kvjax.sharding.flatten_heads` (row by row, head by head on one device), in the cache spec's
+        ``kv_dtype``.
+      value_scales: ``[B * Hkv, S, 1]`` float32 per-token scales of quantized ``values`` (int8, float8_e4m3fn;
+        :mod:`kvjax.kv_quantization`) in ``pinned_host`` memory; None otherwise.
       recent_k, recent_v: ``[B, Hkv, local + room, D]`` exact K/V of the last ``local`` prompt tokens and of
         the tokens after the prompt (device).
       selected: sum over queries of the fraction of the row's prompt tokens selected (float32).
@@ -139,6 +144,7 @@ class HCAttentionKV:
     codes: jax.Array | None
     keys: jax.Array | None
     values: jax.Array
+    value_scales: jax.Array | None
     recent_k: jax.Array
     recent_v: jax.Array
     selected: jax.Array
@@ -298,8 +304,6 @@ class HCAttention(LayerLocal):
         """Dense staging; the codebooks travel with the cache as its artifact."""
         if self.local >= spec.prompt_slots:  # checked before any prefill work
             raise ValueError(f"hcattention local={self.local} must be smaller than the prompt ({spec.prompt_slots} slots)")
-        reject_kv_dtype(spec, self.name, "its compressed cache is product-quantized codes and host values, "
-                         "not the paged pool")
         art = self.artifact_for(spec, artifact)
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
 
@@ -321,8 +325,10 @@ class HCAttention(LayerLocal):
         recent_k = lax.dynamic_update_slice_in_dim(jnp.zeros(room, state.k.dtype), state.k[:, :, S:P], 0, axis=2)
         recent_v = lax.dynamic_update_slice_in_dim(jnp.zeros(room, state.v.dtype), state.v[:, :, S:P], 0, axis=2)
         zero = jnp.zeros((), jnp.float32)
+        stored, scales = quantize(values, spec.kv_dtype)
         return HCAttentionKV(
-            codes=codes, keys=exact, values=to_host(flatten_heads(values, spec.mesh)),
+            codes=codes, keys=exact, values=to_host(flatten_heads(stored, spec.mesh)),
+            value_scales=None if scales is None else to_host(flatten_heads(scales[..., None], spec.mesh)),
             recent_k=recent_k, recent_v=recent_v,
             selected=zero, queries=zero, rows=zero, fetched=zero, calls=jnp.zeros((), jnp.int32), moved=zero,
             truncated=jnp.zeros((), jnp.int32),
@@ -385,7 +391,7 @@ class HCAttention(LayerLocal):
             weights = jnp.where(kept[:, :, None, None], weights, 0.0)
         if self.sizes_on_host():  # dense weights and the size index out, one f32 sum per query head and token back
             summed = weighted_union_on_host(state.values, flatten_heads(weights.reshape(B, H, G * T, S), ctx.mesh),
-                                            sizes, which)
+                                            sizes, which, state.value_scales)
             out_p = unflatten_heads(summed, B, H, ctx.mesh).reshape(B, H, G, T, D)
             w_sum = weights.sum(-1)
             moved = 4 * B * H * G * T * S + 4 + 4 * B * H * G * T * D
@@ -403,12 +409,15 @@ class HCAttention(LayerLocal):
                     w = jnp.take_along_axis(weights, jnp.broadcast_to(rows[:, :, None, None], (B, H, G, T, R)), axis=-1)
                 if self.value_path == "host":
                     summed = weighted_rows_on_host(state.values, flatten_heads(rows, ctx.mesh),
-                                                   flatten_heads(w.reshape(B, H, G * T, R), ctx.mesh))
+                                                   flatten_heads(w.reshape(B, H, G * T, R), ctx.mesh),
+                                                   state.value_scales)
                     summed = unflatten_heads(summed, B, H, ctx.mesh).reshape(B, H, G, T, D)
                 else:
-                    vals = unflatten_heads(gather_rows(state.values, flatten_heads(rows, ctx.mesh),
-                                                       flatten_heads(count, ctx.mesh)), B, H, ctx.mesh)
-                    summed = jnp.einsum("bhgtr,bhrd->bhgtd", w, vals.astype(jnp.float32),
+                    flat_rows, flat_count = flatten_heads(rows, ctx.mesh), flatten_heads(count, ctx.mesh)
+                    vals = gather_rows(state.values, flat_rows, flat_count).astype(jnp.float32)
+                    if state.value_scales is not None:  # a second transfer: the rows' scales
+                        vals = vals * gather_rows(state.value_scales, flat_rows, flat_count)
+                    summed = jnp.einsum("bhgtr,bhrd->bhgtd", w, unflatten_heads(vals, B, H, ctx.mesh),
                                         precision=lax.Precision.HIGHEST)
                 return summed, w.sum(-1)
 
@@ -419,7 +428,7 @@ class HCAttention(LayerLocal):
             if self.value_path == "host":
                 moved = (4 + 4 * G * T) * B * H * rows_per_head + 4 * B * H * G * T * D
             else:
-                moved = (4 + D * state.values.dtype.itemsize) * B * H * rows_per_head
+                moved = (4 + stored_vector_bytes(D, state.values.dtype)) * B * H * rows_per_head
         fetched = B * H * rows_per_head
         out_r = jnp.einsum("bhgtr,bhrd->bhgtd", p_r, rv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
         denom = w_sum + forced if self.renormalize else total
@@ -443,7 +452,8 @@ class HCAttention(LayerLocal):
             return staged_partition(state)
         return state.replace(
             codes=None if state.codes is None else ROWS_HEADS, keys=None if state.keys is None else ROWS_HEADS,
-            values=OnHost(BY_DEVICE), recent_k=ROWS_HEADS, recent_v=ROWS_HEADS, selected=REPLICATED,
+            values=OnHost(BY_DEVICE), value_scales=None if state.value_scales is None else OnHost(BY_DEVICE),
+            recent_k=ROWS_HEADS, recent_v=ROWS_HEADS, selected=REPLICATED,
             queries=REPLICATED, rows=REPLICATED, fetched=REPLICATED, calls=REPLICATED, moved=REPLICATED,
             truncated=REPLICATED)
 
@@ -464,7 +474,9 @@ class HCAttention(LayerLocal):
             "code_bytes": sum(int(st.codes.nbytes) for st in layers if st.codes is not None),
             "exact_key_bytes": sum(int(st.keys.nbytes) for st in layers if st.keys is not None),
             "codebook_bytes": codebook,
-            "host_value_bytes": sum(int(st.values.nbytes) for st in layers),
+            "host_value_bytes": sum(int(st.values.nbytes) + (0 if st.value_scales is None else int(st.value_scales.nbytes))
+                                    for st in layers),
+            "host_value_dtype": first.values.dtype.name,
             "selection_ratio_per_layer": [round(r, 5) for r in ratios],
             "selection_ratio": round(sum(ratios) / len(ratios), 5),
             "value_rows_per_head_per_call": round(sum(float(st.rows) for st in layers) / (calls * BH * len(layers)), 2),
