@@ -286,8 +286,6 @@ def unstorable(methods: dict, config, prompt_slots: int, room: int, dtype, *, kv
                artifacts: dict | None = None) -> dict[str, str]:
     """name -> reason for each of ``methods`` (name -> method) whose cache cannot be built for one row of
     ``prompt_slots`` + ``room`` tokens stored in ``kv_dtype``; checked by shape alone (nothing is allocated)."""
-    import jax
-
     artifacts = artifacts or {}
     problems = {}
     for name, m in methods.items():
