@@ -8,7 +8,7 @@ template, ``One of the special magic {type_needle_v} for {key} is: {value}.``) a
 the context. Without the question (the query-agnostic protocol) a cache must keep every needle's value to answer.
 
 The sample's context is prefilled once and shared by the full cache and every method, and each held key is mapped
-back to its prompt position, as in :mod:`research.value_spans` (whose ``held_positions`` this uses). The needles are
+back to its prompt position, as in :mod:`research.value_spans` (whose ``held_by_method`` this uses). The needles are
 located in the decoded context with a regular expression built from the template in RULER's installed ``niah.py``.
 Printed per method: the share of all held (layer, KV head, position) entries that are needle-value tokens, needle-key
 tokens, the needles' other tokens and the rest; how many needles' values are whole in at least half of the (layer, KV
@@ -17,7 +17,6 @@ head) pairs; in how many pairs the asked needle's value is whole.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
@@ -28,7 +27,7 @@ import numpy as np
 
 from kvjax.reports import table, write_report
 from research.value_spans import DEFAULT_METHODS as VALUE_SPANS_METHODS
-from research.value_spans import held_positions
+from research.value_spans import held_by_method, load_sample, sample_parser
 
 _SPECS = VALUE_SPANS_METHODS.split(",") + ["hbw:budget=0.1", "heterocache:preset=tuned:budget=0.25",
                                            "synckv:preset=tuned:budget=0.25"]
@@ -133,59 +132,20 @@ def budget_row(held: list[list[set]], needles: list[Needle], cls: np.ndarray, as
 
 def main(argv=None) -> int:
     import jax
-    import jax.numpy as jnp
 
-    import kvjax
-    from kvjax.cache import CacheSpec
-    from kvjax.decoding import compress, prefill_prompt
-    from kvjax.evals.suites import get_suite
-    from kvjax.methods import FullCache, get_method
-    from kvjax.methods.base import round_up
-    from kvjax.models import DEFAULT_MODEL
-    from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
-
-    p = argparse.ArgumentParser(prog="python -m research.needle_budget", description=__doc__.splitlines()[0])
-    p.add_argument("--task", required=True)
-    p.add_argument("--index", type=int, default=0)
-    p.add_argument("--split", default="dev")
-    p.add_argument("--length", type=int, default=4096)
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of method specs with their budgets")
-    p.add_argument("--chunk-size", type=int, default=1024)
-    p.add_argument("--out", default=None, help="Markdown report; its numbers go beside it as JSON")
-    args = p.parse_args(argv)
-    methods = [(spec, get_method(spec)) for spec in args.methods.split(",") if spec]
-    for spec, m in methods:
-        if not can_share_prefill(m):
-            raise ValueError(f"{spec}: runs its own prefill; this script compares methods that share one")
-    model = kvjax.load(args.model, "float32")
+    args = sample_parser("python -m research.needle_budget", __doc__.splitlines()[0], DEFAULT_METHODS,
+                         out_help="Markdown report; its numbers go beside it as JSON").parse_args(argv)
+    model, methods, sample, context = load_sample(args)
     tok = model.tokenizer
-    sample = get_suite("ruler").samples(args.task, tok, args.length, args.index + 1, args.split)[args.index]
-    context = list(sample.prompt_ids[: sample.question_start])
     template = needle_template()
-    needles = locate_needles(tok, context, template)  # before the model runs: a clear error costs no prefill
+    needles = locate_needles(tok, context, template)  # before the prefill: a clear error costs no model run
     asked = [i for i, nd in enumerate(needles) if nd.value in sample.answers]
     if not asked:
         raise ValueError(f"no needle's value is the sample's answer {sample.answers}")
     cls = token_classes(needles, len(context))
     tokens_of = np.bincount(cls, minlength=len(CATEGORIES))
-
-    L = round_up(len(context), args.chunk_size)
-    pad = L - len(context)
-    tokens = np.full((1, L), tok.pad_token_id or 0, np.int32)
-    tokens[0, pad:] = context
-    spec = CacheSpec.for_model(model.config, 1, L, 64, model.dtype, longest_row=len(context))
-    full_method = FullCache()
-    staged = init_shared_cache([full_method] + [m for _, m in methods], spec).replace(pad=jnp.asarray([pad], jnp.int32))
-    _, staged = prefill_prompt(model.graphdef, model.params, jnp.asarray(tokens), staged, chunk_size=args.chunk_size)
-    full = compress(cache_for(staged, full_method))
-    full_k = [np.asarray(layer.k)[0] for layer in full.layers]  # [H, S, D]
-    rows = {}
-    for spec_text, method in methods:
-        cache = compress(cache_for(staged, method))
-        held = [[set(h.tolist()) for h in held_positions(state, full_k[i], pad)]
-                for i, state in enumerate(cache.layers)]
-        rows[spec_text] = budget_row(held, needles, cls, asked)
+    rows = {spec_text: budget_row(held, needles, cls, asked)
+            for spec_text, held in held_by_method(model, context, methods, args.chunk_size).items()}
 
     n_layers, n_kv = model.config.num_layers, model.config.num_kv_heads
     npairs = n_layers * n_kv

@@ -53,46 +53,72 @@ def held_positions(layer_state, full_k, pad: int) -> list[np.ndarray]:
     return out
 
 
-def main(argv=None) -> int:
-    import jax.numpy as jnp
-
-    import kvjax
-    from kvjax.cache import CacheSpec
-    from kvjax.decoding import compress, prefill_prompt
-    from kvjax.evals.suites import get_suite
-    from kvjax.methods import FullCache, get_method
-    from kvjax.methods.base import round_up
+def sample_parser(prog: str, description: str, default_methods: str, out_help: str | None = None):
+    """Arguments shared by the scripts that compress one RULER sample's context for several methods."""
     from kvjax.models import DEFAULT_MODEL
-    from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
 
-    p = argparse.ArgumentParser(prog="python -m research.value_spans", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--task", required=True)
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--split", default="dev")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of method specs with their budgets")
+    p.add_argument("--methods", default=default_methods, help="comma list of method specs with their budgets")
     p.add_argument("--chunk-size", type=int, default=1024)
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=None, help=out_help)
+    return p
+
+
+def load_sample(args):
+    """(model, [(spec, method)], sample, context token ids) for parsed :func:`sample_parser` arguments; methods that
+    cannot share one prefill are refused before the model loads."""
+    import kvjax
+    from kvjax.evals.suites import get_suite
+    from kvjax.methods import get_method
+    from kvjax.shared_prefill import can_share_prefill
+
     methods = [(spec, get_method(spec)) for spec in args.methods.split(",") if spec]
     for spec, m in methods:
         if not can_share_prefill(m):
             raise ValueError(f"{spec}: runs its own prefill; this script compares methods that share one")
     model = kvjax.load(args.model, "float32")
-    tok = model.tokenizer
-    sample = get_suite("ruler").samples(args.task, tok, args.length, args.index + 1, args.split)[args.index]
-    context = list(sample.prompt_ids[: sample.question_start])
-    L = round_up(len(context), args.chunk_size)
+    sample = get_suite("ruler").samples(args.task, model.tokenizer, args.length, args.index + 1, args.split)[args.index]
+    return model, methods, sample, list(sample.prompt_ids[: sample.question_start])
+
+
+def held_by_method(model, context, methods, chunk_size: int) -> dict[str, list[list[set]]]:
+    """spec -> per layer, per KV head, the context positions its compressed cache holds: the context is prefilled
+    once, shared by the full cache and every method, and each held key is matched to the full cache's."""
+    import jax.numpy as jnp
+
+    from kvjax.cache import CacheSpec
+    from kvjax.decoding import compress, prefill_prompt
+    from kvjax.methods import FullCache
+    from kvjax.methods.base import round_up
+    from kvjax.shared_prefill import cache_for, init_shared_cache
+
+    L = round_up(len(context), chunk_size)
     pad = L - len(context)
-    tokens = np.full((1, L), tok.pad_token_id or 0, np.int32)
+    tokens = np.full((1, L), model.tokenizer.pad_token_id or 0, np.int32)
     tokens[0, pad:] = context
     spec = CacheSpec.for_model(model.config, 1, L, 64, model.dtype, longest_row=len(context))
     full_method = FullCache()
     staged = init_shared_cache([full_method] + [m for _, m in methods], spec).replace(pad=jnp.asarray([pad], jnp.int32))
-    _, staged = prefill_prompt(model.graphdef, model.params, jnp.asarray(tokens), staged, chunk_size=args.chunk_size)
+    _, staged = prefill_prompt(model.graphdef, model.params, jnp.asarray(tokens), staged, chunk_size=chunk_size)
     full = compress(cache_for(staged, full_method))
     full_k = [np.asarray(layer.k)[0] for layer in full.layers]  # [H, S, D]
+    held = {}
+    for spec_text, method in methods:
+        cache = compress(cache_for(staged, method))
+        held[spec_text] = [[set(h.tolist()) for h in held_positions(state, full_k[i], pad)]
+                           for i, state in enumerate(cache.layers)]
+    return held
+
+
+def main(argv=None) -> int:
+    args = sample_parser("python -m research.value_spans", __doc__.splitlines()[0], DEFAULT_METHODS).parse_args(argv)
+    model, methods, sample, context = load_sample(args)
+    tok = model.tokenizer
     answer = sample.answers[0]
     span = value_tokens(tok, context, answer)
     pieces = [tok.decode([context[i]]) for i in span]
@@ -102,9 +128,7 @@ def main(argv=None) -> int:
              f"the {model.config.num_layers} x {model.config.num_kv_heads} (layer, KV head) pairs that hold the token; "
              "`whole`: pairs holding every token of the value.", ""]
     shares, per_layer = [], []
-    for spec_text, method in methods:
-        cache = compress(cache_for(staged, method))
-        held = [[set(h.tolist()) for h in held_positions(state, full_k[i], pad)] for i, state in enumerate(cache.layers)]
+    for spec_text, held in held_by_method(model, context, methods, args.chunk_size).items():
         pairs = [s for layer in held for s in layer]
         share = [sum(i in s for s in pairs) / len(pairs) for i in span]
         whole = sum(all(i in s for i in span) for s in pairs)
