@@ -201,6 +201,64 @@ def test_host_memory_stays_host_memory_on_every_mesh(mesh_run):
     assert mesh_run["meshes"][ONE_DEVICE]["heterocache"]["layout"][".host.k"] == [[24, 128, 8]]
 
 
+INT8_MESHES = (ONE_DEVICE, "data=2,model=4")
+
+
+def int8_host_values_run() -> dict:
+    """Run in a process of 8 simulated CPU devices (``python -m tests.test_mesh``): HCAttention with exact keys and its
+    host values stored as int8 (a float32 scale per token and KV head), on the host path and on the device path,
+    on one device and on the meshes of :data:`INT8_MESHES`; per mesh and path the tokens and the first layer's layout,
+    dtypes and memory kinds."""
+    from kvjax.methods import HCAttention
+    from kvjax.models.sharding import shard_model
+    from tests.mesh_worker import CHUNK, CONFIG, LENGTHS, NEW_TOKENS, layout, tiny_model
+
+    assert len(jax.devices()) == DEVICES, len(jax.devices())
+    base = tiny_model()
+    rng = np.random.default_rng(0)
+    rows = [list(rng.integers(1, CONFIG.vocab_size, size=n)) for n in LENGTHS]
+    result = {}
+    for mesh in INT8_MESHES:
+        model = base if mesh == ONE_DEVICE else shard_model(base, mesh)
+        for path in ("host", "device"):
+            out, _, cache, _ = generate_tokens(model, rows, method=HCAttention(groups=0, tau=0.9, value_path=path),
+                                               max_new_tokens=NEW_TOKENS, chunk_size=CHUNK, kv_dtype="int8")
+            first = cache.layers[0]
+            result[f"{mesh} {path}"] = {
+                "tokens": np.asarray(out).tolist(), "layout": layout(cache),
+                "dtypes": [None if x is None else x.dtype.name for x in (first.values, first.value_scales)],
+                "kinds": [None if x is None else x.sharding.memory_kind for x in (first.values, first.value_scales)],
+                "host_value_dtype": cache.stats()["host_value_dtype"]}
+    return result
+
+
+@pytest.fixture(scope="module")
+def int8_run():
+    """:func:`int8_host_values_run` in a process of 8 simulated CPU devices."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES} {FAST_COMPILE}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.test_mesh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_hcattention_int8_host_values_on_a_mesh(int8_run):
+    """HCAttention's int8 host values and their float32 scales stay in ``pinned_host`` memory on the (2, 4) mesh, split by
+    device block like the float values ([8 rows x 8 heads, 128 slots, 8] -> 8 (row, head) pairs per device), and
+    both value paths generate the tokens they generate on one device."""
+    assert set(int8_run) == {f"{mesh} {path}" for mesh in INT8_MESHES for path in ("host", "device")}
+    for key, run in int8_run.items():
+        mesh, path = key.rsplit(" ", 1)
+        assert run["tokens"] == int8_run[f"{ONE_DEVICE} {path}"]["tokens"], key
+        assert len({tuple(row) for row in run["tokens"]}) > 1, key  # rows differ: a batch mix-up would show
+        assert run["dtypes"] == ["int8", "float32"] and run["host_value_dtype"] == "int8", key
+        assert run["kinds"] == ["pinned_host", "pinned_host"] and run["layout"]["memory_kinds"] == ["device", "pinned_host"]
+        shards = 1 if mesh == ONE_DEVICE else DEVICES
+        pairs = 8 * 8 // shards
+        assert run["layout"][".values"] == [[pairs, 128, 8]] * shards, key
+        assert run["layout"][".value_scales"] == [[pairs, 128, 1]] * shards, key
+
+
 def test_pallas_paged_kernel_per_device_under_shard_map(mesh_run):
     assert len(mesh_run["kernel"]) == 5
     for mesh, error in mesh_run["kernel"].items():
@@ -335,3 +393,7 @@ def test_cli_refuses_a_bad_mesh_before_loading(capsys):
     assert "size >= 1" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi", "--coordinator", "h:1"]) == 2
     assert "missing: --num-processes" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    print(json.dumps(int8_host_values_run()))
