@@ -128,10 +128,14 @@ class HostKV:
 
     ``k, v[n_heads, S_pad, D]``: head ``i`` holds (row, KV head) ``heads[i]``. ``length`` is the number
     of stored tokens ``S``; rows ``S .. S_pad-1`` are zero padding up to a multiple of ``page_size``.
+    ``k_scales, v_scales[n_heads, S_pad]`` (float32, ``pinned_host``): the rows are stored quantized (int8,
+    float8_e4m3fn; :mod:`kvjax.kv_quantization`) with these per-token scales; None for rows stored as they are.
     """
 
     k: jax.Array
     v: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
     heads: tuple = struct.field(pytree_node=False, default=())
     length: int = struct.field(pytree_node=False, default=0)
     page_size: int = struct.field(pytree_node=False, default=16)
@@ -146,15 +150,32 @@ class HostKV:
         """Whole pages of ``page_size`` rows per head."""
         return self.k.shape[1] // self.page_size
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the rows are stored quantized with per-token scales."""
+        return self.k_scales is not None
+
+    def arrays(self) -> tuple:
+        """The host arrays: ``(k, v)``, then ``(k_scales, v_scales)`` when quantized."""
+        return (self.k, self.v) + ((self.k_scales, self.v_scales) if self.quantized else ())
+
+    def with_arrays(self, *arrays) -> "HostKV":
+        """This tier with :meth:`arrays` replaced (e.g. one device's shards under ``shard_map``)."""
+        names = ("k", "v", "k_scales", "v_scales")[:len(self.arrays())]
+        return self.replace(**dict(zip(names, arrays, strict=True)))
+
 
 @struct.dataclass
 class Prefetch:
-    """A recall issued ahead of use: device ``k, v[n_heads, R', D]`` plus the ``idx``/``count`` it was issued for."""
+    """A recall issued ahead of use: device ``k, v[n_heads, R', D]`` plus the ``idx``/``count`` it was issued for;
+    ``k_scales, v_scales[n_heads, R']`` the rows' scales when the host tier is quantized (else None)."""
 
     k: jax.Array
     v: jax.Array
     idx: jax.Array
     count: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
 
 
 def offload(k, v, heads: Sequence[tuple[int, int]], *, page_size: int = 16) -> HostKV:
@@ -244,6 +265,21 @@ def _recall(host: HostKV, idx, count, *, block: int, limit: int, mechanism: str)
     # Entries past count may be garbage: point them at block 0 (their rows are zeroed below).
     safe, live = _live_ids(idx, count, limit)
 
+    if host.quantized:
+        if mechanism != "host_gather":
+            raise ValueError("a quantized host tier is recalled by mechanism='host_gather' only")
+
+        def gather_packed(k, v, ks, vs, ids):
+            ids = jax.device_put(ids, HOST)
+            return jnp.stack([pack_rows(take_blocks(x, ids, block), take_blocks(s[..., None], ids, block)[..., 0])
+                              for x, s in ((k, ks), (v, vs))])
+
+        kv = _device_host(gather_packed)(*host.arrays(), safe)  # ONE transfer: [2, n, R*block, D + 4] bytes
+        (k_out, k_s), (v_out, v_s) = (unpack_rows(kv[i], host.k.dtype) for i in range(2))
+        keep = jnp.repeat(live, block, axis=1)  # [n, R*block]
+        return (jnp.where(keep[..., None], k_out, 0), jnp.where(keep[..., None], v_out, 0),
+                jnp.where(keep, k_s, 0), jnp.where(keep, v_s, 0))
+
     if mechanism == "host_gather":
 
         def gather(k, v, ids):
@@ -265,6 +301,19 @@ def _recall(host: HostKV, idx, count, *, block: int, limit: int, mechanism: str)
 
     keep = jnp.repeat(live, block, axis=1)[..., None]  # [n, R*block, 1]
     return jnp.where(keep, k_out, 0), jnp.where(keep, v_out, 0)
+
+
+def pack_rows(rows, scales):
+    """Quantized ``rows[..., D]`` (one-byte dtype) and their float32 ``scales[...]`` as one byte array
+    ``[..., D + 4]`` (bit casts, no arithmetic): one block, one transfer, for rows and scales of one recall."""
+    return jnp.concatenate([lax.bitcast_convert_type(rows, jnp.uint8),
+                            lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.uint8)], axis=-1)
+
+
+def unpack_rows(packed, dtype):
+    """:func:`pack_rows`' inverse: ``(rows[..., D] in dtype, scales[...] float32)`` of ``packed[..., D + 4]``."""
+    return (lax.bitcast_convert_type(packed[..., :-4], dtype),
+            lax.bitcast_convert_type(packed[..., -4:], jnp.float32))
 
 
 def take_blocks(x, ids, block: int = 1):
@@ -374,7 +423,9 @@ def recall(host: HostKV, idx, count, *, mechanism: str = "host_gather"):
       mechanism: ``"host_gather"`` (one transfer per call) or ``"slices"`` (fallback, see module doc).
 
     Returns:
-      ``k, v[n_heads, R, D]`` in device memory; rows ``>= count[h]`` are zero.
+      ``k, v[n_heads, R, D]`` in device memory; rows ``>= count[h]`` are zero. A quantized tier
+      (``host.quantized``): ``k, v`` in its stored dtype and their scales ``k_scales, v_scales[n_heads, R]``, the
+      four from one transfer (:func:`pack_rows`).
     """
     idx, count, limit = _check_request(host, idx, count, pages=False)
     return _recall(host, idx, count, block=1, limit=limit, mechanism=mechanism)
@@ -386,39 +437,52 @@ def recall_many(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> li
     ``count`` done on the host, and every tier's rows in one block the device slices. Returns ``[(k, v)]`` per tier
     (``[n_heads, R, D]`` in device memory, zero past ``count``)."""
     rows, out, at = recall_block(hosts, idxs, counts), [], 0
-    for i in idxs:
+    for h, i in zip(hosts, idxs):
         size = i.shape[0] * i.shape[1]
-        out.append(tuple(rows[at + x * size:at + (x + 1) * size].reshape(*i.shape, rows.shape[-1]) for x in range(2)))
+        kv = [rows[at + x * size:at + (x + 1) * size].reshape(*i.shape, rows.shape[-1]) for x in range(2)]
+        if h.quantized:  # (k, v, k_scales, v_scales)
+            (k, ks), (v, vs) = (unpack_rows(x, h.k.dtype) for x in kv)
+            kv = [k, v, ks, vs]
+        out.append(tuple(kv))
         at += 2 * size
     return out
 
 
 def recall_block(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> jax.Array:
     """:func:`recall_many`'s one block in device memory, unsliced: ``[sum over tiers of 2 * n_heads * R, D]``, each
-    tier's keys then its values, row by row of its ``idx`` (zero past ``count``)."""
+    tier's keys then its values, row by row of its ``idx`` (zero past ``count``). Quantized tiers: each row with its
+    scale, ``[..., D + 4]`` bytes (:func:`pack_rows`; :func:`unpack_rows` splits them)."""
     if not (len(hosts) == len(idxs) == len(counts)) or not hosts:
         raise ValueError(f"one idx and count per host tier: {len(hosts)} tiers, {len(idxs)} idx, {len(counts)} count")
-    if len({(h.k.dtype, h.k.shape[-1]) for h in hosts}) != 1:
+    if len({(h.k.dtype, h.k.shape[-1], h.quantized) for h in hosts}) != 1:
         raise ValueError("every host tier of one recall must have the same dtype and head dimension")
     checked = [_check_request(h, i, c, pages=False) for h, i, c in zip(hosts, idxs, counts)]
     n, D = len(hosts), hosts[0].k.shape[-1]
     # every tier's ids and counts in one block: one device-to-host copy (one kernel writes it) instead of two per tier
     request = jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for i, c, _ in checked for x in (i, c)])
 
+    per = len(hosts[0].arrays())  # host arrays per tier: k, v (and their scales)
+
     def gather(*args):
         out, at = [], 0
-        request = jax.device_put(args[2 * n], HOST)
+        request = jax.device_put(args[per * n], HOST)
         for j, (i, c, limit) in enumerate(checked):
-            k, v = args[j], args[n + j]
+            arrays = [args[x * n + j] for x in range(per)]
             ids = request[at:at + i.size].reshape(i.shape)
             count = request[at + i.size:at + i.size + c.size]
             at += i.size + c.size
             live = jax.device_put(jnp.arange(ids.shape[1], dtype=jnp.int32), HOST)[None, :] < count[:, None]
             safe = jnp.clip(ids, 0, limit - 1) * live.astype(ids.dtype)  # products: no constant in device memory
-            out += [(take_blocks(x, safe) * live[..., None].astype(x.dtype)).reshape(-1, D) for x in (k, v)]
+            if per == 2:
+                out += [(take_blocks(x, safe) * live[..., None].astype(x.dtype)).reshape(-1, D) for x in arrays]
+                continue
+            # quantized: each row with its scale, as bytes (zeros past count, as the rows)
+            rows = [pack_rows(take_blocks(x, safe), take_blocks(sc[..., None], safe)[..., 0])
+                    for x, sc in zip(arrays[:2], arrays[2:])]
+            out += [(r * live[..., None].astype(r.dtype)).reshape(-1, r.shape[-1]) for r in rows]
         return jnp.concatenate(out)
 
-    return _device_host(gather)(*[h.k for h in hosts], *[h.v for h in hosts], request)
+    return _device_host(gather)(*[a for x in range(per) for a in (h.arrays()[x] for h in hosts)], request)
 
 
 def recall_pages(host: HostKV, pages, count, *, mechanism: str = "host_gather"):
@@ -440,8 +504,8 @@ def issue(host: HostKV, idx, count, *, pages: bool = False, mechanism: str = "ho
     :func:`recall_pages` instead of :func:`recall`.
     """
     fn = recall_pages if pages else recall
-    k, v = fn(host, idx, count, mechanism=mechanism)
-    return Prefetch(k=k, v=v, idx=jnp.asarray(idx, jnp.int32), count=jnp.asarray(count, jnp.int32))
+    k, v, *scales = fn(host, idx, count, mechanism=mechanism)
+    return Prefetch(k, v, jnp.asarray(idx, jnp.int32), jnp.asarray(count, jnp.int32), *scales)
 
 
 def take(prefetch: Prefetch):
@@ -454,7 +518,8 @@ def empty_prefetch(host: HostKV, r: int, *, pages: bool = False) -> Prefetch:
     n, D = host.n_heads, host.k.shape[-1]
     rows = r * (host.page_size if pages else 1)
     z = jnp.zeros((n, rows, D), host.k.dtype)
-    return Prefetch(k=z, v=z, idx=jnp.zeros((n, r), jnp.int32), count=jnp.zeros((n,), jnp.int32))
+    scales = (jnp.zeros((n, rows), jnp.float32),) * 2 if host.quantized else ()
+    return Prefetch(z, z, jnp.zeros((n, r), jnp.int32), jnp.zeros((n,), jnp.int32), *scales)
 
 
 def write_recalled(k_pages, v_pages, block_table, recalled_k, recalled_v, heads, dst_start, count):
@@ -520,16 +585,22 @@ def pool_rows(num_pages: int, page_size: int, block_table, rows, hs, slots, coun
     return jnp.where(ok, page * ps + j % ps, num_pages * ps).reshape(-1)
 
 
-def scatter_to_slots(k_pages, v_pages, block_table, recalled_k, recalled_v, rows, hs, slots, count):
+def scatter_to_slots(k_pages, v_pages, block_table, recalled_k, recalled_v, rows, hs, slots, count, *, scales=()):
     """As :func:`scatter_recalled`, row ``r`` of recalled head ``i`` going to any logical slot ``slots[i, r]``
-    (int ``[n_heads, R]``; distinct within a head) instead of consecutive ones."""
+    (int ``[n_heads, R]``; distinct within a head) instead of consecutive ones. ``scales``: quantized pools'
+    ``(k_scales, v_scales[num_pages, page_size], recalled k_scales, v_scales[n_heads, R])``, written at the same
+    slots; then returns ``(k_pages, v_pages, k_scales, v_scales)``."""
     num_pages, ps, D = k_pages.shape
     n, R = recalled_k.shape[:2]
     n_slots = num_pages * ps
     flat = pool_rows(num_pages, ps, block_table, rows, hs, slots, count)
 
     def write(pool, x):
-        upd = x.reshape(n * R, D).astype(pool.dtype)
-        return pool.reshape(n_slots, D).at[flat].set(upd, mode="drop").reshape(pool.shape)
+        upd = x.reshape(n * R, -1).astype(pool.dtype)
+        return pool.reshape(n_slots, -1).at[flat].set(upd, mode="drop").reshape(pool.shape)
 
-    return write(k_pages, recalled_k), write(v_pages, recalled_v)
+    out = (write(k_pages, recalled_k), write(v_pages, recalled_v))
+    if scales:
+        k_scales, v_scales, recalled_ks, recalled_vs = scales
+        out += (write(k_scales, recalled_ks), write(v_scales, recalled_vs))
+    return out

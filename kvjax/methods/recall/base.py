@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from kvjax.artifacts import Artifact
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import Cache, CacheSpec
-from kvjax.kv_quantization import reject_kv_dtype
+from kvjax.kv_quantization import stored_vector_bytes
 from kvjax.methods.base import check_common
 from kvjax.methods.recall.layout import (RecallKV, append_attend, attention_read_bytes, build_layer,
                                          recall_partition, recall_stats)
@@ -172,9 +172,8 @@ class LeaderFollowerMethod(abc.ABC):
         return Recording(window=1, block=self.block)
 
     def init_cache(self, spec: CacheSpec, artifact: Any = None) -> Cache:
-        """Dense staging recording the last query; the artifact (or the shipped one) travels with the cache."""
-        reject_kv_dtype(spec, self.name, "its followers' pages are recalled from the host tier, "
-                         "not done for quantized pages")
+        """Dense staging recording the last query; the artifact (or the shipped one) travels with the cache. Any
+        ``kv_dtype`` is stored: the pools and the followers' host copy hold it (:mod:`kvjax.methods.recall.layout`)."""
         art = self.artifact_for(spec, artifact)
         self.plans(spec, art)  # validates the budget against the full heads
         return Cache.create(init_staging(spec, self.recording()), self, spec, artifact=art)
@@ -302,7 +301,8 @@ class LeaderFollowerMethod(abc.ABC):
                 **budget_facts(self.budget, cache.spec.longest_row)}
 
     def bytes_read_per_step(self, cache: Cache) -> int:
-        """Attention over every held token, and the leaders' keys once more for their decision (every step)."""
+        """Attention over every held token, and the leaders' keys once more for their decision (every step), in their
+        stored dtype with their scales."""
         if cache.stage != "compressed":
             return 0
         scoring = 0
@@ -310,7 +310,7 @@ class LeaderFollowerMethod(abc.ABC):
             for st in cache.layers:
                 if st.plan.leaders:
                     held = int(st.paged.lengths[:, list(st.plan.leaders)].sum())
-                    scoring += held * st.paged.k_pages.shape[-1] * st.paged.k_pages.dtype.itemsize
+                    scoring += held * stored_vector_bytes(st.paged.k_pages.shape[-1], st.paged.k_pages.dtype)
         return attention_read_bytes(cache.layers) + scoring
 
 

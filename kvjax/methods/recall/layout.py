@@ -12,7 +12,10 @@ One layer's state is a :class:`RecallKV`:
 * ``paged``: every head's tokens in page pools with per-head capacities (:mod:`kvjax.paged`): leaders and other full
   heads hold the whole prompt in order (stored position ``j`` of row ``b`` is slot ``pad[b] + j``), compressed heads
   their selection; later tokens are appended to all;
-* ``host``: the followers' prompt K/V (one host head per (row, follower slot));
+* ``host``: the followers' prompt K/V (one host head per (row, follower slot)), in the cache's ``kv_dtype`` as the
+  pools: an int8 / float8_e4m3fn copy holds the quantized rows and their per-token scales, both in ``pinned_host``
+  memory, so a recall moves the stored bytes and scales (one packed block, :func:`kvjax.host_tier.pack_rows`) and
+  writes both into the pools' slots, the rows the pools would hold had the tokens been kept at compression;
 * ``picks[B, n_leaders, R]`` / ``version[B, n_leaders]``: the prompt slots each leader of this layer last chose (best
   first) and how many times it chose;
 * ``anchor_picks[B, n_leaders, K]`` / ``anchor_at[B, n_leaders]``: a leader's latest **re-anchoring** (a question
@@ -44,7 +47,9 @@ import numpy as np
 from flax import struct
 
 from kvjax.attention import resolve_implementation
-from kvjax.host_tier import HostKV, Prefetch, issue, pool_rows, recall_block, scatter_to_slots, take, to_host
+from kvjax.host_tier import (HostKV, Prefetch, issue, pool_rows, recall_block, scatter_to_slots, take, to_host,
+                              unpack_rows)
+from kvjax.kv_quantization import quantize, stored_vector_bytes
 from kvjax.paged import (PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes,
                          paged_partition, paged_read_bytes, shard_map)
 from kvjax.sharding import (BY_DEVICE, DATA, MODEL, REPLICATED, ROWS_HEADS, OnHost, axis_size, device_block,
@@ -85,6 +90,7 @@ class LayerPlan:
 
 # Partition specs of a follower gather (:func:`gather_followers`): split by device, like the host copy it comes from.
 FETCHED_BY_DEVICE = Prefetch(k=BY_DEVICE, v=BY_DEVICE, idx=BY_DEVICE, count=BY_DEVICE)
+FETCHED_QUANTIZED_BY_DEVICE = FETCHED_BY_DEVICE.replace(k_scales=BY_DEVICE, v_scales=BY_DEVICE)
 
 
 @struct.dataclass
@@ -153,19 +159,28 @@ def leader_values(state: RecallKV, layers, layer: int, read):
 
 
 # -------------------------------------------------------------------------------------------- build
-def host_copy(k, v, slot_heads, live, mesh, page_size: int) -> HostKV:
+def host_copy(k, v, slot_heads, live, mesh, page_size: int, kv_dtype: str | None = None) -> HostKV:
     """The followers' prompt ``k, v[B, Hkv, P, D]`` in ``pinned_host`` memory, one host head per (row, slot) in
-    device-block order (:func:`kvjax.sharding.flatten_heads`); padding slots ``~live`` hold zeros."""
+    device-block order (:func:`kvjax.sharding.flatten_heads`); padding slots ``~live`` hold zeros. ``kv_dtype``
+    (None: ``k``'s): the rows are stored as the pools store them, int8 / float8_e4m3fn with their per-token scales
+    (:func:`kvjax.kv_quantization.quantize`) beside them in ``pinned_host`` memory."""
     B, _, S, _ = k.shape
     ids = jnp.asarray(slot_heads, jnp.int32)
     heads = flatten_heads(np.stack(np.broadcast_arrays(np.arange(B)[:, None], np.asarray(slot_heads)[None]), -1), mesh)
     pad = (-S) % page_size
+    stored = kv_dtype is not None and kv_dtype != k.dtype.name
 
     def stage(x):
         x = jnp.where(jnp.asarray(live)[None, :, None, None], x[:, ids], 0)  # [B, n_slots, P, D]
-        return to_host(jnp.pad(flatten_heads(x, mesh), ((0, 0), (0, pad), (0, 0))))
+        if not stored:
+            return (to_host(jnp.pad(flatten_heads(x, mesh), ((0, 0), (0, pad), (0, 0)))),)
+        x, scales = quantize(x, kv_dtype)
+        x = to_host(jnp.pad(flatten_heads(x, mesh), ((0, 0), (0, pad), (0, 0))))
+        return (x,) if scales is None else (x, to_host(jnp.pad(flatten_heads(scales, mesh), ((0, 0), (0, pad)))))
 
-    return HostKV(k=stage(k), v=stage(v), heads=tuple(map(tuple, heads.tolist())), length=S, page_size=page_size)
+    (k_host, *k_scales), (v_host, *v_scales) = stage(k), stage(v)
+    return HostKV(k_host, v_host, *k_scales, *v_scales, heads=tuple(map(tuple, heads.tolist())), length=S,
+                  page_size=page_size)
 
 
 def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size: int, region_start, region_count,
@@ -178,7 +193,8 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
     ``picks[B, n_leaders, R]``: the leaders' initial choice (version 0: followers hold it already).
     """
     P = spec.prompt_slots
-    paged = build_paged(st.k, st.v, keep_idx, keep_len, plan.capacities, spec.room, page_size, spec.mesh)
+    paged = build_paged(st.k, st.v, keep_idx, keep_len, plan.capacities, spec.room, page_size, spec.mesh,
+                        spec.kv_dtype)
     B = st.k.shape[0]
     nf, nl = len(plan.followers), len(plan.leaders)
     slots = follower_slots(plan.followers, spec.num_kv_heads, spec.mesh) if nf else ()
@@ -186,7 +202,8 @@ def build_layer(st, keep_idx, keep_len, pad, spec, plan: LayerPlan, *, page_size
     blocks = axis_size(spec.mesh, MODEL)
     per_block, width = spec.num_kv_heads // blocks, len(slots) // blocks
     slot_heads = [plan.followers[i].head if i >= 0 else (n // width) * per_block for n, i in enumerate(slots)]
-    host = host_copy(st.k[:, :, :P], st.v[:, :, :P], slot_heads, live, spec.mesh, page_size) if nf else None
+    host = (host_copy(st.k[:, :, :P], st.v[:, :, :P], slot_heads, live, spec.mesh, page_size, spec.kv_dtype)
+            if nf else None)
 
     def per_slot(x):  # [B, n_followers] -> [B, n_slots], 0 in padding slots
         x = jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B, nf))
@@ -212,7 +229,12 @@ def append_attend(state: RecallKV, q, k, v, implementation: str, mesh=None):
     """Append the new tokens to every head and attend (kernel for one token, per device on a ``mesh``; XLA for a chunk)."""
     paged = append(state.paged, k, v)
     # the page writes read the old lengths: order them before the lengths' in-place update (else XLA copies them)
-    k_pages, v_pages, lengths = jax.lax.optimization_barrier((paged.k_pages, paged.v_pages, state.paged.lengths))
+    if paged.quantized:
+        k_pages, v_pages, k_scales, v_scales, lengths = jax.lax.optimization_barrier(
+            (paged.k_pages, paged.v_pages, paged.k_scales, paged.v_scales, state.paged.lengths))
+        paged = paged.replace(k_scales=k_scales, v_scales=v_scales)
+    else:
+        k_pages, v_pages, lengths = jax.lax.optimization_barrier((paged.k_pages, paged.v_pages, state.paged.lengths))
     paged = paged.replace(k_pages=k_pages, v_pages=v_pages, lengths=lengths + k.shape[1])
     if q.shape[1] == 1:
         out = paged_attention(q[:, 0], paged, implementation=implementation, mesh=mesh)[:, None]
@@ -244,27 +266,30 @@ def per_device(fn, mesh, in_specs, out_specs, *args):
 def gather_followers(host: HostKV, ids, count, mesh) -> Prefetch:
     """Host rows ``ids[B * n_slots, R]`` (flattened follower slots, :func:`kvjax.sharding.flatten_heads`) brought to
     the device in one transfer per device (:func:`kvjax.host_tier.issue`): ``k, v[B * n_slots, R, D]``, zero past
-    ``count[B * n_slots]``."""
+    ``count[B * n_slots]`` (a quantized copy: in its stored dtype, with their scales ``k_scales, v_scales[B *
+    n_slots, R]``, from one packed transfer)."""
+    arrays = host.arrays()
 
-    def local(host_k, host_v, ids, count):  # one device's followers (or all)
-        return issue(host.replace(k=host_k, v=host_v), ids, count)
+    def local(*args):  # one device's followers (or all)
+        return issue(host.with_arrays(*args[:-2]), *args[-2:])
 
-    return per_device(local, mesh, (BY_DEVICE,) * 4, FETCHED_BY_DEVICE, host.k, host.v, ids, count)
+    fetched = FETCHED_QUANTIZED_BY_DEVICE if host.quantized else FETCHED_BY_DEVICE
+    return per_device(local, mesh, (BY_DEVICE,) * (len(arrays) + 2), fetched, *arrays, ids, count)
 
 
 def gather_block(hosts: list, ids: list, counts: list, mesh):
     """:func:`gather_followers` of several layers at once (``hosts``, ``ids``, ``counts``: one per layer): one host
     computation per device for all of them, its rows left in the one block it returns
     (:func:`kvjax.host_tier.recall_block`; on a mesh each device's block, in device order), for
-    :func:`write_layers`."""
-    n = len(hosts)
+    :func:`write_layers` (quantized copies: each row with its scale, :func:`kvjax.host_tier.pack_rows`)."""
+    n, per = len(hosts), len(hosts[0].arrays())  # host arrays per layer: k, v (and their scales)
 
     def local(*args):  # one device's followers of every layer (or all)
-        tiers = [h.replace(k=k, v=v) for h, k, v in zip(hosts, args[:n], args[n:2 * n])]
-        return recall_block(tiers, args[2 * n:3 * n], args[3 * n:])
+        tiers = [h.with_arrays(*args[j:per * n:n]) for j, h in enumerate(hosts)]
+        return recall_block(tiers, args[per * n:(per + 1) * n], args[(per + 1) * n:])
 
-    return per_device(local, mesh, (BY_DEVICE,) * (4 * n), BY_DEVICE,
-                      *[h.k for h in hosts], *[h.v for h in hosts], *ids, *counts)
+    return per_device(local, mesh, (BY_DEVICE,) * ((per + 2) * n), BY_DEVICE,
+                      *[h.arrays()[x] for x in range(per) for h in hosts], *ids, *counts)
 
 
 def write_layers(pageds: list, hosts: list, block, dsts: list, mesh, implementation: str) -> list:
@@ -273,27 +298,43 @@ def write_layers(pageds: list, hosts: list, block, dsts: list, mesh, implementat
     launches a scatter per pool (``implementation``: the method's attention implementation; its ``"auto"`` writes
     with the kernel on a GPU and with XLA's scatters on a CPU or TPU, where the kernel has no form). ``dsts``: per
     layer the region slot of each gathered row ``[B * n_slots, R]``, negative for a row not written. Returns the
-    layers' :class:`PagedKV`."""
+    layers' :class:`PagedKV`. Quantized pools: the block's rows and scales are split apart
+    (:func:`kvjax.host_tier.unpack_rows`) and the scales written into the scale pools by a second
+    :func:`write_rows` at the same slots (rows of one value)."""
     n = len(pageds)
     impl = resolve_implementation(implementation)
     impl = "xla" if impl == "pallas" and jax.default_backend() == "tpu" else impl
+    quantized = pageds[0].quantized
 
     def local(block, *args):
-        pools, slots, sizes = [], [], []
-        for kp, vp, table, pairs, dst in zip(*(args[i * n:(i + 1) * n] for i in range(5))):
+        pools, scale_pools, slots, sizes = [], [], [], []
+        for kp, vp, table, pairs, dst, *scales in zip(*(args[i * n:(i + 1) * n] for i in range(len(args) // n))):
             first, row, head = device_block(mesh, *table.shape[:2])  # local page ids, rows and heads
             num_pages, ps, D = kp.shape
             at = pool_rows(num_pages, ps, table - first * num_pages, pairs[:, 0] - row, pairs[:, 1] - head, dst)
             pools += [kp.reshape(-1, D), vp.reshape(-1, D)]
+            scale_pools += [s.reshape(-1, 1) for s in scales]
             slots += [at, at]
             sizes += [at.shape[0]] * 2
-        out = write_rows(pools, block, jnp.concatenate(slots), sizes, implementation=impl)
-        return tuple(x.reshape(p.shape) for x, p in zip(out[0::2] + out[1::2], args[:2 * n]))  # keys, then values
+        slots = jnp.concatenate(slots)
+        if not quantized:
+            out = write_rows(pools, block, slots, sizes, implementation=impl)
+            return tuple(x.reshape(p.shape) for x, p in zip(out[0::2] + out[1::2], args[:2 * n]))  # keys, then values
+        rows, row_scales = unpack_rows(block, pools[0].dtype)
+        out = write_rows(pools, rows, slots, sizes, implementation=impl)
+        out_scales = write_rows(scale_pools, row_scales[:, None], slots, sizes, implementation=impl)
+        return tuple(x.reshape(p.shape) for x, p in zip(out[0::2] + out[1::2] + out_scales[0::2] + out_scales[1::2],
+                                                         args[:2 * n] + args[5 * n:]))
 
     pairs = [jnp.asarray(h.heads, jnp.int32) for h in hosts]  # [B * n_slots, 2] (row, KV head) of each host head
-    out = per_device(local, mesh, (BY_DEVICE,) * (1 + 2 * n) + (ROWS_HEADS,) * n + (BY_DEVICE,) * (2 * n),
-                     (BY_DEVICE,) * (2 * n), block, *[p.k_pages for p in pageds], *[p.v_pages for p in pageds],
-                     *[p.block_table for p in pageds], *pairs, *dsts)
+    scales = [p.k_scales for p in pageds] + [p.v_scales for p in pageds] if quantized else []
+    pools = 4 if quantized else 2
+    out = per_device(local, mesh, (BY_DEVICE,) * (1 + 2 * n) + (ROWS_HEADS,) * n + (BY_DEVICE,) * ((pools) * n),
+                     (BY_DEVICE,) * (pools * n), block, *[p.k_pages for p in pageds], *[p.v_pages for p in pageds],
+                     *[p.block_table for p in pageds], *pairs, *dsts, *scales)
+    if quantized:
+        return [p.replace(k_pages=k, v_pages=v, k_scales=ks, v_scales=vs)
+                for p, k, v, ks, vs in zip(pageds, out[:n], out[n:2 * n], out[2 * n:3 * n], out[3 * n:])]
     return [p.replace(k_pages=k, v_pages=v) for p, k, v in zip(pageds, out[:n], out[n:])]
 
 
@@ -302,14 +343,20 @@ def write_followers(paged: PagedKV, host: HostKV, fetched: Prefetch, dst, mesh) 
     first ``fetched.count`` of each), per device on a mesh (each device into its own pages)."""
     pairs = jnp.asarray(host.heads, jnp.int32)  # [B * n_slots, 2] (row, KV head) of each host head
     rk, rv = take(fetched)
+    # quantized pools: the scale pools and the rows' scales, written at the same slots
+    scales = (paged.k_scales, paged.v_scales, fetched.k_scales, fetched.v_scales) if paged.quantized else ()
 
-    def local(k_pages, v_pages, table, pairs, rk, rv, dst, count):
+    def local(k_pages, v_pages, table, pairs, rk, rv, dst, count, *scales):
         block, row, head = device_block(mesh, *table.shape[:2])  # local page ids, rows and heads
         return scatter_to_slots(k_pages, v_pages, table - block * k_pages.shape[0], rk, rv, pairs[:, 0] - row,
-                                pairs[:, 1] - head, dst, count)
+                                pairs[:, 1] - head, dst, count, scales=scales)
 
-    kp, vp = per_device(local, mesh, (BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * 5, (BY_DEVICE, BY_DEVICE),
-                        paged.k_pages, paged.v_pages, paged.block_table, pairs, rk, rv, dst, fetched.count)
+    out = per_device(local, mesh, (BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * (5 + len(scales)),
+                     (BY_DEVICE,) * (2 + len(scales) // 2), paged.k_pages, paged.v_pages, paged.block_table, pairs,
+                     rk, rv, dst, fetched.count, *scales)
+    if paged.quantized:
+        return paged.replace(k_pages=out[0], v_pages=out[1], k_scales=out[2], v_scales=out[3])
+    kp, vp = out
     return paged.replace(k_pages=kp, v_pages=vp)
 
 
@@ -323,7 +370,7 @@ def recall_rows(state: RecallKV, picks, count, dst, mesh) -> PagedKV:
 # ------------------------------------------------------------------------------------ partition, stats
 def recall_partition(state: RecallKV, tracker) -> RecallKV:
     """Partition specs of a :class:`RecallKV` (see the module docstring), with the method's ``tracker`` specs."""
-    host = None if state.host is None else state.host.replace(k=OnHost(BY_DEVICE), v=OnHost(BY_DEVICE))
+    host = None if state.host is None else state.host.with_arrays(*[OnHost(BY_DEVICE)] * len(state.host.arrays()))
     rows = jax.sharding.PartitionSpec(DATA)
     query = None if state.query is None else jax.sharding.PartitionSpec(DATA, None, MODEL)  # [B, 1, Hq, D]
     return state.replace(paged=paged_partition(state.paged), host=host, query=query,
@@ -339,7 +386,8 @@ def recall_stats(states, fetched_per_step: int) -> dict:
     followers = sum(len(st.plan.followers) * st.applied.shape[0] for st in states)
     recalls = sum(int(st.recalls) for st in states)
     rows = sum(int(st.rows_moved) for st in states)
-    d, itemsize = states[0].paged.k_pages.shape[-1], states[0].paged.k_pages.dtype.itemsize
+    pool = states[0].paged.k_pages
+    row_bytes = stored_vector_bytes(pool.shape[-1], pool.dtype)  # one key or value row, its scale included
     return {
         "kept_tokens_per_head": [list(st.plan.capacities) for st in states],
         "full_heads": sum(len(st.plan.full) for st in states),
@@ -349,9 +397,9 @@ def recall_stats(states, fetched_per_step: int) -> dict:
         "recall_events": recalls,
         "recall_trigger_rate": recalls / (steps * followers) if steps and followers else 0.0,
         "rows_recalled": rows,
-        "bytes_recalled": 2 * rows * d * itemsize,
+        "bytes_recalled": 2 * rows * row_bytes,
         "rows_fetched_per_step": fetched_per_step,
-        "bytes_fetched_per_step": 2 * fetched_per_step * d * itemsize,
+        "bytes_fetched_per_step": 2 * fetched_per_step * row_bytes,
     }
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kvjax.attention import MASK_VALUE, resolve_implementation
+from kvjax.kv_quantization import dequantize
 from kvjax.paged import PagedKV, local_block_table, shard_map
 from kvjax.selection import gqa_aggregate, pool1d, window_attention
 from kvjax.sharding import BY_DEVICE, ROWS_HEADS, is_split
@@ -84,14 +85,21 @@ def leader_query_logits(paged: PagedKV, heads: tuple, qg, *, implementation: str
     on a GPU) scores by a multiply-reduce, which the compiler fuses with the page gather, so the leaders' keys are
     read once where they lie; a matmul reads a gathered copy (written first: three passes over the keys on an H100),
     but runs faster on a CPU and for several queries.
+
+    Quantized pools (int8, float8_e4m3fn): the leaders' keys are dequantized (pages times their per-token scales, in
+    the queries' dtype) and scored by XLA, as attention reads them; the paged-scores kernel reads unscaled pages only.
     """
     B, T, n, G, D = qg.shape
     M = paged.block_table.shape[-1]
     ps = paged.page_size
     impl = resolve_implementation(implementation)
-    if T == 1 and (impl == "pallas_interpret" or (impl == "pallas" and jax.default_backend() == "tpu")):
+    if T == 1 and not paged.quantized and (impl == "pallas_interpret" or (impl == "pallas" and
+                                                                          jax.default_backend() == "tpu")):
         return leader_logits(paged, heads, qg[:, 0], impl, mesh)[:, :, None]  # [B, n, 1, G, S]
-    pages = paged.k_pages[paged.block_table[:, jnp.asarray(heads, jnp.int32)]]  # [B, n, M, ps, D]
+    tables = paged.block_table[:, jnp.asarray(heads, jnp.int32)]
+    pages = paged.k_pages[tables]  # [B, n, M, ps, D]
+    if paged.quantized:
+        pages = dequantize(pages, paged.k_scales[tables], qg.dtype)
     if multiply_reduce is None:
         multiply_reduce = T == 1 and jax.default_backend() == "gpu"
     if multiply_reduce:
