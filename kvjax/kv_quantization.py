@@ -92,4 +92,5 @@ def reject_kv_dtype(spec, method: str, why: str) -> None:
     if spec.kv_dtype != spec.dtype:
         raise ValueError(f"kv_dtype={spec.kv_dtype} is not supported by {method}: {why}; another kv_dtype than the "
                          f"model's ({spec.dtype}) is stored only in the paged pools of the evict-after-prefill and "
-                         "bounded-prefill methods, in the full cache and in HCAttention's host values")
+                         "bounded-prefill methods, the full cache, HeteroCache and SyncKV (pools and host copy) and in "
+                         "HCAttention's host values")

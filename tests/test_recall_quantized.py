@@ -195,10 +195,17 @@ def test_bytes_count_the_stored_rows_and_their_scales(tiny, which):
     assert i8["device_bytes"] - i8["page_pool_bytes"] == f32["device_bytes"] - f32["page_pool_bytes"]
 
 
-@pytest.mark.parametrize("which", ["heterocache", "synckv"])
-@pytest.mark.parametrize("schedule", RECALL_SCHEDULES)
+GENERATION_CASES = [("heterocache", "whole"), ("synckv", "spread"), ("heterocache", "pipelined")]
+
+
+def test_generation_cases_cover_every_schedule_and_method():
+    assert {s for _, s in GENERATION_CASES} == set(RECALL_SCHEDULES)
+    assert {w for w, _ in GENERATION_CASES} == {"heterocache", "synckv"}
+
+
+@pytest.mark.parametrize("which,schedule", GENERATION_CASES)
 def test_int8_generation_compiles_once_and_stays_close_to_float32(tiny, which, schedule):
-    """int8 caches of every recall schedule: the decode loop compiles once for two caches, holds no host callback,
+    """int8 caches of every recall schedule (each once, both methods): the decode loop compiles once for two caches, holds no host callback,
     recalls, and the log-probabilities of a teacher-forced continuation stay within ``TOLERANCE`` of the float32
     cache's (module docstring of the tolerance below)."""
     rng = np.random.default_rng(7)
@@ -229,7 +236,7 @@ def test_int8_generation_compiles_once_and_stays_close_to_float32(tiny, which, s
 
 
 # int8 stores each key and value within half a step of its own scale (absmax / 127: 0.4 % of the token's range). On the
-# tiny model (2 layers, D = 16, 6 teacher-forced steps, both methods, every schedule) that moved the log-probabilities
-# by at most 0.0010 nats (jax 0.10.2, CPU); the tolerance is ten times that, so a cache whose recalled rows or scales
+# tiny model (2 layers, D = 16, 6 teacher-forced steps; both methods under every schedule) that moved the
+# log-probabilities by at most 0.0010 nats (jax 0.10.2, CPU); the tolerance is ten times that, so a cache whose recalled rows or scales
 # were wrong is caught where it changes the outputs by more than the quantization does.
 TOLERANCE = 0.01
