@@ -21,11 +21,14 @@ evict-then-quantize. A per-page scale would make every stored token's error depe
 page's largest neighbour.
 
 What is quantized: the page pools the compressed cache keeps (:func:`kvjax.paged.build_paged`
-at compression, :func:`kvjax.paged.append` for later tokens) and the full cache's contiguous buffer
+at compression, :func:`kvjax.paged.append` for later tokens; Quest's page bounds are then taken over
+the dequantized stored keys, :mod:`kvjax.methods.quest`) and the full cache's contiguous buffer
 (:mod:`kvjax.methods.full`), and HCAttention's host values (:mod:`kvjax.methods.hcattention`, its scales in
 host memory beside them). The prefill (staging, working buffers) stays in the model's dtype, so
-selection scores are computed on unquantized prefill keys; the other methods whose compressed layout
-is not the paged pool reject a ``kv_dtype`` other than the model's (:func:`reject_kv_dtype`).
+prompt-time selection scores are computed on unquantized prefill keys (decode-time selection
+reads the stored keys dequantized: Quest's page bounds, HeteroCache's and SyncKV's leaders); the
+other methods whose compressed layout is not the paged pool reject a ``kv_dtype`` other than the
+model's (:func:`reject_kv_dtype`).
 """
 
 from __future__ import annotations
@@ -92,5 +95,5 @@ def reject_kv_dtype(spec, method: str, why: str) -> None:
     if spec.kv_dtype != spec.dtype:
         raise ValueError(f"kv_dtype={spec.kv_dtype} is not supported by {method}: {why}; another kv_dtype than the "
                          f"model's ({spec.dtype}) is stored only in the paged pools of the evict-after-prefill and "
-                         "bounded-prefill methods, the full cache, HeteroCache and SyncKV (pools and host copy) and in "
-                         "HCAttention's host values")
+                         "bounded-prefill methods and Quest, the full cache, HeteroCache and SyncKV (pools and host "
+                         "copy) and in HCAttention's host values")

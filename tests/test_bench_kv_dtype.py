@@ -18,6 +18,7 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8  # the tiny model
 INT8_VECTOR = HEAD_DIM * 1 + 4  # one stored K (or V) vector: int8 values + its float32 scale
 F32_VECTOR = HEAD_DIM * 4
 L, N, PAGE = 256, 4, 16
+EVICTING_H2O = "h2o:evict_during_decode=true"  # decode-time eviction: no quantized layout, refuses int8
 
 
 def _bench(model, tmp_path, stem, *extra):
@@ -83,25 +84,25 @@ def test_bench_kv_dtype_int8_stores_the_methods_and_adds_the_stored_full_row(tin
 @pytest.mark.real_model
 def test_bench_kv_dtype_refuses_a_method_that_cannot_store_it_before_measuring(tiny_chat_model, tmp_path, monkeypatch,
                                                                                 capsys):
-    """Quest cannot store int8: the run stops with the settings (no bandwidth measured, no model loaded), naming
-    it; ``kvjax bench`` prints the error, no traceback."""
+    """H2O with decode-time eviction cannot store int8: the run stops with the settings (no bandwidth measured, no
+    model loaded), naming it; ``kvjax bench`` prints the error, no traceback."""
     def nothing_measured(*args, **kwargs):
         raise AssertionError("a measurement started before the settings were checked")
 
     monkeypatch.setattr(bench_methods, "worker_bandwidth", nothing_measured)
     monkeypatch.setattr("kvjax.models.load_model", nothing_measured)
-    argv = ["--model", tiny_chat_model, "--lengths", str(L), "--methods", "snapkv,quest", "--new-tokens", str(N),
+    argv = ["--model", tiny_chat_model, "--lengths", str(L), "--methods", f"snapkv,{EVICTING_H2O}", "--new-tokens", str(N),
             "--budget", "0.25", "--chunk-size", "256", "--kv-dtype", "int8", "--out", str(tmp_path / "x.md")]
-    with pytest.raises(ValueError, match=r"quest at L=256: kv_dtype=int8 is not supported by quest"):
+    with pytest.raises(ValueError, match=rf"{EVICTING_H2O} at L=256: kv_dtype=int8 is not supported by h2o"):
         bench_methods.main(argv)
     assert cli_main(["bench", *argv]) == 2
     err = capsys.readouterr().err
-    assert "kvjax bench: error: infeasible benchmark settings" in err and "not supported by quest" in err
+    assert "kvjax bench: error: infeasible benchmark settings" in err and "not supported by h2o" in err
     assert "Traceback" not in err and "snapkv at" not in err  # SnapKV stores int8
     assert not (tmp_path / "x.json").exists()
     # the throughput mode refuses it too, before anything is compiled
     monkeypatch.undo()
-    with pytest.raises(ValueError, match=r"quest at L=256: kv_dtype=int8 is not supported by quest"):
+    with pytest.raises(ValueError, match=rf"{EVICTING_H2O} at L=256: kv_dtype=int8 is not supported by h2o"):
         bench_methods.main(argv + ["--memory-budget", "1"])
 
 
@@ -177,11 +178,11 @@ def test_demo_kv_dtype_refuses_a_method_before_the_model_loads(tiny_chat_model, 
         raise AssertionError("the model was loaded before the kv_dtype was checked")
 
     monkeypatch.setattr(kvjax, "load", refuse)
-    assert cli_main(["demo", "--model", tiny_chat_model, "--kv-dtype", "int8", "--methods", "snapkv,quest",
+    assert cli_main(["demo", "--model", tiny_chat_model, "--kv-dtype", "int8", "--methods", f"snapkv,{EVICTING_H2O}",
                      "--length", "512"]) == 2
     err = capsys.readouterr().err
     assert "kvjax demo: error: --kv-dtype int8: not every method can store it" in err
-    assert "quest @ 0.1: kv_dtype=int8 is not supported by quest" in err and "snapkv" not in err
+    assert f"{EVICTING_H2O} @ 0.1: kv_dtype=int8 is not supported by h2o" in err and "snapkv" not in err
     assert cli_main(["demo", "--model", tiny_chat_model, "--kv-dtype", "float16"]) == 2
     assert "kv_dtype='float16' is not supported" in capsys.readouterr().err
 

@@ -235,10 +235,11 @@ def test_kv_dtype_stores_the_methods_pools_quantized_and_keeps_the_full_cache(ti
     assert cli_main(common + ["--run-name", "f32", "--kv-dtype", "float32"]) == 0
     assert cli_main(common + ["--run-name", "f32", "--kv-dtype", "int8"]) == 2  # another kv_dtype in that directory
     capsys.readouterr()
-    assert cli_main(["eval", "--model", tiny_chat_model, "--methods", "quest:budget=0.5", "--tasks", "niah_single",
+    evicting_h2o = "h2o:budget=0.5:evict_during_decode=true"  # its decode-time eviction keeps no quantized layout
+    assert cli_main(["eval", "--model", tiny_chat_model, "--methods", evicting_h2o, "--tasks", "niah_single",
                      "--lengths", "300", "--samples", "1", "--out-root", str(tmp_path), "--no-progress", "--run-name",
                      "sk", "--kv-dtype", "int8"]) == 2
-    assert "kv_dtype=int8 is not supported by quest" in capsys.readouterr().err
+    assert "kv_dtype=int8 is not supported by h2o" in capsys.readouterr().err
     assert not (tmp_path / "sk" / "samples.jsonl").exists() or not _lines(tmp_path / "sk" / "samples.jsonl")
     assert cli_main(common + ["--run-name", "bad", "--kv-dtype", "int4"]) == 2
     assert "kv_dtype='int4' is not supported" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from kvjax.api import generate_tokens
 from kvjax.cache import CacheSpec
 from kvjax.cli import main as cli_main
 from kvjax.kv_quantization import QMAX, dequantize, quantize
-from kvjax.methods import H2O, ChunkedEviction, FullCache, HCAttention, KVzip, Locret, Quest, SnapKV
+from kvjax.methods import H2O, ChunkedEviction, FullCache, HCAttention, KVzip, Locret, SnapKV
 from kvjax.methods.kvzip import ReconstructionPrompt
 from kvjax.paged import PagedKV, append, build_paged, paged_attention, paged_chunk_attention
 from tests.test_methods_e2e import EVERY, NAMES
@@ -236,7 +236,7 @@ def test_bad_kv_dtype_on_the_command_line(capsys):
 
 
 @pytest.mark.parametrize("method", [
-    Quest(budget=16, page_size=8), H2O(budget=16, evict_during_decode=True), Locret(budget=16, evict_during_decode=True),
+    H2O(budget=16, evict_during_decode=True), Locret(budget=16, evict_during_decode=True),
 ], ids=lambda m: m.name)
 @pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
 def test_methods_without_page_pools_reject_another_kv_dtype(method, kv_dtype):

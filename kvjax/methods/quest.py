@@ -8,6 +8,12 @@ and attention reads only the top pages plus the page holding the newest tokens. 
 
 Tokens prefilled onto the compressed cache in one call (a question, T > 1) attend to every held
 token (exact attention; page selection is a per-decode-step policy) and update the page bounds.
+
+With a quantized ``kv_dtype`` (int8, float8_e4m3fn; :mod:`kvjax.kv_quantization`) the pages are the
+shared paged pools stored with per-token scales (:func:`kvjax.paged.build_paged`,
+:func:`kvjax.paged.append`), read by the paged decode attention with their scales; the page bounds
+are the min / max of the dequantized stored keys (float32), so the selection bounds exactly the keys
+attention reads.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from jax import lax
 
 from kvjax.budgets import budget_facts, check_budget, tokens_per_head
 from kvjax.cache import Cache, CacheSpec
-from kvjax.kv_quantization import reject_kv_dtype
+from kvjax.kv_quantization import dequantize, stored_vector_bytes
 from kvjax.methods.base import LayerLocal, StagedPrefill, check_common
 from kvjax.paged import (
     PagedKV, append, build_paged, paged_attention, paged_chunk_attention, paged_device_bytes, paged_partition,
@@ -32,7 +38,12 @@ from kvjax.staging import Recording, StagedKV, staged_partition
 
 @struct.dataclass
 class QuestKV:
-    """A full paged layer plus per-page key bounds ``kmin, kmax[num_pages, D]`` (f32; +-inf when empty)."""
+    """A full paged layer plus per-page key bounds ``kmin, kmax[num_pages, D]`` (f32; +-inf when empty).
+
+    The bounds are float32 whatever ``kv_dtype``: they are taken over the dequantized stored keys (``q * s`` in
+    float32, each token with its own scale), which no per-token quantized dtype can hold for a whole page, and in
+    float32 they are the exact extremes of what attention reads, so a page's score stays an upper bound of its
+    dequantized keys' logits."""
 
     paged: PagedKV
     kmin: jax.Array
@@ -42,17 +53,26 @@ class QuestKV:
 
 
 def page_bounds(state: PagedKV):
-    """Element-wise min / max of the valid keys of every page (f32)."""
+    """Element-wise min / max of the valid keys of every page (f32), over the keys as stored and dequantized (pages
+    times their per-token scales when quantized): the keys attention reads."""
     P, ps, D = state.k_pages.shape
     B, H, M = state.block_table.shape
     j = jnp.arange(M * ps).reshape(M, ps)
     valid = j[None, None] < state.lengths[..., None, None]  # [B, H, M, ps]
-    k = state.k_pages[state.block_table].astype(jnp.float32)  # [B, H, M, ps, D]
+    scales = None if state.k_scales is None else state.k_scales[state.block_table]
+    k = dequantize(state.k_pages[state.block_table], scales, jnp.float32)  # [B, H, M, ps, D]
     kmin = jnp.where(valid[..., None], k, jnp.inf).min(axis=3)
     kmax = jnp.where(valid[..., None], k, -jnp.inf).max(axis=3)
     init_min = jnp.full((P, D), jnp.inf, jnp.float32)
     init_max = jnp.full((P, D), -jnp.inf, jnp.float32)
     return init_min.at[state.block_table].min(kmin), init_max.at[state.block_table].max(kmax)
+
+
+def stored_keys(state: PagedKV, flat):
+    """The keys stored at pool slots ``flat[n]`` (page * page_size + offset), dequantized to float32: ``[n, D]``."""
+    D = state.k_pages.shape[-1]
+    scales = None if state.k_scales is None else state.k_scales.reshape(-1)[flat]
+    return dequantize(state.k_pages.reshape(-1, D)[flat], scales, jnp.float32)
 
 
 def select_pages(q, st: QuestKV, gqa: str):
@@ -121,31 +141,34 @@ class Quest(StagedPrefill, LayerLocal):
         return Recording(block=self.block)
 
     def check_spec(self, spec: CacheSpec) -> None:
-        """The budget holds at least one page (``finish_prefill`` moves every real token into pages); the pages'
-        key bounds are read from the stored keys, so only the model's ``kv_dtype``."""
-        reject_kv_dtype(spec, self.name, "its page selection reads the stored keys' bounds, not done for quantized pages")
+        """The budget holds at least one page (``finish_prefill`` moves every real token into pages); any
+        ``kv_dtype`` (the pages are the shared paged pools)."""
         self.pages_per_step(spec)
 
     def finish_prefill(self, state: StagedKV, ctx) -> QuestKV:
-        """Every real prompt token into pages (room included) and the page bounds."""
+        """Every real prompt token into pages (room included, stored in ``kv_dtype``) and the page bounds of the stored
+        keys."""
         spec = ctx.spec
         P = spec.prompt_slots
         B, H = state.k.shape[:2]
         idx = jnp.clip(ctx.pad[:, None, None] + jnp.arange(spec.longest_row)[None, None, :], 0, P - 1)
         idx = jnp.broadcast_to(idx, (B, H, spec.longest_row)).astype(jnp.int32)
         lengths = jnp.broadcast_to((P - ctx.pad)[:, None], (B, H)).astype(jnp.int32)
-        paged = build_paged(state.k, state.v, idx, lengths, (spec.longest_row,) * H, spec.room, self.page_size, spec.mesh)
+        paged = build_paged(state.k, state.v, idx, lengths, (spec.longest_row,) * H, spec.room, self.page_size, spec.mesh,
+                            spec.kv_dtype)
         kmin, kmax = page_bounds(paged)
         return QuestKV(paged, kmin, kmax, pages_per_step=self.pages_per_step(spec), dense=ctx.layer < self.dense_layers)
 
     def decode_attend(self, state: QuestKV, q, k, v, ctx):
-        """Append (updating the page bounds) and attend over the selected pages (all pages for T > 1)."""
+        """Append (updating the page bounds from the new keys as stored, dequantized) and attend over the selected
+        pages (all pages for T > 1)."""
         paged = state.paged
-        ps, T, D = paged.page_size, k.shape[1], k.shape[-1]
+        ps, T = paged.page_size, k.shape[1]
         j = paged.lengths[..., None] + jnp.arange(T, dtype=jnp.int32)  # [B, Hkv, T]
         page = jnp.take_along_axis(paged.block_table, j // ps, axis=2).reshape(-1)
-        kn = k.transpose(0, 2, 1, 3).reshape(-1, D).astype(jnp.float32)
-        state = state.replace(paged=append(paged, k, v), kmin=state.kmin.at[page].min(kn), kmax=state.kmax.at[page].max(kn))
+        paged = append(paged, k, v)
+        kn = stored_keys(paged, page * ps + (j % ps).reshape(-1))  # [B * Hkv * T, D], the order of ``page``
+        state = state.replace(paged=paged, kmin=state.kmin.at[page].min(kn), kmax=state.kmax.at[page].max(kn))
         if T > 1:
             return paged_chunk_attention(q, state.paged), state
         if state.dense:
@@ -164,7 +187,8 @@ class Quest(StagedPrefill, LayerLocal):
         return state.replace(paged=paged, kmin=paged.k_pages, kmax=paged.k_pages)
 
     def stats(self, cache: Cache) -> dict:
-        """Quest saves bandwidth, not memory: device bytes are the full cache's."""
+        """Quest saves bandwidth, not memory: device bytes are the full cache's (in ``kv_dtype``, scales included)
+        plus the page bounds."""
         if cache.stage != "compressed":
             return {}
         return {"saves": "bandwidth, not memory (every token stays on the device)",
@@ -172,13 +196,14 @@ class Quest(StagedPrefill, LayerLocal):
                 **budget_facts(self.budget, cache.spec.longest_row)}
 
     def bytes_read_per_step(self, cache: Cache) -> int:
-        """Dense layers read every token; the others the selected pages plus the page bounds."""
+        """Dense layers read every token; the others the selected pages plus the page bounds (tokens in their stored
+        dtype with their scales)."""
         if cache.stage != "compressed":
             return 0
         read = 0
         for st in cache.layers:
             p = st.paged
-            itemsize = p.k_pages.dtype.itemsize
+            per_token = stored_vector_bytes(p.k_pages.shape[-1], p.k_pages.dtype)
             tokens = int(jnp.sum(p.lengths)) if st.dense else int(jnp.sum(jnp.minimum(p.lengths, st.pages_per_step * p.page_size)))
-            read += 2 * tokens * p.k_pages.shape[-1] * itemsize + (0 if st.dense else 2 * st.kmin.size * 4)
+            read += 2 * tokens * per_token + (0 if st.dense else 2 * st.kmin.size * st.kmin.dtype.itemsize)
         return read
