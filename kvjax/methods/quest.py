@@ -167,7 +167,10 @@ class Quest(StagedPrefill, LayerLocal):
         j = paged.lengths[..., None] + jnp.arange(T, dtype=jnp.int32)  # [B, Hkv, T]
         page = jnp.take_along_axis(paged.block_table, j // ps, axis=2).reshape(-1)
         paged = append(paged, k, v)
-        kn = stored_keys(paged, page * ps + (j % ps).reshape(-1))  # [B * Hkv * T, D], the order of ``page``
+        if paged.k_scales is None and paged.k_pages.dtype == k.dtype:  # stored as given: no read-back
+            kn = k.transpose(0, 2, 1, 3).reshape(-1, k.shape[-1]).astype(jnp.float32)
+        else:
+            kn = stored_keys(paged, page * ps + (j % ps).reshape(-1))  # [B * Hkv * T, D], the order of ``page``
         state = state.replace(paged=paged, kmin=state.kmin.at[page].min(kn), kmax=state.kmax.at[page].max(kn))
         if T > 1:
             return paged_chunk_attention(q, state.paged), state
