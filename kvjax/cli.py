@@ -124,9 +124,6 @@ def _decode_speed(timings: dict) -> str:
 
 # the five seed methods (the tuned presets where they have one) and SnapKV, the baseline their papers compare against
 DEMO_METHODS = ("snapkv", "hbw", "heterocache:preset=tuned", "synckv:preset=tuned", "hcattention:preset=tuned", "locret")
-# with --kv-dtype: those of them whose compressed cache is the paged pool, the only one stored quantized (the others
-# refuse another kv_dtype than the model's)
-DEMO_KV_METHODS = ("snapkv", "hbw", "locret")
 
 
 def demo_kv_dtype(kv_dtype, dtype) -> str | None:
@@ -232,7 +229,7 @@ def cmd_demo(args) -> int:
     from kvjax.methods import FullCache
 
     kv_dtype = demo_kv_dtype(args.kv_dtype, args.dtype)
-    specs = args.methods if args.methods is not None else DEMO_METHODS if kv_dtype is None else DEMO_KV_METHODS
+    specs = args.methods if args.methods is not None else DEMO_METHODS
     methods = demo_methods(specs, kv_dtype)
     if kv_dtype is not None:
         check_demo_kv_dtype(args.model, methods, args.length, args.dtype, kv_dtype)
@@ -369,9 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="a pass key in a ~4K-token haystack: the full cache and compressed methods side by side")
     _add_model_args(d)
     d.add_argument("--methods", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()), default=None,
-                   help=f"comma list of method specs, name[:budget=B][:key=value] (default {','.join(DEMO_METHODS)}, "
-                        f"with --kv-dtype {','.join(DEMO_KV_METHODS)}; budget 0.1 when none is given); the full cache "
-                        "always runs")
+                   help=f"comma list of method specs, name[:budget=B][:key=value] (default {','.join(DEMO_METHODS)}; "
+                        "budget 0.1 when none is given); the full cache always runs")
     d.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
     d.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1]")
     d.add_argument("--seed", type=int, default=0)
