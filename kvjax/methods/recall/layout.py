@@ -170,13 +170,14 @@ def host_copy(k, v, slot_heads, live, mesh, page_size: int, kv_dtype: str | None
     pad = (-S) % page_size
     stored = kv_dtype is not None and kv_dtype != k.dtype.name
 
+    def place(x):  # [B, n_slots, P, ...] -> host heads [B * n_slots, P + pad, ...] in pinned_host memory
+        x = flatten_heads(x, mesh)
+        return to_host(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)))
+
     def stage(x):
         x = jnp.where(jnp.asarray(live)[None, :, None, None], x[:, ids], 0)  # [B, n_slots, P, D]
-        if not stored:
-            return (to_host(jnp.pad(flatten_heads(x, mesh), ((0, 0), (0, pad), (0, 0)))),)
-        x, scales = quantize(x, kv_dtype)
-        x = to_host(jnp.pad(flatten_heads(x, mesh), ((0, 0), (0, pad), (0, 0))))
-        return (x,) if scales is None else (x, to_host(jnp.pad(flatten_heads(scales, mesh), ((0, 0), (0, pad)))))
+        x, scales = quantize(x, kv_dtype) if stored else (x, None)
+        return (place(x),) if scales is None else (place(x), place(scales))
 
     (k_host, *k_scales), (v_host, *v_scales) = stage(k), stage(v)
     return HostKV(k_host, v_host, *k_scales, *v_scales, heads=tuple(map(tuple, heads.tolist())), length=S,
@@ -229,13 +230,11 @@ def append_attend(state: RecallKV, q, k, v, implementation: str, mesh=None):
     """Append the new tokens to every head and attend (kernel for one token, per device on a ``mesh``; XLA for a chunk)."""
     paged = append(state.paged, k, v)
     # the page writes read the old lengths: order them before the lengths' in-place update (else XLA copies them)
-    if paged.quantized:
-        k_pages, v_pages, k_scales, v_scales, lengths = jax.lax.optimization_barrier(
-            (paged.k_pages, paged.v_pages, paged.k_scales, paged.v_scales, state.paged.lengths))
-        paged = paged.replace(k_scales=k_scales, v_scales=v_scales)
-    else:
-        k_pages, v_pages, lengths = jax.lax.optimization_barrier((paged.k_pages, paged.v_pages, state.paged.lengths))
-    paged = paged.replace(k_pages=k_pages, v_pages=v_pages, lengths=lengths + k.shape[1])
+    # (plain pools: the scales are None, empty leaves of the barrier's operand)
+    k_pages, v_pages, k_scales, v_scales, lengths = jax.lax.optimization_barrier(
+        (paged.k_pages, paged.v_pages, paged.k_scales, paged.v_scales, state.paged.lengths))
+    paged = paged.replace(k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales,
+                          lengths=lengths + k.shape[1])
     if q.shape[1] == 1:
         out = paged_attention(q[:, 0], paged, implementation=implementation, mesh=mesh)[:, None]
     else:
@@ -332,10 +331,8 @@ def write_layers(pageds: list, hosts: list, block, dsts: list, mesh, implementat
     out = per_device(local, mesh, (BY_DEVICE,) * (1 + 2 * n) + (ROWS_HEADS,) * n + (BY_DEVICE,) * ((pools) * n),
                      (BY_DEVICE,) * (pools * n), block, *[p.k_pages for p in pageds], *[p.v_pages for p in pageds],
                      *[p.block_table for p in pageds], *pairs, *dsts, *scales)
-    if quantized:
-        return [p.replace(k_pages=k, v_pages=v, k_scales=ks, v_scales=vs)
-                for p, k, v, ks, vs in zip(pageds, out[:n], out[n:2 * n], out[2 * n:3 * n], out[3 * n:])]
-    return [p.replace(k_pages=k, v_pages=v) for p, k, v in zip(pageds, out[:n], out[n:])]
+    fields = ("k_pages", "v_pages", "k_scales", "v_scales")[:pools]  # out: every layer's keys, values (, scales)
+    return [p.replace(**{f: out[i * n + layer] for i, f in enumerate(fields)}) for layer, p in enumerate(pageds)]
 
 
 def write_followers(paged: PagedKV, host: HostKV, fetched: Prefetch, dst, mesh) -> PagedKV:
@@ -354,10 +351,7 @@ def write_followers(paged: PagedKV, host: HostKV, fetched: Prefetch, dst, mesh) 
     out = per_device(local, mesh, (BY_DEVICE, BY_DEVICE, ROWS_HEADS) + (BY_DEVICE,) * (5 + len(scales)),
                      (BY_DEVICE,) * (2 + len(scales) // 2), paged.k_pages, paged.v_pages, paged.block_table, pairs,
                      rk, rv, dst, fetched.count, *scales)
-    if paged.quantized:
-        return paged.replace(k_pages=out[0], v_pages=out[1], k_scales=out[2], v_scales=out[3])
-    kp, vp = out
-    return paged.replace(k_pages=kp, v_pages=vp)
+    return paged.replace(**dict(zip(("k_pages", "v_pages", "k_scales", "v_scales"), out)))
 
 
 def recall_rows(state: RecallKV, picks, count, dst, mesh) -> PagedKV:
