@@ -29,7 +29,7 @@ from kvjax.reports import table, write_report
 from research.value_spans import DEFAULT_METHODS as VALUE_SPANS_METHODS
 from research.value_spans import held_by_method, load_sample, sample_parser
 
-_SPECS = VALUE_SPANS_METHODS.split(",") + ["hbw:budget=0.1", "heterocache:preset=tuned:budget=0.25",
+_SPECS = VALUE_SPANS_METHODS.split(",") + ["hbw:budget=0.1", "heterocache:preset=suite:budget=0.25",
                                            "synckv:preset=tuned:budget=0.25"]
 _NAMES = [s.split(":")[0] for s in _SPECS]
 DEFAULT_METHODS = ",".join(sorted(_SPECS, key=lambda s: (_NAMES.index(s.split(":")[0]), s)))

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvjax.reports import table, write_report
 
-DEFAULT_METHODS = "snapkv:budget=0.1,snapkv:budget=0.25,hbw:budget=0.25,heterocache:preset=tuned:budget=0.1,synckv:preset=tuned:budget=0.1"
+DEFAULT_METHODS = "snapkv:budget=0.1,snapkv:budget=0.25,hbw:budget=0.25,heterocache:preset=suite:budget=0.1,synckv:preset=tuned:budget=0.1"
 
 
 def value_tokens(tokenizer, ids, answer: str) -> list[int]:
