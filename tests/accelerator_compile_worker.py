@@ -21,6 +21,9 @@ KERNEL_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 # Configurations compiled beside every registered method: HCAttention with the paper's 16-bit codes (c > 256).
 EXTRA = {"hcattention:centroids=1024": dict(budget=0.25)}
+# Methods whose decode step is also compiled with int8 pages (per-token scales): the full cache, the evicting methods'
+# shared pools (SnapKV), Quest's pages with their bounds, and the recall family's pools and host copy.
+INT8 = ("full", "snapkv", "quest", "heterocache", "synckv")
 
 
 def methods():
@@ -48,19 +51,26 @@ def main() -> None:
         mesh = target_mesh(target, CONFIG_D16)
         batch = mesh.devices.shape[0]
         rows = result.setdefault(tname, {"mesh": list(mesh.devices.shape), "methods": {}})["methods"]
+        int8 = result[tname]["int8"] = {}
         for name, method in methods().items():
-            spec = CacheSpec.for_model(CONFIG_D16, 1, PROMPT, ROOM, "float32")
-            try:
-                out = compile_step(target, mesh, CONFIG_D16, "float32", method, batch, PROMPT, ROOM,
-                                   synthetic_artifact(method, spec))
-            except Exception as e:  # noqa: BLE001 - reported, the test names it
-                rows[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
-                continue
-            compiled = out.pop("compiled")
-            text = compiled.hlo_modules()[0].to_string() if target.platform == "cuda" else compiled.as_text()
-            out["kernel"] = KERNEL_CALLS[target.platform] in text
-            out["pallas_calls"] = sorted(set(re.findall(r"/(\w+)/pallas_call", text)))  # the kernels' names
-            rows[name] = out
+            for kv_dtype, into in ((None, rows), ("int8", int8)):
+                if kv_dtype and name not in INT8:
+                    continue
+                spec = CacheSpec.for_model(CONFIG_D16, 1, PROMPT, ROOM, "float32")
+                try:
+                    out = compile_step(target, mesh, CONFIG_D16, "float32", method, batch, PROMPT, ROOM,
+                                       synthetic_artifact(method, spec), kv_dtype=kv_dtype)
+                except Exception as e:  # noqa: BLE001 - reported, the test names it
+                    into[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
+                    continue
+                compiled = out.pop("compiled")
+                text = compiled.hlo_modules()[0].to_string() if target.platform == "cuda" else compiled.as_text()
+                out["kernel"] = KERNEL_CALLS[target.platform] in text
+                out["pallas_calls"] = sorted(set(re.findall(r"/(\w+)/pallas_call", text)))  # the kernels' names
+                entry = text[text.index("\nENTRY"):]
+                entry = entry[:entry.index("\n}")]
+                out["int8_arguments"] = len(re.findall(r"= s8\[[\d,]*\]\{[^}]*\} parameter\(", entry))
+                into[name] = out
     print(json.dumps(result))
 
 

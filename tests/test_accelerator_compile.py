@@ -1,5 +1,6 @@
 """Every method's decode step compiles for an H100 and for a TPU v5e-8 slice, on this CPU, with its Pallas kernels
-(:mod:`kvjax.evals.plan`), and the planner's byte counting (:func:`kvjax.evals.plan.hlo_bytes`) on a hand-written program.
+(:mod:`kvjax.evals.plan`), some also with int8 pages, and the planner's byte counting
+(:func:`kvjax.evals.plan.hlo_bytes`) on a hand-written program.
 
 The compiled checks need jax's CUDA plugin and libtpu (compilers only, no accelerator): ``scripts/setup_env.sh``
 installs them into ``.aot-gpu/`` and ``.aot-tpu/``, which only the worker process puts on its path;
@@ -241,6 +242,33 @@ def test_every_decode_step_compiles_for_the_target(compiled, target):
     # kept whole pools in on-chip memory there); on the GPU XLA fuses the gather into their multiply-reduce
     for name in ("heterocache", "synckv"):
         assert ("paged_scores_tpu" in rows[name]["pallas_calls"]) == (target == "v5e-8"), rows[name]["pallas_calls"]
+
+
+@pytest.mark.parametrize("target", ["h100", "v5e-8"])
+def test_int8_decode_steps_compile_for_the_target(compiled, target):
+    """The full cache's, SnapKV's, Quest's, HeteroCache's and SyncKV's one-token decode steps with int8 pages compile
+    for the target with the paged decode kernel; the program takes every layer's key and value pools as int8 (and the
+    recall methods' host copies: a second pair per layer). On the H100 the int8 programs need less device memory than
+    the float32 ones, and the recall methods' host copies less host memory on both targets. (On the v5e-8 the scale
+    pools' layout, lanes padded to 128, outweighs int8's saving at this model's sizes: its device bytes are not
+    compared; docs/QUANTIZATION.md.)"""
+    from tests.accelerator_compile_worker import INT8
+
+    floats, rows = compiled[target]["methods"], compiled[target]["int8"]
+    assert set(rows) == set(INT8)
+    errors = {m: r["error"] for m, r in rows.items() if "error" in r}
+    assert not errors, errors
+    kernel = "paged_decode_attention_gpu" if target == "h100" else "paged_decode_attention_tpu"
+    assert all(kernel in r["pallas_calls"] for r in rows.values()), {m: r["pallas_calls"] for m, r in rows.items()}
+    layers = CONFIG_D16.num_layers
+    for name, r in rows.items():
+        recall = name in ("heterocache", "synckv")
+        assert r["int8_arguments"] == (4 if recall else 2) * layers, (name, r["int8_arguments"])
+        assert floats[name]["int8_arguments"] == 0, name
+        if recall:
+            assert 0 < r["host_bytes"] < floats[name]["host_bytes"], (name, r["host_bytes"], floats[name]["host_bytes"])
+        if target == "h100":
+            assert r["device_bytes"] < floats[name]["device_bytes"], (name, r["device_bytes"], floats[name]["device_bytes"])
 
 
 def compile_hcattention_int8(targets=("h100", "v5e-8")) -> dict:
