@@ -1,7 +1,8 @@
 """Runs in its own process with jax's CUDA plugin and libtpu on the path (``tests/test_accelerator_compile.py`` starts
 it): compiles every registered method's one-token decode step on a tiny model for an H100 and for a TPU v5e-8 slice,
 without them (:func:`kvjax.evals.plan.compile_step`), and prints one JSON object on the last line of stdout: per target and
-method, the compiled memory, the bytes moved, whether the program holds a Pallas kernel and which, or the error.
+method, the compiled memory, the bytes moved, whether the program holds a Pallas kernel and which, its int8 and
+host-memory arguments, or the error; the same for :data:`INT8`'s methods with an int8 cache.
 
 ``python -m tests.accelerator_compile_worker [targets]`` (``PYTHONPATH`` must hold ``.aot-gpu`` and ``.aot-tpu``).
 """
@@ -21,9 +22,10 @@ KERNEL_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 # Configurations compiled beside every registered method: HCAttention with the paper's 16-bit codes (c > 256).
 EXTRA = {"hcattention:centroids=1024": dict(budget=0.25)}
-# Methods whose decode step is also compiled with int8 pages (per-token scales): the full cache, the evicting methods'
-# shared pools (SnapKV), Quest's pages with their bounds, and the recall family's pools and host copy.
-INT8 = ("full", "snapkv", "quest", "heterocache", "synckv")
+# Methods whose decode step is also compiled with an int8 cache (per-token scales): the full cache, the evicting
+# methods' shared pools (SnapKV), Quest's pages with their bounds, the recall family's pools and host copy, and
+# HCAttention's host values (PQ-coded keys, budget 0.25).
+INT8 = ("full", "snapkv", "quest", "heterocache", "synckv", "hcattention")
 
 
 def methods():
@@ -70,6 +72,8 @@ def main() -> None:
                 entry = text[text.index("\nENTRY"):]
                 entry = entry[:entry.index("\n}")]
                 out["int8_arguments"] = len(re.findall(r"= s8\[[\d,]*\]\{[^}]*\} parameter\(", entry))
+                # the shapes of the arguments in host memory (memory space S(5))
+                out["host_arguments"] = sorted(re.findall(r"= (\w+\[[\d,]*\])\{[^}]*S\(5\)[^}]*\} parameter\(", entry))
                 into[name] = out
     print(json.dumps(result))
 
