@@ -248,7 +248,7 @@ MESH_SCRIPT = """
 import json
 import numpy as np
 from kvjax.api import generate_tokens
-from kvjax.methods import SnapKV
+from kvjax.methods import Quest, SnapKV
 from kvjax.models.sharding import shard_model
 from tests.mesh_worker import CONFIG_D16, tiny_model
 
@@ -259,19 +259,25 @@ out = {}
 for mesh in ("one device", "data=2,model=2"):
     model = base if mesh == "one device" else shard_model(base, mesh)
     for impl in ("xla", "pallas_interpret"):
-        method = SnapKV(budget=0.5, window=4, block=16, implementation=impl)
-        tokens, _, cache, _ = generate_tokens(model, rows, method=method, max_new_tokens=4, chunk_size=16, kv_dtype="int8")
-        st = cache.layers[0]
-        out[mesh + " " + impl] = {"tokens": np.asarray(tokens).tolist(), "bytes": cache.stats()["device_bytes"],
-                                  "scale_shards": [list(s.data.shape) for s in st.k_scales.addressable_shards],
-                                  "pool_shards": [list(s.data.shape) for s in st.k_pages.addressable_shards]}
+        for method in (SnapKV(budget=0.5, window=4, block=16, implementation=impl),
+                       Quest(budget=16, page_size=8, implementation=impl)):  # 2 of each head's 4-6 pages read
+            tokens, _, cache, _ = generate_tokens(model, rows, method=method, max_new_tokens=4, chunk_size=16,
+                                                  kv_dtype="int8")
+            st = cache.layers[0]
+            paged = st.paged if method.name == "quest" else st
+            out[f"{method.name} {mesh} {impl}"] = {
+                "tokens": np.asarray(tokens).tolist(), "bytes": cache.stats()["device_bytes"],
+                "scale_shards": [list(s.data.shape) for s in paged.k_scales.addressable_shards],
+                "pool_shards": [list(s.data.shape) for s in paged.k_pages.addressable_shards]}
 print(json.dumps(out))
 """
 
 
 def test_quantized_pools_split_over_a_mesh():
     """On a (data=2, model=2) mesh of 4 simulated CPU devices the scales are split by page like the pools, and the
-    int8 cache generates the one-device tokens (XLA, and the Pallas kernel per device under ``shard_map``)."""
+    int8 cache generates the one-device tokens (XLA, and the Pallas kernel per device under ``shard_map``): SnapKV's
+    pools, and Quest's pages read through its page selection."""
+    import itertools
     import json
     import os
     import subprocess
@@ -284,9 +290,9 @@ def test_quantized_pools_split_over_a_mesh():
                          timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    for impl in ("xla", "pallas_interpret"):
-        one, split = out[f"one device {impl}"], out[f"data=2,model=2 {impl}"]
-        assert split["tokens"] == one["tokens"], impl
+    for name, impl in itertools.product(("snapkv", "quest"), ("xla", "pallas_interpret")):
+        one, split = out[f"{name} one device {impl}"], out[f"{name} data=2,model=2 {impl}"]
+        assert split["tokens"] == one["tokens"], (name, impl)
         assert split["bytes"] == one["bytes"]
         assert len(split["scale_shards"]) == 4 and len(split["pool_shards"]) == 4
         pages = one["pool_shards"][0][0]
