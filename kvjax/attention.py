@@ -192,8 +192,8 @@ def contiguous_decode_attention(q, k, v, *, length, pad, implementation: str, me
     writes a padded bf16 copy of the probabilities for the value product: 1.45x the step's bytes floor for the
     default model's full cache at 30K tokens in the program compiled for an H100 (``kvjax.evals.plan``).
     ``k_scales, v_scales[B, Hkv, S]``: the per-token float32 scales of an int8 / fp8 cache
-    (:mod:`kvjax.kv_quantization`), read as the pages' scales (the kernel's GPU and TPU forms dequantize each block they
-    read, its Mosaic GPU form gets the cache dequantized before the call); None for a float cache.
+    (:mod:`kvjax.kv_quantization`), read as the pages' scales (each compiled form of the kernel dequantizes each
+    block it reads); None for a float cache.
     On a multi-device ``mesh`` each device reads its own rows and KV heads under ``shard_map``."""
     from kvjax.pallas_kernels import paged_decode_attention
 

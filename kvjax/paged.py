@@ -12,8 +12,7 @@
 * ``k_scales, v_scales[num_pages, page_size]`` (float32): with a quantized ``kv_dtype`` (int8,
   float8_e4m3fn) the pools hold quantized values and these their per-token scales
   (:mod:`kvjax.kv_quantization`); None otherwise. Attention dequantizes (pages x scales) before
-  its math: the XLA paths the gathered pages, the Pallas kernel's GPU and TPU forms each block they
-  read; its Mosaic GPU form gets the pools dequantized whole before the call
+  its math: the XLA paths the gathered pages, the Pallas kernel's compiled forms each block they read
   (:func:`kvjax.pallas_kernels.paged_decode_attention`).
 
 Keys stay post-RoPE at their original positions; later tokens (a question, decoded tokens) are
@@ -255,8 +254,7 @@ def paged_device_bytes(state: PagedKV) -> int:
 
 def paged_read_bytes(state: PagedKV) -> int:
     """K/V bytes one decode step reads from a paged layer: every held token of every head (concrete lengths), in the
-    stored dtype with its scales, as the kernel's GPU and TPU forms read them (its Mosaic GPU form also dequantizes a
-    quantized pool whole before the call, and the TPU form's program may relayout the whole scale pools, which this
-    count leaves out)."""
+    stored dtype with its scales, as the kernel's forms read them (the Mosaic GPU form's program also gathers the
+    scales per head, and the TPU form's may relayout the whole scale pools, which this count leaves out)."""
     per_token = stored_vector_bytes(state.k_pages.shape[-1], state.k_pages.dtype)
     return 2 * int(jnp.sum(state.lengths)) * per_token

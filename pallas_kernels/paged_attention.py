@@ -93,10 +93,10 @@ TPU forms, so a decode step reads 1 byte per element plus 4 per token and head, 
   and then copies the scales to row-major before the kernel, every step: it reads 4 bytes per
   stored token and pool and writes them with lanes padded to 128 (into VMEM in the compiled v5e
   test program; against 2 * D bytes per token of int8 K/V).
-* Mosaic GPU form: gets the pools dequantized whole before the call (in the query's dtype), so
-  there a quantized pool saves memory held but not bandwidth read. Its blocks are upcast from
-  WGMMA register layouts built for 16/32-bit tiles, and it is not the GPU default (the Triton form,
-  which dequantizes in the kernel, is).
+* Mosaic GPU form: copies each page into shared memory as stored, widens the block in registers
+  and applies the scales to the score and weight vectors as the TPU form; its scales come gathered
+  through the block table, a contiguous row per (row, KV head)
+  (:mod:`kvjax.pallas_kernels.paged_attention_mgpu`).
 * The reference dequantizes the gathered pages.
 
 Both run on CPU in interpret mode (``implementation="pallas_interpret"``): the TPU form under
@@ -715,10 +715,9 @@ def _paged_decode_attention(q, k_pages, v_pages, block_table, lengths, starts, k
     if backend == "mosaic_gpu":
         from kvjax.pallas_kernels.paged_attention_mgpu import paged_mgpu
 
-        # the Mosaic GPU form reads bf16 / f32 pools: a quantized pool is dequantized whole first
-        k_pages, v_pages = _dequantized(k_pages, k_scales, q.dtype), _dequantized(v_pages, v_scales, q.dtype)
         return paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
-                          pages_per_block=pages_per_block, num_splits=num_splits, interpret=interpret)
+                          pages_per_block=pages_per_block, num_splits=num_splits, interpret=interpret,
+                          k_scales=k_scales, v_scales=v_scales)
     return _paged_tpu(q, k_pages, v_pages, block_table, lengths, starts, scale=scale,
                       pages_per_block=pages_per_block, interpret=interpret,
                       prefetch_budget=prefetch_budget, k_scales=k_scales, v_scales=v_scales)
@@ -738,7 +737,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, scale=N
         ``starts .. lengths - 1`` are attended (a contiguous cache read as pages: a left-padded
         row's padding is never attended); ``lengths <= starts`` gives a zero output.
       k_scales, v_scales: float32 ``[num_pages, page_size]`` per-token scales of quantized pools, or None
-        (module docstring: the GPU and TPU forms dequantize in the kernel, the Mosaic GPU form before it).
+        (module docstring: every compiled form dequantizes in the kernel).
       scale: logit scale, default ``D ** -0.5``.
       implementation: ``"pallas"`` (compiled), ``"pallas_interpret"`` (CPU emulation) or
         ``"xla"`` (:func:`paged_decode_attention_reference`).

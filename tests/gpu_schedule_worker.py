@@ -1,7 +1,7 @@
 """Runs in its own process with jax's CUDA plugin on the path (``tests/test_gpu_schedule.py`` starts it): compiles the
 tiny model's decode loop for an H100, without one, and prints the host calls' windows and the step's conditionals,
 with the shapes each program's one-token step copies, as one JSON object on the last line of stdout; also compiles
-the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode shape (the custom calls of the compiled program).
+the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode shape over bfloat16 and quantized pools.
 
 ``python -m tests.gpu_schedule_worker`` (``PYTHONPATH`` must hold the plugin's directory, ``.aot-gpu``).
 """
@@ -45,9 +45,11 @@ def main() -> None:
                       "mosaic_paged": mosaic_paged_calls(topology)}))
 
 
-def mosaic_paged_calls(topology) -> list[str]:
-    """The custom calls of the paged kernel's Mosaic GPU form compiled for an H100: batch 8, 32 query / 8 KV heads of
-    128 dims, bfloat16, 32K tokens per head in 16-token pages."""
+def mosaic_paged_calls(topology) -> dict:
+    """The paged kernel's Mosaic GPU form compiled for an H100 at Llama-3.1-8B's decode shape (batch 8, 32 query / 8 KV
+    heads of 128 dims, 32K tokens per head in 16-token pages), over bfloat16 pools and over int8 / float8_e4m3fn pools
+    with their per-token scales: per pool dtype the custom calls of the compiled program, the Mosaic GPU call's
+    operand types, its temporary bytes and one pool's bytes."""
     import jax
     import jax.numpy as jnp
 
@@ -56,16 +58,28 @@ def mosaic_paged_calls(topology) -> list[str]:
 
     B, H_kv, G, D, page, tokens = 8, 8, 4, 128, 16, 32768
     pages = tokens // page
-    args = (jax.ShapeDtypeStruct((B, H_kv * G, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((B * H_kv * pages, page, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((B * H_kv * pages, page, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((B, H_kv, pages), jnp.int32), jax.ShapeDtypeStruct((B, H_kv), jnp.int32))
+    S = jax.ShapeDtypeStruct
+    out = {}
+    for kv_dtype in ("bfloat16", "int8", "float8_e4m3fn"):
+        quantized = kv_dtype != "bfloat16"
+        pool = S((B * H_kv * pages, page, D), kv_dtype)
+        scales = (S((B * H_kv * pages, page), jnp.float32),) * 2 if quantized else ()
+        args = (S((B, H_kv * G, D), jnp.bfloat16), pool, pool, S((B, H_kv, pages), jnp.int32),
+                S((B, H_kv), jnp.int32)) + scales
 
-    def attend(q, k, v, table, lengths):
-        return paged_decode_attention(q, k, v, table, lengths, implementation="pallas", backend="mosaic_gpu")
+        def attend(q, k, v, table, lengths, k_scales=None, v_scales=None):
+            return paged_decode_attention(q, k, v, table, lengths, implementation="pallas", backend="mosaic_gpu",
+                                          k_scales=k_scales, v_scales=v_scales)
 
-    hlo = gpu_executable(export_for_gpu(attend, *args).mlir_module(), topology, {}).hlo_modules()[0].to_string()
-    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+        executable = gpu_executable(export_for_gpu(attend, *args).mlir_module(), topology, {})
+        hlo = executable.hlo_modules()[0].to_string()
+        call = next(line for line in hlo.splitlines() if 'custom_call_target="mosaic_gpu_v2"' in line)
+        operands = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", call)[1]
+        out[kv_dtype] = {"calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
+                         "operands": re.findall(r"\w+\[[\d,]*\]", operands),
+                         "temp_bytes": int(executable.get_compiled_memory_stats().temp_size_in_bytes),
+                         "pool_bytes": int(pool.size * jnp.dtype(kv_dtype).itemsize)}
+    return out
 
 
 if __name__ == "__main__":

@@ -135,5 +135,14 @@ def test_pipelined_recall_overlaps_the_step_in_the_h100_schedule():
     assert set(result["step_copies"]) == {"heterocache-pipelined", "synckv-pipelined", "synckv-spread"}
     for name, copied in result["step_copies"].items():
         assert all(shape.startswith("s32[]") for shape in copied), (name, copied)
-    # the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode shape compiles for the H100 as its own custom call
-    assert "mosaic_gpu_v2" in result["mosaic_paged"], result["mosaic_paged"]
+    # the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode shape compiles for the H100 as its own custom call;
+    # over int8 / fp8 pools it takes the pools as stored (1 byte per element) and the scales gathered per head, and the
+    # program holds no float copy of a pool (temporaries: the gathered scales and the splits' partials)
+    mosaic = result["mosaic_paged"]
+    for kv_dtype, name in (("bfloat16", "bf16"), ("int8", "s8"), ("float8_e4m3fn", "f8e4m3fn")):
+        case = mosaic[kv_dtype]
+        assert "mosaic_gpu_v2" in case["calls"], case["calls"]
+        assert case["operands"].count(f"{name}[131072,16,128]") == 2, case["operands"]
+        if kv_dtype != "bfloat16":
+            assert case["operands"].count("f32[8,8,32768]") == 2, case["operands"]
+            assert case["temp_bytes"] < case["pool_bytes"] / 8, case  # a float copy: 2x or 4x a pool

@@ -1,6 +1,7 @@
-"""The TPU form of the paged decode kernel over int8 / float8_e4m3fn pages: dequantized in the kernel.
+"""The TPU and Mosaic GPU forms of the paged decode kernel over int8 / float8_e4m3fn pages: dequantized in the kernel.
 
-* Interpreted on the CPU (``pltpu.InterpretParams``, which fills uninitialised VMEM with NaN): attention over quantized
+* Interpreted on the CPU (``pltpu.InterpretParams``, which fills uninitialised VMEM with NaN; Mosaic GPU's
+  interpreter): attention over quantized
   pages against a float64 numpy reference, random pools with ragged lengths (an empty head, partial pages, a start past
   0), a zero token (scale 0), an outlier token and NaN scales past a head's length.
 * Compiled for a TPU v5e-8 slice with libtpu as a compiler only (``.aot-tpu/`` or ``KVJAX_AOT_TPU``, in a subprocess:
@@ -102,16 +103,22 @@ def per_head(x, table, lengths, starts):
             for b in range(table.shape[0]) for h in range(table.shape[1])}
 
 
+# the TPU form; the Mosaic GPU form with 8-token pages in 64-token blocks and with 128-token pages read as 64-token
+# sub-pages (under Mosaic GPU's interpreter, which skips the register-layout casts the compiled form makes)
+FORMS = [("tpu", {}), ("mosaic_gpu", {}), ("mosaic_gpu", dict(page_size=128, max_pages=3))]
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
-def test_tpu_form_dequantizes_quantized_pages_in_the_kernel(kv_dtype):
-    """The TPU form over quantized pages against float64 attention on the same dequantized K/V.
+@pytest.mark.parametrize("backend, case", FORMS, ids=["tpu", "mosaic_gpu", "mosaic_gpu-subpages"])
+def test_kernel_forms_dequantize_quantized_pages_in_the_kernel(kv_dtype, backend, case):
+    """The TPU and Mosaic GPU forms over quantized pages against float64 attention on the same dequantized K/V.
 
     Tolerance: the kernel computes the same function in float32 (key scales applied to the logits, value scales to the
     softmax weights), so per (row, KV head) a logit is off by at most ``(D + 2) eps32 |q| max_t |k_t|`` (dot products
     of D terms, then the two scalings) and the output by at most ``(2 e_logit + (T + 4) eps32) max_t |v_t|_inf`` (the
     weights' relative error, the sums over T tokens), with a factor 4 of slack."""
-    args, _, _ = quantized_case(kv_dtype)
-    got = np.asarray(paged_decode_attention(**args, implementation="pallas_interpret", backend="tpu"), np.float64)
+    args, _, _ = quantized_case(kv_dtype, **case)
+    got = np.asarray(paged_decode_attention(**args, implementation="pallas_interpret", backend=backend), np.float64)
     assert np.isfinite(got).all()
     k_hat = dequantized64(args["k_pages"], np.nan_to_num(args["k_scales"]))
     v_hat = dequantized64(args["v_pages"], np.nan_to_num(args["v_scales"]))
