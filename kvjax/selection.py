@@ -67,6 +67,27 @@ def pool1d(x, valid, kernel: int, how: str):
     raise ValueError(f"unknown pooling {how!r}; allowed: avg, max")
 
 
+def check_lookahead(lookahead) -> None:
+    """A look-ahead is a whole number of positions, >= 0."""
+    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+        raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
+
+
+def extend_forward(scores, lookahead: int):
+    """Each position's score raised to the largest of the ``lookahead`` positions before it (``scores[..., S]``).
+
+    What a method's scores single out is where reading starts (the key of a needle, a question, the first token of a
+    copy), less the tokens after it: a long value (a UUID, a 7-digit number) is then kept without its tail. Extended
+    forward, a kept token holds the next ``lookahead`` tokens too: the step every scorer shares (``lookahead`` of the
+    evict-after-prefill methods, KVzip and the recall family; docs/ARCHITECTURE.md)."""
+    check_lookahead(lookahead)
+    if lookahead == 0:
+        return scores
+    window = (1,) * (scores.ndim - 1) + (lookahead + 1,)
+    pad = ((0, 0),) * (scores.ndim - 1) + ((lookahead, 0),)
+    return lax.reduce_window(scores, -jnp.inf, lax.max, window, (1,) * scores.ndim, pad)
+
+
 def small_median(x, axis: int = 0):
     """``jnp.median(x, axis)`` of finite values along a short axis, without a sort: an odd count takes the element
     of middle rank (ranks by comparisons, ties by position: the value a sort gives), which the compiler fuses with

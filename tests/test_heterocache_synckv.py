@@ -16,7 +16,8 @@ from kvjax.cache import AttendContext, new_cache
 from kvjax.calibration import attended_set, head_statistics, record_sets, unit_groups
 from kvjax.decoding import TRACE_COUNTS, compress, decode_loop, decode_loop_jit, decode_step, prefill, prefill_jit, rehearse_jit
 from kvjax.methods.recall.schedules import SpreadRecall, apply_anchors, spread_moves
-from kvjax.methods.recall.scores import extend_forward, leader_probs, leader_queries, prompt_only, top_slots
+from kvjax.methods.recall.scores import leader_probs, leader_queries, prompt_only, top_slots
+from kvjax.selection import extend_forward
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from kvjax.calibration.heterocache import classify_group, star_clustering
 from kvjax.calibration.synckv import cluster_group, kmeans

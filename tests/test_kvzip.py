@@ -254,6 +254,44 @@ def test_selection_by_hand():
     assert head.sum(-1).ravel().tolist() == [3, 3]
 
 
+def test_lookahead_keeps_a_values_tail_by_hand():
+    """``lookahead=2``: each score raised to the largest of the two before it, so the pairs after a high one stay.
+    Scores ``[5, .1, .2, .3, 1, .4, .6, .7]``, 2 pruned: without it the 2nd smallest is .2 and 0, 3-7 stay; with it the
+    scores are ``[5, 5, 5, .3, 1, 1, 1, .7]``, the 2nd smallest is .7 and 0-2, 4-6 stay (the value after slot 0)."""
+    scores = jnp.asarray([0.5, 0.01, 0.02, 0.03, 0.1, 0.04, 0.06, 0.07]).reshape(1, 1, 1, 8) * 10
+    pad = jnp.asarray([0])
+    assert np.flatnonzero(np.asarray(select(scores, pad, 8, [2], "global"))).tolist() == [0, 3, 4, 5, 6, 7]
+    assert np.flatnonzero(np.asarray(select(scores, pad, 8, [2], "global", 2))).tolist() == [0, 1, 2, 4, 5, 6]
+    with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
+        KVzip(lookahead=-1)
+
+
+def test_lookahead_allocates_and_keeps_what_the_extended_scores_choose(tiny):
+    """With ``lookahead=3`` on the tiny model (global allocation): each (layer, KV head)'s allocated capacity is the
+    count of its extended scores above the threshold (numpy, from the recorded scores), the compressed pages hold those
+    pairs' keys in order, and the choice differs from the one without the look-ahead."""
+    model, _ = tiny
+    ids = [int(x) for x in np.random.default_rng(5).integers(40, 97, size=120)]
+    method = KVzip(budget=0.25, block=16, page_size=8, lookahead=3)
+    _, cache = kvjax_keep(model, [ids], method, room=0)
+    scores = np.stack([np.asarray(st.scores) for st in cache.layers])[:, 0]  # [L, Hkv, S]
+    ext = np.stack([scores[..., max(0, j - 3):j + 1].max(-1) for j in range(scores.shape[-1])], -1)
+    L, Hkv, S = scores.shape
+    pruned = int(L * Hkv * S * 0.75)
+    keep = ext > np.sort(ext.ravel())[pruned - 1]
+    plain = scores > np.sort(scores.ravel())[pruned - 1]
+    assert cache.method.allocated == tuple(tuple(int(c) for c in layer) for layer in keep.sum(-1))
+    assert (keep != plain).any()
+    staged_k = [np.asarray(st.staged.k)[0] for st in cache.layers]
+    done = compress(cache)
+    for layer in (0, L - 1):
+        paged = done.layers[layer]
+        for h in range(Hkv):
+            n = int(paged.lengths[0, h])
+            rows = np.asarray(paged.k_pages)[np.asarray(paged.block_table)[0, h]].reshape(-1, staged_k[0].shape[-1])
+            np.testing.assert_array_equal(rows[:n], staged_k[layer][h, np.flatnonzero(keep[layer, h])])
+
+
 # --------------------------------------------------------------------------------------------------- edges
 def test_budgets_sum_to_the_budget_and_device_bytes_follow(tiny):
     model, _ = tiny

@@ -88,6 +88,37 @@ def test_h2o_recent_plus_heavy_hitters_with_gqa():
     assert kept(select(H2O(budget=4, gqa="max"), st, jnp.array([0]), 4)) == [[1, 3, 6, 7]]
 
 
+def test_lookahead_keeps_a_values_tokens_together():
+    """A hand-made cache: a needle's key (slot 2, score 9) and its 4-token value (slots 3-6, 0.1 each: attention goes to
+    where reading starts), then filler scoring 1-2, then the recent window. H2O at 12 tokens keeps 6 recent and the 6
+    best others: the key and five filler tokens without ``lookahead``; with ``lookahead=4`` the scores carry 9 over
+    slots 3-6, so key and value stay whole (and the best filler token). The same step for SnapKV: its window-attention
+    scores extended likewise."""
+    acc = np.zeros((1, 1, 24), np.float32)
+    acc[0, 0, 2] = 9.0
+    acc[0, 0, 3:7] = 0.1
+    acc[0, 0, 8:18] = np.linspace(1.0, 2.0, 10)
+    st = staged(24, 24, acc=jnp.asarray(acc))
+    recent = list(range(18, 24))
+    assert kept(select(H2O(budget=12), st, jnp.array([0]), 12)) == [[2, 13, 14, 15, 16, 17] + recent]
+    assert kept(select(H2O(budget=12, lookahead=4), st, jnp.array([0]), 12)) == [[2, 3, 4, 5, 6, 17] + recent]
+    # SnapKV: one window query attending to slot 2 most (its key aligned with the query), to the filler at 8-14 a
+    # little (logit 2) and to the value at 3-5 least (logit 0)
+    k = np.zeros((1, 1, 16, 4), np.float32)
+    k[0, 0, :, 1] = 1.0
+    k[0, 0, 2] = [8.0, 0.0, 0.0, 0.0]
+    k[0, 0, 8:15, 0] = 0.5
+    q = np.asarray([[[[8.0, 0.0, 0.0, 0.0]]]], np.float32)  # [B, W=1, Hq, D]
+    snap = staged(16, 16, k=jnp.asarray(k), q=jnp.asarray(q))
+    base = dict(budget=5, window=1, kernel=1)
+    assert kept(select(SnapKV(**base), snap, jnp.array([0]), 5)) == [[2, 8, 9, 10, 15]]
+    assert kept(select(SnapKV(**base, lookahead=3), snap, jnp.array([0]), 5)) == [[2, 3, 4, 5, 15]]
+    with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
+        SnapKV(lookahead=-2)
+    with pytest.raises(ValueError, match="a look-ahead changes nothing"):
+        StreamingLLM(lookahead=4)
+
+
 def numpy_snapkv_scores(q, k, window, kernel, prompt_len):
     """Independent numpy SnapKV scoring (one row, MHA): window softmax, sum, avg pool (count_include_pad)."""
     _, W, H, D = q.shape

@@ -61,7 +61,7 @@ from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import AttendContext, Cache, CacheSpec, FinishContext
 from kvjax.kv_quantization import reject_kv_dtype
 from kvjax.paged import PagedKV, append_and_attend, build_paged, paged_device_bytes, paged_partition, paged_read_bytes
-from kvjax.selection import GQA_AGGREGATIONS, keep_to_indices, row_capacities
+from kvjax.selection import GQA_AGGREGATIONS, check_lookahead, extend_forward, keep_to_indices, row_capacities
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 
 
@@ -268,6 +268,8 @@ class PromptCompression(StagedPrefill, LayerLocal):
       gqa: aggregation of a KV head's query-group scores, mean | max.
       block: key-block size of the prefill attention.
       implementation: decode attention implementation, auto | xla | pallas | pallas_interpret.
+      lookahead: the scores extended this many positions forward before selection, so that a kept token keeps
+        the tokens after it (:func:`kvjax.selection.extend_forward`; 0: none, the papers').
     """
 
     budget: int | float = 0.25
@@ -275,11 +277,13 @@ class PromptCompression(StagedPrefill, LayerLocal):
     gqa: str = "mean"
     block: int = 256
     implementation: str = "auto"
+    lookahead: int = 0
     name = "prompt_compression"
 
     def __post_init__(self):
         check_common(self.page_size, self.block, self.gqa, self.implementation)
         check_budget(self.budget)
+        check_lookahead(self.lookahead)
 
     def components(self):
         """``(scorer, allocator, selector, layout)`` of this method."""
@@ -312,7 +316,7 @@ class PromptCompression(StagedPrefill, LayerLocal):
         scorer, _, selector, _ = self.components()
         spec = ctx.spec
         head_caps = self.head_capacities(spec)[ctx.layer]
-        scores = scorer(state, ctx.pad, spec.prompt_slots)
+        scores = extend_forward(scorer(state, ctx.pad, spec.prompt_slots), self.lookahead)
         row_caps = row_capacities(head_caps, self.budget, spec, ctx.pad)
         return selector(scores, ctx.pad, spec.prompt_slots, row_caps, head_caps), scores
 

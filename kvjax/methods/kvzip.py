@@ -49,7 +49,7 @@ from kvjax.attention import MASK_VALUE, causal_cache_attention, resolve_implemen
 from kvjax.budgets import budget_facts, check_budget
 from kvjax.cache import Cache, CacheSpec
 from kvjax.methods.base import LayerLocal, NoArtifact, PagedAppend
-from kvjax.selection import keep_to_indices
+from kvjax.selection import check_lookahead, extend_forward, keep_to_indices
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 
 ALLOCATIONS = ("global", "layer", "head")
@@ -99,6 +99,8 @@ class KVzip(NoArtifact, LayerLocal):
       chunk: context tokens per reconstruction pass (2048, kvpress).
       carry: tokens of the previous chunk quoted in a later pass's request (8, kvpress).
       page_size, block, implementation: page pool, prefill attention block, decode attention implementation.
+      lookahead: the scores extended this many positions forward before selection (:func:`kvjax.selection.extend_forward`;
+        0: none, the paper's).
       query_block: reconstruction queries scored at once (``B * Hq * query_block * (sinks + chunk + pass)`` floats;
         32 scored a 4K context in 0.90x the time of 128 and 0.69x that of 512 on a 2-core CPU).
       allocated: per layer, the prompt tokens each KV head keeps; set by :func:`score_context`, not by users.
@@ -112,6 +114,7 @@ class KVzip(NoArtifact, LayerLocal):
     page_size: int = 16
     block: int = 256
     implementation: str = "auto"
+    lookahead: int = 0
     query_block: int = 32
     allocated: tuple = ()
     name = "kvzip"
@@ -127,6 +130,7 @@ class KVzip(NoArtifact, LayerLocal):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
         resolve_implementation(self.implementation)
+        check_lookahead(self.lookahead)
 
     # -- protocol
     def rereads_context(self) -> bool:
@@ -172,7 +176,7 @@ class KVzip(NoArtifact, LayerLocal):
                              "kvjax.methods.kvzip.score_context on the prefilled cache first (kvjax.generate, ask, "
                              "compare and kvjax eval do)")
         scores = jnp.stack([st.scores for st in ctx.layers]) if self.allocation == "global" else state.scores[None]
-        keep = select(scores, ctx.pad, ctx.spec.prompt_slots, state.pruned, self.allocation)
+        keep = select(scores, ctx.pad, ctx.spec.prompt_slots, state.pruned, self.allocation, self.lookahead)
         keep = keep[ctx.layer] if self.allocation == "global" else keep[0]
         caps = self.allocated[ctx.layer]
         idx, lengths = keep_to_indices(keep, max(caps))
@@ -181,7 +185,7 @@ class KVzip(NoArtifact, LayerLocal):
     def reconstruction_key(self) -> "KVzip":
         """What the scores depend on: configurations with the same key share one :func:`reconstruct` (they differ in
         the budget or the allocation only)."""
-        return dataclasses.replace(self, budget=1.0, allocation="global", allocated=())
+        return dataclasses.replace(self, budget=1.0, allocation="global", lookahead=0, allocated=())
 
     def uniform_allocation(self, spec: CacheSpec) -> "KVzip":
         """This method with every KV head allocated the budget's tokens of the longest row: the layout of a cache
@@ -297,15 +301,15 @@ def pruned_counts(method: KVzip, row_lengths: np.ndarray, num_layers: int, num_k
     return np.asarray(out, np.int64)
 
 
-def select(scores, pad, prompt_slots: int, pruned, allocation: str):
+def select(scores, pad, prompt_slots: int, pruned, allocation: str, lookahead: int = 0):
     """Keep masks ``[L, B, Hkv, S]`` from the scores ``[L, B, Hkv, S]`` (every layer for ``global``, one layer at a
-    time otherwise): padding is never kept, and ``pruned[b]`` pairs of the lowest scores are evicted per row over the
+    time otherwise), extended forward by ``lookahead`` (:func:`kvjax.selection.extend_forward`): padding is never kept, and ``pruned[b]`` pairs of the lowest scores are evicted per row over the
     model (``global``: every pair at or below the ``max(pruned - 1, 0)``-th smallest score, ties included, kvpress),
     per layer or per head (lowest first, ties by position); ``pruned[b] < 0`` keeps the whole row."""
     L, B, Hkv, S = scores.shape
     slots = jnp.arange(S)
     real = (slots[None, :] >= pad[:, None]) & (slots[None, :] < prompt_slots)  # [B, S]
-    s = scores
+    s = extend_forward(scores, lookahead)
     pruned = jnp.asarray(pruned, jnp.int32)
     real_b = jnp.broadcast_to(real[None, :, None], s.shape)
     if allocation == "global":
@@ -324,10 +328,11 @@ def select(scores, pad, prompt_slots: int, pruned, allocation: str):
     return keep & real_b
 
 
-@functools.partial(jax.jit, static_argnames=("prompt_slots", "allocation"), donate_argnames=("cache",))
-def _select_jit(cache: Cache, pruned, *, prompt_slots: int, allocation: str):
+@functools.partial(jax.jit, static_argnames=("prompt_slots", "allocation", "lookahead"), donate_argnames=("cache",))
+def _select_jit(cache: Cache, pruned, *, prompt_slots: int, allocation: str, lookahead: int):
     """The rows' evicted counts into every layer's state, and the kept pairs per (layer, KV head), largest row."""
-    keep = select(jnp.stack([st.scores for st in cache.layers]), cache.pad, prompt_slots, pruned, allocation)
+    keep = select(jnp.stack([st.scores for st in cache.layers]), cache.pad, prompt_slots, pruned, allocation,
+                  lookahead)
     layers = tuple(st.replace(pruned=jnp.asarray(pruned, jnp.int32)) for st in cache.layers)
     return cache.replace(layers=layers), keep.sum(-1).max(axis=1)
 
@@ -415,7 +420,7 @@ def allocate(cache: Cache) -> Cache:
     n_real = spec.prompt_slots - np.asarray(cache.pad, np.int64)
     pruned = pruned_counts(method, n_real, spec.num_layers, spec.num_kv_heads)
     cache, kept = _select_jit(cache, jnp.asarray(pruned, jnp.int32), prompt_slots=spec.prompt_slots,
-                              allocation=method.allocation)
+                              allocation=method.allocation, lookahead=method.lookahead)
     allocated = tuple(tuple(max(1, int(c)) for c in layer) for layer in np.asarray(kept))
     return cache.replace(method=dataclasses.replace(method, allocated=allocated))
 

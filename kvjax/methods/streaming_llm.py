@@ -23,6 +23,9 @@ class StreamingLLM(PromptCompression):
         super().__post_init__()
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.lookahead:
+            raise ValueError("streaming_llm keeps the most recent tokens: a look-ahead changes nothing (its scores "
+                             f"rise with position), got lookahead={self.lookahead}")
 
     def check_capacity(self, cap):
         """The sinks must fit in the budget."""

@@ -29,6 +29,7 @@ from kvjax.methods.recall.layout import (RecallKV, append_attend, attention_read
 from kvjax.methods.recall.schedules import RecallSchedule, apply_anchors, make_schedule, refresh_all
 from kvjax.methods.recall.scores import leader_queries, leader_query_logits, probs_from_logits, seen_limits
 from kvjax.paged import append, paged_chunk_attention
+from kvjax.selection import check_lookahead
 from kvjax.staging import Recording, StagedKV, init_staging, stage_chunk, staged_partition
 
 
@@ -38,8 +39,7 @@ def check_calibrated(kernel: int, group_layers, recall_schedule: str, rehearsals
     make_schedule(recall_schedule, 1)
     if kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"kernel must be a positive odd number, got {kernel}")
-    if not isinstance(lookahead, int) or lookahead < 0:
-        raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
+    check_lookahead(lookahead)
     if group_layers is not None and group_layers < 1:
         raise ValueError(f"group_layers must be >= 1 or None, got {group_layers}")
     if rehearsals < 0:
@@ -88,7 +88,7 @@ class LeaderFollowerMethod(abc.ABC):
       budget: fraction of the prompt's KV kept on the device over all heads, or tokens per head.
       kernel: pooling width of the leaders' attention scores (odd; 1: none).
       lookahead: the leaders' decode and question scores extended this many positions forward
-        (:func:`kvjax.methods.recall.scores.extend_forward`; 0: none, the papers').
+        (:func:`kvjax.selection.extend_forward`; 0: none, the papers').
       group_layers: which shipped artifact to load when none is given (None: the model's default).
       rehearsals: passes of a re-anchoring question before the one that counts.
       recall_schedule: ``"whole"`` (the papers'), ``"spread"`` or ``"pipelined"``

@@ -10,7 +10,7 @@ from jax import lax
 from kvjax.attention import MASK_VALUE, resolve_implementation
 from kvjax.kv_quantization import dequantize
 from kvjax.paged import PagedKV, local_block_table, shard_map
-from kvjax.selection import gqa_aggregate, pool1d, window_attention
+from kvjax.selection import extend_forward, gqa_aggregate, pool1d, window_attention
 from kvjax.sharding import BY_DEVICE, ROWS_HEADS, is_split
 
 
@@ -121,19 +121,6 @@ def probs_from_logits(s, limits, kernel: int, gqa: str, lookahead: int = 0):
     p = pool1d(p, seen[:, :, :, None], kernel, "avg")
     agg = p.mean(axis=3) if gqa == "mean" else p.max(axis=3)
     return jnp.where(seen, extend_forward(agg, lookahead), -jnp.inf)
-
-
-def extend_forward(scores, lookahead: int):
-    """Each position's score raised to the largest of the ``lookahead`` positions before it (``scores[..., S]``).
-
-    A leader attends the start of what it reads (a question, the key of a needle; a copy, the token being copied),
-    not the tokens after it, and a follower holds only what its leader's choice names. Extending the scores forward
-    makes a choice hold the next ``lookahead`` tokens of whatever the leader attends (docs/methods/recall.md)."""
-    if lookahead == 0:
-        return scores
-    window = (1,) * (scores.ndim - 1) + (lookahead + 1,)
-    pad = ((0, 0),) * (scores.ndim - 1) + ((lookahead, 0),)
-    return lax.reduce_window(scores, -jnp.inf, lax.max, window, (1,) * scores.ndim, pad)
 
 
 def seen_limits(paged: PagedKV, heads: tuple, T: int):
