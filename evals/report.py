@@ -114,9 +114,11 @@ def summarize(records: list[dict], fidelity: list[dict], config: dict) -> dict:
                     grid[i, j] = 100 * float(np.mean(s))
         heat[f"{m}@{b}"] = grid.tolist()
     fid = sorted(fidelity, key=lambda r: (r["prefix_tokens"], _config_key(r["method"], r["budget"], methods_order)))
+    measured = collections.Counter((r.get("jax"), r.get("device")) for r in records)
     return {"tasks": tasks, "lengths": lengths, "mean_over": [f"{t}@{n}" for t, n in common], "rows": rows,
             "depth_heatmap": heat, "depth_bins": DEPTH_BINS,
-            "fidelity": fid, "num_records": len(records)}
+            "fidelity": fid, "num_records": len(records),
+            "measured_with": [{"jax": j, "device": d, "records": n} for (j, d), n in sorted(measured.items(), key=str)]}
 
 
 def shortfalls(summary: dict) -> list[str]:
@@ -149,6 +151,13 @@ def render_markdown(summary: dict, config: dict) -> str:
     lines = [f"# Evaluation run `{config.get('run_name', '')}`", ""]
     if config.get("command"):
         lines += ["Produced by:", "", "```", config["command"], "```", ""]
+    known = [m for m in summary.get("measured_with", []) if m["jax"]]
+    if known:
+        older = sum(m["records"] for m in summary["measured_with"] if not m["jax"])
+        count = lambda n: f"{n} record" + ("s" if n != 1 else "")  # noqa: E731
+        lines += ["Measured with " + "; ".join(f"jax {m['jax']} on {m['device']} ({count(m['records'])})" for m in known)
+                  + (f"; {count(older)} written before the records named their jax version and device." if older
+                     else "."), ""]
     lines += [
         f"Suite **{suite.name}**, split **{split}** (seed {config.get('seed')}). "
         f"Model `{config.get('model')}` ({config.get('dtype')}), greedy decoding, "

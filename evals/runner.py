@@ -14,7 +14,8 @@ Outputs in ``<out_root>/<run_name>/``:
   shared prefill runs again). A record's
   ``device_bytes`` is its share of the batch's cache plus the whole artifact (codebooks, trained
   heads: held once whatever the batch; also ``artifact_device_bytes``). Records written before
-  this rule divided the artifact by the batch's rows;
+  this rule divided the artifact by the batch's rows. ``jax`` and ``device`` name what measured it
+  (:func:`environment`; records written before 2026-12-07 lack them);
 * ``fidelity.jsonl``: one record per (method, budget, length) of the fidelity check (:mod:`kvjax.evals.fidelity`);
 * ``config.json`` (the run's settings), ``summary.json``, ``README.md`` (tables) and PNG plots, rebuilt
   from the JSONL files at the end of every run (:mod:`kvjax.evals.report`).
@@ -129,6 +130,20 @@ SELECTION_STATS = ("selection_ratio", "selection_ratio_per_layer", "value_rows_p
                    "value_rows_fetched_per_head_per_call", "key_representation")  # per run of methods that select values per step (HCAttention)
 
 
+def environment() -> dict:
+    """What a record was measured with: the jax version and the device (a CPU by its model and usable cores, an
+    accelerator by its kind and count)."""
+    from kvjax.evals.bench_machine import machine_info
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        info = machine_info()
+        where = f"cpu: {info['cpu']}, {info['usable_cores']} cores"
+    else:
+        where = f"{device.device_kind} x {len(jax.devices())}"
+    return {"jax": jax.__version__, "device": where}
+
+
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
     """EOS plus the chat end-of-turn tokens the vocabulary has (a chat answer ends at either)."""
     ids = set()
@@ -200,6 +215,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
     from kvjax.shared_prefill import cache_for, can_share_prefill, init_shared_cache
     from kvjax.models.tokenizer import reconstruction_prompt
 
+    env = environment()
     tok = model.tokenizer
     suite = get_suite(cfg.suite)
     path = os.path.join(cfg.out_dir, "samples.jsonl")
@@ -317,7 +333,7 @@ def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
                         **({"reconstruct_s": reconstruct_s / len(rows)} if reconstruct_s is not None else {}),
                         **({"recall_trigger_rate": recalls["recall_trigger_rate"],
                             "bytes_recalled": recalls["bytes_recalled"] // len(rows)} if recalls else {}),
-                        **selection,
+                        **selection, **env,
                     })
                 for r in records:
                     out.write(json.dumps(r) + "\n")

@@ -46,6 +46,9 @@ def test_kvjax_eval_writes_every_output_and_resumes(tiny_chat_model, tmp_path):
     assert [(r["method"], r["budget"]) for r in summary["rows"]][:3] == [("full", "full"), ("snapkv", "0.25"), ("snapkv", "0.5")]
     md = (run / "README.md").read_text()
     assert "kvjax eval --model" in md and "| snapkv | 0.25 |" in md and "Fidelity" in md and "Incomplete" not in md
+    # each record names what measured it, and the README says so
+    assert {(r["jax"], r["device"].split(":")[0]) for r in records} == {(jax.__version__, jax.devices()[0].platform)}
+    assert f"Measured with jax {jax.__version__} on {records[0]['device']} ({len(records)} records)." in md
 
     # resume: nothing is recomputed; a lost record (interrupted run) is recomputed alone
     assert cli_main(argv) == 0

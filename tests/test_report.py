@@ -56,6 +56,10 @@ def test_report_of_a_run_with_budgets_inside_specs_and_recall_stats_hand_made():
     assert "recall_trigger_rate" not in summary["rows"][2]
     text = render_markdown(summary, config)
     assert "6 of 10 task records written" in text
+    assert "Measured with" not in text  # these records do not say what measured them
+    recs[0]["jax"], recs[0]["device"] = "0.10.2", "cpu: some CPU, 2 cores"
+    assert ("Measured with jax 0.10.2 on cpu: some CPU, 2 cores (1 record); 5 records written before the records "
+            "named their jax version and device.") in render_markdown(summarize(recs, [], config), config)
     assert "| synckv:stride=1 | 0.25 | 0.750 | 3.0 | 1.0 |" in text
 
 
