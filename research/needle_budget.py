@@ -27,7 +27,7 @@ import numpy as np
 
 from kvjax.reports import table, write_report
 from research.value_spans import DEFAULT_METHODS as VALUE_SPANS_METHODS
-from research.value_spans import held_by_method, load_sample, sample_parser
+from research.value_spans import held_by_method, load_sample, question_ids, sample_parser
 
 _SPECS = VALUE_SPANS_METHODS.split(",") + ["hbw:budget=0.1", "heterocache:preset=suite:budget=0.25",
                                            "synckv:preset=tuned:budget=0.25"]
@@ -145,7 +145,8 @@ def main(argv=None) -> int:
     cls = token_classes(needles, len(context))
     tokens_of = np.bincount(cls, minlength=len(CATEGORIES))
     rows = {spec_text: budget_row(held, needles, cls, asked)
-            for spec_text, held in held_by_method(model, context, methods, args.chunk_size).items()}
+            for spec_text, held in held_by_method(model, context, methods, args.chunk_size,
+                                                  question_ids(sample, args)).items()}
 
     n_layers, n_kv = model.config.num_layers, model.config.num_kv_heads
     npairs = n_layers * n_kv

@@ -1,14 +1,16 @@
 """Which tokens of a RULER needle's value a compressed cache still holds, per layer and KV head.
 
 ``python -m research.value_spans --task niah_single_1 --index 0 [--split dev] [--length 4096]
-[--methods snapkv:budget=0.25,...] [--out FILE.md]``
+[--methods snapkv:budget=0.25,...] [--after-question] [--track TEXT ...] [--out FILE.md]``
 
 The sample's context (without the question: the query-agnostic protocol) is prefilled once and shared by the full cache
 and every method (:mod:`kvjax.shared_prefill`; methods that cannot share a prefill are refused). For each method the
 compressed cache's held keys are matched, row by row, to the full cache's keys of the same layer and KV head, which
 gives the prompt positions each head holds. The answer's characters are located in the context by decoding it token by
 token. Printed per method: for each of the value's tokens, the share of (layer, KV head) pairs holding it, and how many
-pairs hold the whole value.
+pairs hold the whole value. ``--after-question``: the holdings after the question is prefilled onto the compressed
+cache (what a recalling method re-anchors on it); ``--track``: other strings of the context to report the same way
+(another needle's value, say the one a wrong answer gave).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def sample_parser(prog: str, description: str, default_methods: str, out_help: s
     p.add_argument("--methods", default=default_methods, help="comma list of method specs with their budgets")
     p.add_argument("--chunk-size", type=int, default=1024)
     p.add_argument("--out", default=None, help=out_help)
+    p.add_argument("--after-question", action="store_true",
+                   help="the holdings after the question is prefilled onto the compressed cache")
     return p
 
 
@@ -86,13 +90,19 @@ def load_sample(args):
     return model, methods, sample, list(sample.prompt_ids[: sample.question_start])
 
 
-def held_by_method(model, context, methods, chunk_size: int) -> dict[str, list[list[set]]]:
+def question_ids(sample, args):
+    """The sample's question token ids with ``--after-question``, else None."""
+    return list(sample.prompt_ids[sample.question_start:]) if args.after_question else None
+
+
+def held_by_method(model, context, methods, chunk_size: int, question=None) -> dict[str, list[list[set]]]:
     """spec -> per layer, per KV head, the context positions its compressed cache holds: the context is prefilled
-    once, shared by the full cache and every method, and each held key is matched to the full cache's."""
+    once, shared by the full cache and every method, and each held key is matched to the full cache's; with
+    ``question`` (token ids), after that question is prefilled onto each compressed cache."""
     import jax.numpy as jnp
 
     from kvjax.cache import CacheSpec
-    from kvjax.decoding import compress, prefill_prompt
+    from kvjax.decoding import compress, prefill, prefill_prompt
     from kvjax.methods import FullCache
     from kvjax.methods.base import round_up
     from kvjax.shared_prefill import cache_for, init_shared_cache
@@ -101,7 +111,8 @@ def held_by_method(model, context, methods, chunk_size: int) -> dict[str, list[l
     pad = L - len(context)
     tokens = np.full((1, L), model.tokenizer.pad_token_id or 0, np.int32)
     tokens[0, pad:] = context
-    spec = CacheSpec.for_model(model.config, 1, L, 64, model.dtype, longest_row=len(context))
+    room = 64 if question is None else len(question) + 8
+    spec = CacheSpec.for_model(model.config, 1, L, room, model.dtype, longest_row=len(context))
     full_method = FullCache()
     staged = init_shared_cache([full_method] + [m for _, m in methods], spec).replace(pad=jnp.asarray([pad], jnp.int32))
     _, staged = prefill_prompt(model.graphdef, model.params, jnp.asarray(tokens), staged, chunk_size=chunk_size)
@@ -110,38 +121,47 @@ def held_by_method(model, context, methods, chunk_size: int) -> dict[str, list[l
     held = {}
     for spec_text, method in methods:
         cache = compress(cache_for(staged, method))
+        if question is not None:
+            _, cache = prefill(model.graphdef, model.params, jnp.asarray([question], jnp.int32), cache)
         held[spec_text] = [[set(h.tolist()) for h in held_positions(state, full_k[i], pad)]
                            for i, state in enumerate(cache.layers)]
     return held
 
 
 def main(argv=None) -> int:
-    args = sample_parser("python -m research.value_spans", __doc__.splitlines()[0], DEFAULT_METHODS).parse_args(argv)
+    parser = sample_parser("python -m research.value_spans", __doc__.splitlines()[0], DEFAULT_METHODS)
+    parser.add_argument("--track", action="append", default=[],
+                        help="another string of the context to report (repeatable)")
+    args = parser.parse_args(argv)
     model, methods, sample, context = load_sample(args)
     tok = model.tokenizer
-    answer = sample.answers[0]
-    span = value_tokens(tok, context, answer)
-    pieces = [tok.decode([context[i]]) for i in span]
+    question = question_ids(sample, args)
+    when = "after the question is prefilled onto the compressed cache" if args.after_question else "after compression"
     lines = [f"# Value tokens held: RULER {args.split} `{args.task}` #{args.index}, {len(context)} context tokens",
              "", f"Command: `python -m research.value_spans {shlex.join(argv if argv is not None else sys.argv[1:])}`",
-             "", f"Answer `{answer}`: context tokens {span[0]}..{span[-1]} ({len(span)} tokens). Each cell: the share of "
-             f"the {model.config.num_layers} x {model.config.num_kv_heads} (layer, KV head) pairs that hold the token; "
-             "`whole`: pairs holding every token of the value.", ""]
-    shares, per_layer = [], []
-    for spec_text, held in held_by_method(model, context, methods, args.chunk_size).items():
-        pairs = [s for layer in held for s in layer]
-        share = [sum(i in s for s in pairs) / len(pairs) for i in span]
-        whole = sum(all(i in s for i in span) for s in pairs)
-        shares.append([spec_text, *(f"{x:.0%}" for x in share), whole])
-        # per layer and KV head: how many of the value's tokens it holds
-        per_layer.append((spec_text, [[sum(i in s for i in span) for s in layer] for layer in held]))
-    lines += table(["method", *(f"`{p.strip() or repr(p)}`" for p in pieces), "whole"], shares,
-                   align="l" + "r" * (len(span) + 1))
-    lines += ["", f"Value tokens held (of {len(span)}) per layer, its KV heads separated by `/`:", ""]
-    lines += table(["method", *(f"L{i}" for i in range(model.config.num_layers))],
-                   [[spec_text, *("/".join(str(n) for n in heads) for heads in layers)] for spec_text, layers in per_layer],
-                   align="l" + "r" * model.config.num_layers)
-    text = "\n".join(lines) + "\n"
+             "", f"Held {when}. Each cell: the share of the {model.config.num_layers} x {model.config.num_kv_heads} "
+             "(layer, KV head) pairs that hold the token; `whole`: pairs holding every token of the value.", ""]
+    held_all = held_by_method(model, context, methods, args.chunk_size, question)
+    for label, text in [("answer", sample.answers[0])] + [("tracked", t) for t in args.track]:
+        span = value_tokens(tok, context, text)
+        pieces = [tok.decode([context[i]]) for i in span]
+        lines += [f"## The {label} `{text}`", "", f"Context tokens {span[0]}..{span[-1]} ({len(span)} tokens).", ""]
+        shares, per_layer = [], []
+        for spec_text, held in held_all.items():
+            pairs = [s for layer in held for s in layer]
+            share = [sum(i in s for s in pairs) / len(pairs) for i in span]
+            whole = sum(all(i in s for i in span) for s in pairs)
+            shares.append([spec_text, *(f"{x:.0%}" for x in share), whole])
+            # per layer and KV head: how many of the value's tokens it holds
+            per_layer.append((spec_text, [[sum(i in s for i in span) for s in layer] for layer in held]))
+        lines += table(["method", *(f"`{p.strip() or repr(p)}`" for p in pieces), "whole"], shares,
+                       align="l" + "r" * (len(span) + 1))
+        lines += ["", f"Value tokens held (of {len(span)}) per layer, its KV heads separated by `/`:", ""]
+        lines += table(["method", *(f"L{i}" for i in range(model.config.num_layers))],
+                       [[spec_text, *("/".join(str(n) for n in heads) for heads in layers)]
+                        for spec_text, layers in per_layer], align="l" + "r" * model.config.num_layers)
+        lines += [""]
+    text = "\n".join(lines)
     print(text)
     if args.out:
         write_report(args.out, text)
