@@ -1,7 +1,7 @@
 """Which tokens of a RULER needle's value a compressed cache still holds, per layer and KV head.
 
 ``python -m research.value_spans --task niah_single_1 --index 0 [--split dev] [--length 4096]
-[--methods snapkv:budget=0.25,...] [--after-question] [--track TEXT ...] [--out FILE.md]``
+[--methods snapkv:budget=0.25,...] [--after-question] [--track TEXT ...] [--bins 0,200,...] [--out FILE.md]``
 
 The sample's context (without the question: the query-agnostic protocol) is prefilled once and shared by the full cache
 and every method (:mod:`kvjax.shared_prefill`; methods that cannot share a prefill are refused). For each method the
@@ -10,7 +10,8 @@ gives the prompt positions each head holds. The answer's characters are located 
 token. Printed per method: for each of the value's tokens, the share of (layer, KV head) pairs holding it, and how many
 pairs hold the whole value. ``--after-question``: the holdings after the question is prefilled onto the compressed
 cache (what a recalling method re-anchors on it); ``--track``: other strings of the context to report the same way
-(another needle's value, say the one a wrong answer gave).
+(another needle's value, say the one a wrong answer gave); ``--bins``: each (layer, KV head)'s held positions counted
+in those position ranges (where a set lies in the context).
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def main(argv=None) -> int:
     parser = sample_parser("python -m research.value_spans", __doc__.splitlines()[0], DEFAULT_METHODS)
     parser.add_argument("--track", action="append", default=[],
                         help="another string of the context to report (repeatable)")
+    parser.add_argument("--bins", default=None, help="comma-separated position edges: held positions per range")
     args = parser.parse_args(argv)
     model, methods, sample, context = load_sample(args)
     tok = model.tokenizer
@@ -161,6 +163,14 @@ def main(argv=None) -> int:
                        [[spec_text, *("/".join(str(n) for n in heads) for heads in layers)]
                         for spec_text, layers in per_layer], align="l" + "r" * model.config.num_layers)
         lines += [""]
+    if args.bins:
+        edges = [int(x) for x in args.bins.split(",")]
+        ranges = [f"{a}-{b - 1}" for a, b in zip(edges, edges[1:])]
+        lines += ["## Held positions by range", "", "Per (layer, KV head): how many held context positions fall in each "
+                  "range, and the total.", ""]
+        rows = [[spec_text, f"L{i} head {h}", *np.histogram(sorted(s), bins=edges)[0].tolist(), len(s)]
+                for spec_text, held in held_all.items() for i, layer in enumerate(held) for h, s in enumerate(layer)]
+        lines += table(["method", "pair", *ranges, "held"], rows, align="ll" + "r" * (len(ranges) + 1)) + [""]
     text = "\n".join(lines)
     print(text)
     if args.out:
