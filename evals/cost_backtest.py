@@ -274,7 +274,9 @@ def rebuilt_method(name: str, budget, recorded: str | None):
     was, now = method_options(recorded), method_options(repr(m))
     changed = [f"{k} {was[k]} -> {now[k]}" for k in was if k in now and was[k].strip() != now[k].strip()]
     dropped = [k for k in was if k not in now and k not in STAGING_OPTIONS]
-    added = [f"{k}={now[k]}" for k in now if k not in was]
+    # an option added since the run, at its default, is the behaviour the run had (a default keeps the old program)
+    defaults = {f.name: repr(f.default) for f in dataclasses.fields(m)}
+    added = [f"{k}={now[k]}" for k in now if k not in was and now[k].strip() != defaults.get(k)]
     if changed or dropped or added:
         return None, "options changed since the run: " + "; ".join(
             ([f"changed {', '.join(changed)}"] if changed else []) + ([f"dropped {', '.join(dropped)}"] if dropped else [])

@@ -234,3 +234,10 @@ def test_cpu_rows_rebuilt_or_skipped_with_a_reason():
     method, why = bt.rebuilt_method("snapkv", 0.1, "SnapKV(budget=0.1, page_size=32, gqa='mean', block=256, "
                                     "implementation='auto', window=32, kernel=7, pooling='max')")
     assert method is None and "page_size 32 -> 16" in why
+    # an option added since the run (here: lookahead) at its default keeps the row; at another value it does not
+    method, why = bt.rebuilt_method("snapkv", 0.1, "SnapKV(budget=0.1, page_size=16, gqa='mean', block=256, "
+                                    "implementation='auto', window=32, kernel=7, pooling='max')")
+    assert method is not None and why is None
+    method, why = bt.rebuilt_method("snapkv:lookahead=4", 0.1, "SnapKV(budget=0.1, page_size=16, gqa='mean', "
+                                    "block=256, implementation='auto', window=32, kernel=7, pooling='max')")
+    assert method is None and "added lookahead=4" in why
