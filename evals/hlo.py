@@ -86,5 +86,13 @@ def branch_computations(hlo: str) -> set[str]:
     return branches
 
 
-__all__ = ["Instruction", "parse_module", "memory_bytes", "shape_bytes", "loop_bodies", "branch_computations", "ARRAY",
-           "DTYPE_BYTES"]
+def custom_call_operands(hlo: str, target: str) -> list[list[str]]:
+    """Per custom call to ``target`` (``tpu_custom_call``, ``mosaic_gpu_v2``), its operand types as ``dtype[dims]``
+    (``s8[131072,16,128]``), read from the call's ``operand_layout_constraints``."""
+    layouts = r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}"  # {s8[..]{2,1,0}, ...}
+    calls = re.findall(rf'custom_call_target="{re.escape(target)}", ' + layouts, hlo)
+    return [re.findall(r"\w+\[[\d,]*\]", c) for c in calls]
+
+
+__all__ = ["Instruction", "parse_module", "memory_bytes", "shape_bytes", "loop_bodies", "branch_computations",
+           "custom_call_operands", "ARRAY", "DTYPE_BYTES"]

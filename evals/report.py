@@ -155,7 +155,8 @@ def render_markdown(summary: dict, config: dict) -> str:
     if known:
         older = sum(m["records"] for m in summary["measured_with"] if not m["jax"])
         count = lambda n: f"{n} record" + ("s" if n != 1 else "")  # noqa: E731
-        lines += ["Measured with " + "; ".join(f"jax {m['jax']} on {m['device']} ({count(m['records'])})" for m in known)
+        lines += ["Measured with "
+                  + "; ".join(f"jax {m['jax']} on {m['device']} ({count(m['records'])})" for m in known)
                   + (f"; {count(older)} written before the records named their jax version and device." if older
                      else "."), ""]
     lines += [

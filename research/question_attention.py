@@ -14,7 +14,6 @@ context) and the ten most attended positions. What the recall methods' leaders s
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
@@ -69,19 +68,13 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM
 
     from kvjax.evals.suites import get_suite
-    from kvjax.models import DEFAULT_MODEL, resolve_model_path
+    from kvjax.models import resolve_model_path
     from kvjax.models.tokenizer import load_tokenizer
-    from research.value_spans import value_tokens
+    from research.value_spans import ruler_sample_parser, value_tokens
 
-    p = argparse.ArgumentParser(prog="python -m research.question_attention", description=__doc__.splitlines()[0])
-    p.add_argument("--task", required=True)
-    p.add_argument("--index", type=int, default=0)
-    p.add_argument("--split", default="dev")
-    p.add_argument("--length", type=int, default=4096)
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p = ruler_sample_parser("python -m research.question_attention", __doc__.splitlines()[0])
     p.add_argument("--layers", required=True, help="comma-separated layer indices")
     p.add_argument("--track", action="append", default=[], help="a string of the context (repeatable)")
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     import torch
 
@@ -96,7 +89,8 @@ def main(argv=None) -> int:
     layers = [int(x) for x in args.layers.split(",")]
     ranks = question_ranks(hf, ids, sample.question_start, layers)
     lines = [f"# Question attention: RULER {args.split} `{args.task}` #{args.index}, {len(context)} context tokens", "",
-             f"Command: `python -m research.question_attention {shlex.join(argv if argv is not None else sys.argv[1:])}`",
+             "Command: `python -m research.question_attention "
+             f"{shlex.join(argv if argv is not None else sys.argv[1:])}`",
              "", f"Answer `{sample.answers[0]}`. Rank of each token (0 = the context position the question attends "
              "most; maximum over the KV head's query group), for the question's last query and for any of its queries.",
              ""]

@@ -56,8 +56,8 @@ def held_positions(layer_state, full_k, pad: int) -> list[np.ndarray]:
     return out
 
 
-def sample_parser(prog: str, description: str, default_methods: str, out_help: str | None = None):
-    """Arguments shared by the scripts that compress one RULER sample's context for several methods."""
+def ruler_sample_parser(prog: str, description: str, out_help: str | None = None):
+    """Arguments naming one RULER sample (task, index, split, length, model) and the report file."""
     from kvjax.models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog=prog, description=description)
@@ -66,9 +66,15 @@ def sample_parser(prog: str, description: str, default_methods: str, out_help: s
     p.add_argument("--split", default="dev")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--out", default=None, help=out_help)
+    return p
+
+
+def sample_parser(prog: str, description: str, default_methods: str, out_help: str | None = None):
+    """Arguments shared by the scripts that compress one RULER sample's context for several methods."""
+    p = ruler_sample_parser(prog, description, out_help)
     p.add_argument("--methods", default=default_methods, help="comma list of method specs with their budgets")
     p.add_argument("--chunk-size", type=int, default=1024)
-    p.add_argument("--out", default=None, help=out_help)
     p.add_argument("--after-question", action="store_true",
                    help="the holdings after the question is prefilled onto the compressed cache")
     return p
@@ -166,8 +172,8 @@ def main(argv=None) -> int:
     if args.bins:
         edges = [int(x) for x in args.bins.split(",")]
         ranges = [f"{a}-{b - 1}" for a, b in zip(edges, edges[1:])]
-        lines += ["## Held positions by range", "", "Per (layer, KV head): how many held context positions fall in each "
-                  "range, and the total.", ""]
+        lines += ["## Held positions by range", "",
+                  "Per (layer, KV head): how many held context positions fall in each range, and the total.", ""]
         rows = [[spec_text, f"L{i} head {h}", *np.histogram(sorted(s), bins=edges)[0].tolist(), len(s)]
                 for spec_text, held in held_all.items() for i, layer in enumerate(held) for h, s in enumerate(layer)]
         lines += table(["method", "pair", *ranges, "held"], rows, align="ll" + "r" * (len(ranges) + 1)) + [""]

@@ -54,6 +54,7 @@ def mosaic_paged_calls(topology) -> dict:
     import jax.numpy as jnp
 
     from kvjax.evals.gpu_schedule import export_for_gpu, gpu_executable
+    from kvjax.evals.hlo import custom_call_operands
     from kvjax.pallas_kernels.paged_attention import paged_decode_attention
 
     B, H_kv, G, D, page, tokens = 8, 8, 4, 128, 16, 32768
@@ -73,10 +74,8 @@ def mosaic_paged_calls(topology) -> dict:
 
         executable = gpu_executable(export_for_gpu(attend, *args).mlir_module(), topology, {})
         hlo = executable.hlo_modules()[0].to_string()
-        call = next(line for line in hlo.splitlines() if 'custom_call_target="mosaic_gpu_v2"' in line)
-        operands = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", call)[1]
         out[kv_dtype] = {"calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
-                         "operands": re.findall(r"\w+\[[\d,]*\]", operands),
+                         "operands": next(iter(custom_call_operands(hlo, "mosaic_gpu_v2")), []),
                          "temp_bytes": int(executable.get_compiled_memory_stats().temp_size_in_bytes),
                          "pool_bytes": int(pool.size * jnp.dtype(kv_dtype).itemsize)}
     return out

@@ -205,6 +205,7 @@ def compile_case(kv_dtype: str, page_size: int, dequantize_first: bool = False) 
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding
 
+    from kvjax.evals.hlo import custom_call_operands
     from kvjax.kv_quantization import dequantize
     from kvjax.paged import PagedKV, sharded_paged_attention
     from kvjax.sharding import AXES, BY_DEVICE, ROWS_HEADS
@@ -243,11 +244,9 @@ def compile_case(kv_dtype: str, page_size: int, dequantize_first: bool = False) 
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    layouts = r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}"  # {s8[..]{2,1,0}, ...}: the operand types
-    calls = re.findall(r"custom_call_target=\"tpu_custom_call\", " + layouts, text)
     local = f"{num_pages // mesh.size},{page_size},{head_dim}"
     floats = sorted(set(re.findall(rf"\b((?:f32|bf16|f16)\[{local}\])", text)))
-    return {"kernel_operands": [re.findall(r"\w+\[[\d,]*\]", c) for c in calls], "float_pools": floats,
+    return {"kernel_operands": custom_call_operands(text, "tpu_custom_call"), "float_pools": floats,
             "local_pool": f"[{local}]", "argument_bytes": int(mem.argument_size_in_bytes),
             "temp_bytes": int(mem.temp_size_in_bytes), "bytes_accessed": float(cost["bytes accessed"]),
             "pool_bytes": num_pages * page_size * head_dim // mesh.size}

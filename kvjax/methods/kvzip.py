@@ -99,8 +99,8 @@ class KVzip(NoArtifact, LayerLocal):
       chunk: context tokens per reconstruction pass (2048, kvpress).
       carry: tokens of the previous chunk quoted in a later pass's request (8, kvpress).
       page_size, block, implementation: page pool, prefill attention block, decode attention implementation.
-      lookahead: the scores extended this many positions forward before selection (:func:`kvjax.selection.extend_forward`;
-        0: none, the paper's).
+      lookahead: the scores extended this many positions forward before selection
+        (:func:`kvjax.selection.extend_forward`; 0: none, the paper's).
       query_block: reconstruction queries scored at once (``B * Hq * query_block * (sinks + chunk + pass)`` floats;
         32 scored a 4K context in 0.90x the time of 128 and 0.69x that of 512 on a 2-core CPU).
       allocated: per layer, the prompt tokens each KV head keeps; set by :func:`score_context`, not by users.
@@ -303,9 +303,10 @@ def pruned_counts(method: KVzip, row_lengths: np.ndarray, num_layers: int, num_k
 
 def select(scores, pad, prompt_slots: int, pruned, allocation: str, lookahead: int = 0):
     """Keep masks ``[L, B, Hkv, S]`` from the scores ``[L, B, Hkv, S]`` (every layer for ``global``, one layer at a
-    time otherwise), extended forward by ``lookahead`` (:func:`kvjax.selection.extend_forward`): padding is never kept, and ``pruned[b]`` pairs of the lowest scores are evicted per row over the
-    model (``global``: every pair at or below the ``max(pruned - 1, 0)``-th smallest score, ties included, kvpress),
-    per layer or per head (lowest first, ties by position); ``pruned[b] < 0`` keeps the whole row."""
+    time otherwise), extended forward by ``lookahead`` (:func:`kvjax.selection.extend_forward`): padding is never
+    kept, and ``pruned[b]`` pairs of the lowest scores are evicted per row over the model (``global``: every pair at or
+    below the ``max(pruned - 1, 0)``-th smallest score, ties included, kvpress), per layer or per head (lowest first,
+    ties by position); ``pruned[b] < 0`` keeps the whole row."""
     L, B, Hkv, S = scores.shape
     slots = jnp.arange(S)
     real = (slots[None, :] >= pad[:, None]) & (slots[None, :] < prompt_slots)  # [B, S]
