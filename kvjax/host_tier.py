@@ -109,7 +109,7 @@ RAM: the tests here show correctness and the transfer structure, not speed.
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +163,16 @@ class HostKV:
         """This tier with :meth:`arrays` replaced (e.g. one device's shards under ``shard_map``)."""
         names = ("k", "v", "k_scales", "v_scales")[:len(self.arrays())]
         return self.replace(**dict(zip(names, arrays, strict=True)))
+
+
+class RecalledRows(NamedTuple):
+    """Rows recalled to device memory: ``k, v[n_heads, R, D]`` (zero past each head's count) and, from a quantized
+    tier, their scales ``k_scales, v_scales[n_heads, R]`` (None from a float tier)."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
 
 
 @struct.dataclass
@@ -277,8 +287,8 @@ def _recall(host: HostKV, idx, count, *, block: int, limit: int, mechanism: str)
         kv = _device_host(gather_packed)(*host.arrays(), safe)  # ONE transfer: [2, n, R*block, D + 4] bytes
         (k_out, k_s), (v_out, v_s) = (unpack_rows(kv[i], host.k.dtype) for i in range(2))
         keep = jnp.repeat(live, block, axis=1)  # [n, R*block]
-        return (jnp.where(keep[..., None], k_out, 0), jnp.where(keep[..., None], v_out, 0),
-                jnp.where(keep, k_s, 0), jnp.where(keep, v_s, 0))
+        return RecalledRows(jnp.where(keep[..., None], k_out, 0), jnp.where(keep[..., None], v_out, 0),
+                            jnp.where(keep, k_s, 0), jnp.where(keep, v_s, 0))
 
     if mechanism == "host_gather":
 
@@ -300,7 +310,7 @@ def _recall(host: HostKV, idx, count, *, block: int, limit: int, mechanism: str)
         k_out, v_out = fetch(host.k), fetch(host.v)
 
     keep = jnp.repeat(live, block, axis=1)[..., None]  # [n, R*block, 1]
-    return jnp.where(keep, k_out, 0), jnp.where(keep, v_out, 0)
+    return RecalledRows(jnp.where(keep, k_out, 0), jnp.where(keep, v_out, 0))
 
 
 def pack_rows(rows, scales):
@@ -423,27 +433,28 @@ def recall(host: HostKV, idx, count, *, mechanism: str = "host_gather"):
       mechanism: ``"host_gather"`` (one transfer per call) or ``"slices"`` (fallback, see module doc).
 
     Returns:
-      ``k, v[n_heads, R, D]`` in device memory; rows ``>= count[h]`` are zero. A quantized tier
-      (``host.quantized``): ``k, v`` in its stored dtype and their scales ``k_scales, v_scales[n_heads, R]``, the
-      four from one transfer (:func:`pack_rows`).
+      :class:`RecalledRows`: ``k, v[n_heads, R, D]`` in device memory, rows ``>= count[h]`` zero; from a quantized
+      tier (``host.quantized``) ``k, v`` in its stored dtype and their scales ``k_scales, v_scales[n_heads, R]``,
+      the four from one transfer (:func:`pack_rows`).
     """
     idx, count, limit = _check_request(host, idx, count, pages=False)
     return _recall(host, idx, count, block=1, limit=limit, mechanism=mechanism)
 
 
-def recall_many(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> list[tuple[jax.Array, jax.Array]]:
+def recall_many(hosts: Sequence[HostKV], idxs: Sequence, counts: Sequence) -> list[RecalledRows]:
     """:func:`recall` of several host tiers (e.g. every layer's) in **one** host computation and one transfer: one
     host call where one per tier would each wait for the device work enqueued before it, the masking of rows past
-    ``count`` done on the host, and every tier's rows in one block the device slices. Returns ``[(k, v)]`` per tier
-    (``[n_heads, R, D]`` in device memory, zero past ``count``)."""
+    ``count`` done on the host, and every tier's rows in one block the device slices. Returns a
+    :class:`RecalledRows` per tier (``[n_heads, R, D]`` in device memory, zero past ``count``)."""
     rows, out, at = recall_block(hosts, idxs, counts), [], 0
     for h, i in zip(hosts, idxs):
         size = i.shape[0] * i.shape[1]
         kv = [rows[at + x * size:at + (x + 1) * size].reshape(*i.shape, rows.shape[-1]) for x in range(2)]
-        if h.quantized:  # (k, v, k_scales, v_scales)
+        if h.quantized:
             (k, ks), (v, vs) = (unpack_rows(x, h.k.dtype) for x in kv)
-            kv = [k, v, ks, vs]
-        out.append(tuple(kv))
+            out.append(RecalledRows(k, v, ks, vs))
+        else:
+            out.append(RecalledRows(*kv))
         at += 2 * size
     return out
 
@@ -489,7 +500,7 @@ def recall_pages(host: HostKV, pages, count, *, mechanism: str = "host_gather"):
     """Page-granular :func:`recall`: whole pages of ``host.page_size`` tokens.
 
     ``pages[n_heads, P]`` are page ids in ``[0, host.num_pages)`` (``count`` counts pages). Returns
-    ``k, v[n_heads, P * page_size, D]``: page ``j`` of head ``h`` occupies rows
+    :class:`RecalledRows` with ``k, v[n_heads, P * page_size, D]``: page ``j`` of head ``h`` occupies rows
     ``j*page_size .. (j+1)*page_size - 1``. Pages ``>= count[h]`` and the padding past
     ``host.length`` in the last page are zero.
     """
@@ -504,8 +515,9 @@ def issue(host: HostKV, idx, count, *, pages: bool = False, mechanism: str = "ho
     :func:`recall_pages` instead of :func:`recall`.
     """
     fn = recall_pages if pages else recall
-    k, v, *scales = fn(host, idx, count, mechanism=mechanism)
-    return Prefetch(k, v, jnp.asarray(idx, jnp.int32), jnp.asarray(count, jnp.int32), *scales)
+    rows = fn(host, idx, count, mechanism=mechanism)
+    return Prefetch(rows.k, rows.v, jnp.asarray(idx, jnp.int32), jnp.asarray(count, jnp.int32), rows.k_scales,
+                    rows.v_scales)
 
 
 def take(prefetch: Prefetch):

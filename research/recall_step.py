@@ -100,9 +100,9 @@ def make_loop(variant: str, args, hosts, table, heads, options: dict):
     schedule = variant.removeprefix("dep-")  # dep-X: schedule X, indices from the step's compute
 
     def fetch(layer, ids, pages):
-        if schedule == "cond-pages":
-            return recall_pages(hosts[layer], pages, page_count)
-        return recall(hosts[layer], ids, count)
+        rows = recall_pages(hosts[layer], pages, page_count) if schedule == "cond-pages" else recall(
+            hosts[layer], ids, count)
+        return rows.k, rows.v
 
     def scatter(pool_k, pool_v, rk, rv):
         return write_recalled(pool_k, pool_v, table, rk, rv, heads, 0, count)
@@ -115,8 +115,8 @@ def make_loop(variant: str, args, hosts, table, heads, options: dict):
         if schedule in ("spread-ahead", "pipelined"):  # the rows gathered in the previous step land first
             pk, pv = write_recalled(pk, pv, table, carry_kv[0], carry_kv[1], heads, carry_kv[2], part_count)
         if schedule == "pipelined":  # then the indices the previous step chose are gathered, to land next step
-            rk, rv = recall(hosts[layer], carry_kv[3], part_count)
-            carry_kv = (rk, rv, carry_kv[4], carry_kv[3], carry_kv[4])
+            rows = recall(hosts[layer], carry_kv[3], part_count)
+            carry_kv = (rows.k, rows.v, carry_kv[4], carry_kv[3], carry_kv[4])
         x = jnp.tanh(x @ w1[layer]) @ w2[layer]
         x = x + (pk.astype(jnp.float32).sum() + pv.astype(jnp.float32).sum()).astype(x.dtype) * 1e-6  # use the pool
         if variant.startswith("dep-"):  # indices known only after this layer's compute; their values do not change
@@ -129,9 +129,9 @@ def make_loop(variant: str, args, hosts, table, heads, options: dict):
             pk, pv = lax.cond(step % args.every == 0, lambda p: (p[0].at[0].set(p[0][1]), p[1]), lambda p: p, (pk, pv))
         elif schedule == "spread":
             start = (step % args.every) * part
-            rk, rv = recall(hosts[layer], lax.dynamic_slice_in_dim(ids, jnp.minimum(start, R - part), part, axis=1),
-                            part_count)
-            pk, pv = write_recalled(pk, pv, table, rk, rv, heads, jnp.minimum(start, R - part), part_count)
+            rows = recall(hosts[layer], lax.dynamic_slice_in_dim(ids, jnp.minimum(start, R - part), part, axis=1),
+                          part_count)
+            pk, pv = write_recalled(pk, pv, table, rows.k, rows.v, heads, jnp.minimum(start, R - part), part_count)
         elif schedule == "always":
             pk, pv = scatter(pk, pv, *fetch(layer, ids, pages))
         elif schedule == "prefetch":
@@ -139,7 +139,8 @@ def make_loop(variant: str, args, hosts, table, heads, options: dict):
             carry_kv = fetch(layer, ids, pages)
         elif schedule == "spread-ahead":  # gathered now, written by the next step's call (above)
             chosen, start = spread_slice(ids, step)
-            carry_kv = (*recall(hosts[layer], chosen, part_count), start)
+            rows = recall(hosts[layer], chosen, part_count)
+            carry_kv = (rows.k, rows.v, start)
         elif schedule == "pipelined":  # chosen now, gathered by the next step's call, written the step after
             chosen, start = spread_slice(ids, step)
             carry_kv = (carry_kv[0], carry_kv[1], carry_kv[2], chosen, start)

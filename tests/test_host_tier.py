@@ -8,6 +8,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from kvjax import host_tier as ht
+from kvjax.kv_quantization import quantize
 
 B, HKV, S, D, PS = 2, 3, 37, 8, 8  # S not a multiple of PS: exercises the padded last page
 HEADS = [(0, 1), (1, 2), (1, 0), (0, 0)]
@@ -114,7 +115,8 @@ def test_recall_matches_numpy(kv, host, mechanism):
     idx[2, 3:] = [-5, 1000]  # garbage past count: ignored
     idx[3, 0] = S - 1  # last stored token
     f = jax.jit(lambda h, i, c: ht.recall(h, i, c, mechanism=mechanism))
-    k_r, v_r = f(host, jnp.asarray(idx), jnp.asarray(count))
+    k_r, v_r, k_s, v_s = f(host, jnp.asarray(idx), jnp.asarray(count))
+    assert k_s is None and v_s is None  # a float tier has no scales
     assert k_r.sharding.memory_kind == "device" and k_r.shape == (N, R, D)
     np.testing.assert_array_equal(np.asarray(k_r), np_recall(k, idx, count))
     np.testing.assert_array_equal(np.asarray(v_r), np_recall(v, idx, count))
@@ -123,7 +125,7 @@ def test_recall_matches_numpy(kv, host, mechanism):
     # page granular: count counts pages; page 4 holds tokens 32..36 + 3 zero padding rows
     pages = np.array([[4, 0], [1, 2], [3, 3], [2, 9]], np.int32)
     pcount = np.array([2, 1, 0, 1], np.int32)
-    kp, vp = jax.jit(lambda h, i, c: ht.recall_pages(h, i, c, mechanism=mechanism))(host, pages, pcount)
+    kp, vp, _, _ = jax.jit(lambda h, i, c: ht.recall_pages(h, i, c, mechanism=mechanism))(host, pages, pcount)
     assert kp.shape == (N, 2 * PS, D)
     np.testing.assert_array_equal(np.asarray(kp), np_recall(k, pages, pcount, block=PS))
     np.testing.assert_array_equal(np.asarray(vp), np_recall(v, pages, pcount, block=PS))
@@ -215,8 +217,8 @@ def test_write_recalled_into_paged_pools(kv, host):
     dst = np.array([2, 9, 0, 9], np.int32)  # head 3: slots 12, 13 are past its block table -> dropped
 
     def f(kp, vp, host, idx, count, dst):
-        rk, rv = ht.recall(host, idx, count)
-        return ht.write_recalled(kp, vp, jnp.asarray(table), rk, rv, host.heads, dst, count)
+        rows = ht.recall(host, idx, count)
+        return ht.write_recalled(kp, vp, jnp.asarray(table), rows.k, rows.v, host.heads, dst, count)
 
     kp, vp = jax.jit(f)(jnp.asarray(kp0), jnp.asarray(vp0), host, idx, count, dst)
     rk = np_recall(k, idx, count)
@@ -282,13 +284,49 @@ def test_recall_many_matches_numpy_per_tier():
         idxs.append(jnp.asarray(rng.integers(0, S, (n, R)), jnp.int32))
         counts.append(jnp.asarray(rng.integers(0, R + 1, (n,)), jnp.int32).at[0].set(R))
     got = jax.jit(ht.recall_many)(tiers, idxs, counts)
-    for tier, idx, count, (k, v) in zip(tiers, idxs, counts, got):
-        for dev, src in ((k, tier.k), (v, tier.v)):
+    for tier, idx, count, rows in zip(tiers, idxs, counts, got):
+        assert rows.k_scales is None and rows.v_scales is None
+        for dev, src in ((rows.k, tier.k), (rows.v, tier.v)):
             want = np.asarray(src)[np.arange(idx.shape[0])[:, None], np.asarray(idx)]
             want[np.arange(idx.shape[1])[None, :] >= np.asarray(count)[:, None]] = 0
             np.testing.assert_array_equal(np.asarray(dev), want)
     with pytest.raises(ValueError, match="one idx and count per host tier"):
         ht.recall_many(tiers, idxs[:1], counts)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_tier_recalls_rows_and_their_scales(kv_dtype):
+    """A quantized tier's recall (token rows, whole pages, several tiers at once) returns the stored rows in their
+    dtype and their per-token scales, as numpy indexes them, zero past each head's count; jitted."""
+    rng = np.random.default_rng(5)
+    n, S, D, R, page = 3, 20, 8, 4, 8
+    pad = (-S) % page
+    stored = [quantize(jnp.asarray(rng.standard_normal((n, S, D)) * 3, jnp.float32), kv_dtype) for _ in range(2)]
+    (qk, sk), (qv, sv) = [(jnp.pad(q, ((0, 0), (0, pad), (0, 0))), jnp.pad(s, ((0, 0), (0, pad)))) for q, s in stored]
+    host = ht.HostKV(*(jax.device_put(x, ht.HOST) for x in (qk, qv, sk, sv)), heads=tuple((0, h) for h in range(n)),
+                     length=S, page_size=page)
+    idx = jnp.asarray(rng.integers(0, S, (n, R)), jnp.int32)
+    count = jnp.asarray([R, 0, 2], jnp.int32)
+
+    def want(x, ids, live, block=1):
+        x = np.asarray(x).astype(np.float64)
+        x = x.reshape(n, -1, block, *x.shape[2:])[np.arange(n)[:, None], np.asarray(ids)].reshape(n, -1, *x.shape[2:])
+        keep = np.repeat(np.arange(ids.shape[1])[None, :] < np.asarray(live)[:, None], block, axis=1)
+        return np.where(keep.reshape(keep.shape + (1,) * (x.ndim - 2)), x, 0)
+
+    rows = jax.jit(ht.recall)(host, idx, count)
+    (tier_rows,) = jax.jit(ht.recall_many)([host], [idx], [count])
+    for got in (rows, tier_rows):
+        assert got.k.dtype == jnp.dtype(kv_dtype) and got.k_scales.dtype == jnp.float32
+        for x, src in zip(got, (qk, qv, sk, sv)):
+            np.testing.assert_array_equal(np.asarray(x).astype(np.float64), want(src, idx, count))
+    pages = jnp.asarray([[2, 0], [1, 1], [0, 2]], jnp.int32)
+    pcount = jnp.asarray([2, 1, 0], jnp.int32)
+    got = jax.jit(ht.recall_pages)(host, pages, pcount)
+    for x, src in zip(got, (qk, qv, sk, sv)):
+        np.testing.assert_array_equal(np.asarray(x).astype(np.float64), want(src, pages, pcount, block=page))
+    with pytest.raises(ValueError, match="host_gather"):
+        ht.recall(host, idx, count, mechanism="slices")
 
 
 def test_gather_rows_and_weighted_rows_on_host_against_numpy():
