@@ -100,8 +100,10 @@ def make_loop(variant: str, args, hosts, table, heads, options: dict):
     schedule = variant.removeprefix("dep-")  # dep-X: schedule X, indices from the step's compute
 
     def fetch(layer, ids, pages):
-        rows = recall_pages(hosts[layer], pages, page_count) if schedule == "cond-pages" else recall(
-            hosts[layer], ids, count)
+        if schedule == "cond-pages":
+            rows = recall_pages(hosts[layer], pages, page_count)
+        else:
+            rows = recall(hosts[layer], ids, count)
         return rows.k, rows.v
 
     def scatter(pool_k, pool_v, rk, rv):
