@@ -243,9 +243,9 @@ def paged_mgpu(q, k_pages, v_pages, block_table, lengths, starts, *, scale, page
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=(interpret if not isinstance(interpret, bool) else interpret_params()) if interpret else None,
     )
-    # the scales gathered through the block table, [B, H_kv, tokens] (4 bytes read and written per token beside the
-    # 2 D bytes of its K and V): a page's 16 scales (64 bytes) are below a TMA copy's 128-byte granule, a block's are
-    # not
+    # the scales gathered through the block table, [B, H_kv, tokens] (4 bytes read and written per token beside
+    # the 2 D bytes of its K and V): a page's 16 scales (64 bytes) are below a TMA copy's 128-byte granule, a
+    # block's are not
     scales = tuple(x[bt].reshape(batch, num_kv_heads, pages_padded * page_size).astype(jnp.float32)
                    for x in (k_scales, v_scales)) if quantized else ()
     out = kernel(qg, k_pages, v_pages, *scales, bt, lengths.astype(jnp.int32), starts.astype(jnp.int32))

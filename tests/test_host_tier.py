@@ -29,17 +29,21 @@ def host(kv):
     return ht.offload(jnp.asarray(k), jnp.asarray(v), HEADS, page_size=PS)
 
 
-def np_recall(x, idx, count, block=1):
-    """Reference: rows (block=1) or pages of `block` rows of each stored head, zero past count."""
-    x_heads = np.stack([x[b, h] for b, h in HEADS])  # [N, S, D]
-    pad = (-S) % PS
-    x_heads = np.pad(x_heads, ((0, 0), (0, pad), (0, 0)))
-    idx, count = np.asarray(idx), np.asarray(count)
-    out = np.zeros((N, idx.shape[1] * block, D), x.dtype)
-    for h in range(N):
+def np_take(x_heads, idx, count, block=1):
+    """Reference: rows (block=1) or pages of `block` rows of each head of ``x_heads[n, S_pad, ...]``, zero past
+    count."""
+    x_heads, idx, count = np.asarray(x_heads), np.asarray(idx), np.asarray(count)
+    out = np.zeros((x_heads.shape[0], idx.shape[1] * block, *x_heads.shape[2:]), x_heads.dtype)
+    for h in range(x_heads.shape[0]):
         for r in range(int(count[h])):
             out[h, r * block:(r + 1) * block] = x_heads[h, idx[h, r] * block:(idx[h, r] + 1) * block]
     return out
+
+
+def np_recall(x, idx, count, block=1):
+    """:func:`np_take` of the stored heads ``HEADS`` of ``x[B, Hkv, S, D]``, padded to whole pages."""
+    x_heads = np.stack([x[b, h] for b, h in HEADS])  # [N, S, D]
+    return np_take(np.pad(x_heads, ((0, 0), (0, (-S) % PS), (0, 0))), idx, count, block)
 
 
 # ------------------------------------------------------------------ jaxpr / HLO inspection helpers
@@ -308,23 +312,19 @@ def test_quantized_tier_recalls_rows_and_their_scales(kv_dtype):
     idx = jnp.asarray(rng.integers(0, S, (n, R)), jnp.int32)
     count = jnp.asarray([R, 0, 2], jnp.int32)
 
-    def want(x, ids, live, block=1):
-        x = np.asarray(x).astype(np.float64)
-        x = x.reshape(n, -1, block, *x.shape[2:])[np.arange(n)[:, None], np.asarray(ids)].reshape(n, -1, *x.shape[2:])
-        keep = np.repeat(np.arange(ids.shape[1])[None, :] < np.asarray(live)[:, None], block, axis=1)
-        return np.where(keep.reshape(keep.shape + (1,) * (x.ndim - 2)), x, 0)
-
     rows = jax.jit(ht.recall)(host, idx, count)
     (tier_rows,) = jax.jit(ht.recall_many)([host], [idx], [count])
     for got in (rows, tier_rows):
         assert got.k.dtype == jnp.dtype(kv_dtype) and got.k_scales.dtype == jnp.float32
         for x, src in zip(got, (qk, qv, sk, sv)):
-            np.testing.assert_array_equal(np.asarray(x).astype(np.float64), want(src, idx, count))
+            np.testing.assert_array_equal(np.asarray(x).astype(np.float64),
+                                          np_take(np.asarray(src, np.float64), idx, count))
     pages = jnp.asarray([[2, 0], [1, 1], [0, 2]], jnp.int32)
     pcount = jnp.asarray([2, 1, 0], jnp.int32)
     got = jax.jit(ht.recall_pages)(host, pages, pcount)
     for x, src in zip(got, (qk, qv, sk, sv)):
-        np.testing.assert_array_equal(np.asarray(x).astype(np.float64), want(src, pages, pcount, block=page))
+        np.testing.assert_array_equal(np.asarray(x).astype(np.float64),
+                                      np_take(np.asarray(src, np.float64), pages, pcount, block=page))
     with pytest.raises(ValueError, match="host_gather"):
         ht.recall(host, idx, count, mechanism="slices")
 
