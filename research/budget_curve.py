@@ -27,7 +27,8 @@ THRESHOLD = 95.0  # % of the full cache's mean score
 
 
 def _budget_value(label: str) -> float:
-    return float(label)
+    """A budget label as a fraction; ``full`` (the full cache in another ``kv_dtype``, every token kept) is 1."""
+    return 1.0 if label == "full" else float(label)
 
 
 def _length_label(n: int) -> str:
