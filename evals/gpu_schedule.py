@@ -1,4 +1,5 @@
-"""Where XLA:GPU schedules a decode step's host recalls, read from the program compiled for an H100 or H200 without one.
+"""Where XLA:GPU schedules a decode step's host recalls, and what it launches per step, read from the program compiled
+for an H100 or H200 without one.
 
 ``python -m kvjax.evals.gpu_schedule [--methods ...] [--length 30720] [--target h100] [--out FILE.md]``
 
@@ -11,7 +12,9 @@ every host call of the loop's body, how many device operations (fusions, kernels
 its start, between its start and its done, and after its done, and how many conditionals the step holds (each a host
 synchronisation on a GPU). It does so twice: with kvjax's decode options
 (:func:`kvjax.decoding.decode_compiler_options`, as :func:`kvjax.decoding.decode_loop` compiles on a GPU) and with
-XLA's defaults.
+XLA's defaults. For each method it also compiles the one-token step and reads what XLA:GPU's runtime launches per
+step: its thunk sequence, where XLA groups kernels into command buffers (CUDA graphs), so that a graph's kernels cost
+no launch of their own (:func:`command_buffers`).
 
 It shows the schedule, not the time: how long the step's device work between start and done takes against the gather
 is for a GPU to measure (``scripts/gpu_checks.sh bench``). The compilation runs XLA:GPU's passes without the device,
@@ -29,10 +32,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import glob
 import os
 import re
 import shlex
 import sys
+import tempfile
 import time
 
 from kvjax.evals.hlo import branch_computations, loop_bodies, parse_module, shape_bytes
@@ -151,6 +156,41 @@ def gpu_executable(module_text: str, topology, options: dict):
 def compile_for_gpu(module_text: str, topology, options: dict) -> str:
     """XLA:GPU's scheduled HLO of a StableHLO module (one device of ``topology``) compiled with the XLA ``options``."""
     return gpu_executable(module_text, topology, options).hlo_modules()[0].to_string()
+
+
+def compile_with_thunks(module_text: str, topology, options: dict) -> tuple[str, str]:
+    """:func:`compile_for_gpu`, and the program's thunk sequence: the commands XLA:GPU's runtime issues, after its
+    thunk passes have grouped kernels into command buffers (CUDA graphs). XLA writes it only to a dump directory
+    (``xla_dump_to``, here a temporary one); read it with :func:`command_buffers`."""
+    with tempfile.TemporaryDirectory(prefix="kvjax-thunks-") as d:
+        hlo = compile_for_gpu(module_text, topology, {**options, "xla_dump_to": d})
+        found = sorted(glob.glob(os.path.join(d, "*thunk_sequence_after_thunk_passes.txt")))
+        if len(found) != 1:
+            raise RuntimeError(f"expected one thunk sequence in XLA's dump, found {len(found)}: this XLA:GPU does not "
+                               "write *thunk_sequence_after_thunk_passes.txt under xla_dump_to")
+        with open(found[0]) as f:
+            return hlo, f.read()
+
+
+_THUNK = re.compile(r"^( *)\d+: (k\w+)")
+
+
+def command_buffers(thunks: str) -> dict:
+    """What the host launches per run of a program, from its thunk sequence (:func:`compile_with_thunks`): the
+    top-level thunks in order (``top``, their kinds; each ``kCommandBuffer`` is one CUDA graph launch), the command
+    buffers among them (``graphs``), the operations recorded inside them (``in_graphs``: the innermost thunks, so a
+    loop or conditional in a graph counts by its body's operations) and the top-level thunks that are not command
+    buffers (``outside``: kernels launched one by one, copies, host-call starts and waits)."""
+    lines = [(len(m[1]), m[2]) for m in map(_THUNK.match, thunks.splitlines()) if m]
+    top = [kind for indent, kind in lines if indent == 0]
+    in_graphs, graph = 0, False
+    for k, (indent, kind) in enumerate(lines):
+        if indent == 0:
+            graph = kind == "kCommandBuffer"
+        elif graph and not (k + 1 < len(lines) and lines[k + 1][0] > indent):
+            in_graphs += 1
+    return {"top": top, "graphs": top.count("kCommandBuffer"), "in_graphs": in_graphs,
+            "outside": len(top) - top.count("kCommandBuffer")}
 
 
 @contextlib.contextmanager
@@ -288,13 +328,35 @@ def render(report: dict) -> str:
                  if s["calls"] else [""] * 5)
         rows.append([row["method"], row["options"], s["calls"], *calls, row["in_branches"], row["conditionals"],
                      f"{row['compile_s']:.1f}"])
-    return "\n".join(lines + table(head, rows, align="llrlllrrrrr")) + "\n"
+    lines += table(head, rows, align="llrlllrrrrr")
+    if report.get("graphs"):
+        lines += ["", "## CUDA graphs per decode step", "",
+                  "The one-token step (`kvjax.decoding.decode_step_jit`) compiled with kvjax's options, as XLA:GPU's "
+                  "runtime issues it: its thunk sequence after XLA's thunk passes (`compile_with_thunks`), where "
+                  "kernels run inside command buffers (CUDA graphs: one launch each, the graph's kernels without a "
+                  "launch of their own). `host launches / step`: the top-level thunks (each graph one); `operations in "
+                  "graphs`: the kernels, copies and memsets recorded in them; `outside`: the other top-level thunks in "
+                  "order; `kernels (HLO)`: the step's device kernels as `kvjax.evals.plan.kernel_launches` counts them "
+                  "from the HLO (the cost model's count; it leaves out copies of zero-sized arrays, which XLA keeps as "
+                  "copy commands in a graph).", ""]
+        grows = []
+        for g in report["graphs"]:
+            if "error" in g:
+                grows.append([g["method"], f"error: {g['error']}", "", "", "", ""])
+                continue
+            outside = [k for k in g["top"] if k != "kCommandBuffer"]
+            grows.append([g["method"], len(g["top"]), g["graphs"], g["in_graphs"], ", ".join(outside) or "none",
+                          g["kernels"]])
+        lines += table(["method", "host launches / step", "CUDA graphs", "operations in graphs", "outside",
+                        "kernels (HLO)"], grows, align="lrrrlr")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     """Compile every method's decode loop for the target GPU with kvjax's options and XLA's defaults; write the report."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m kvjax.evals.gpu_schedule", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvjax.evals.gpu_schedule",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="ready model or HF directory (its shapes only)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods, as `kvjax bench --methods`")
     p.add_argument("--length", type=int, default=30720, help="prompt tokens (default 30720, as the GPU bench)")
@@ -313,6 +375,7 @@ def main(argv=None) -> int:
 
     from kvjax.evals.bench_methods import make_methods, parse_methods
     from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS
+    from kvjax.evals.plan import kernel_launches
     from kvjax.models import load_model
 
     topology = gpu_topology(args.target)
@@ -323,15 +386,15 @@ def main(argv=None) -> int:
     schedules = {"kvjax": dict(GPU_DECODE_COMPILER_OPTIONS), "xla-default": {}}
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
-    rows = []
-    with tqdm(total=len(methods) * len(schedules), desc="compile for " + args.target, unit="program",
+    rows, graphs = [], []
+    with tqdm(total=len(methods) * (len(schedules) + 1), desc="compile for " + args.target, unit="program",
               file=sys.stderr) as bar:
         for name, method in methods.items():
             try:
                 module = decode_module(model, method, args.length, args.new_tokens)
             except Exception as e:  # noqa: BLE001 - recorded in the report, the run goes on
                 rows += [{"method": name, "options": o, "error": f"{type(e).__name__}: {e}"[:300]} for o in schedules]
-                bar.update(len(schedules))
+                bar.update(len(schedules) + 1)
                 continue
             for label, options in schedules.items():
                 bar.set_postfix_str(f"{name} {label}")
@@ -343,8 +406,17 @@ def main(argv=None) -> int:
                              "in_branches": sum(w["in_branch"] for w in windows), "conditionals": loop_conditionals(hlo),
                              "windows": windows})
                 bar.update()
+            bar.set_postfix_str(f"{name} step")
+            try:
+                hlo, thunks = compile_with_thunks(step_module(model, method, args.length), topology,
+                                                  dict(GPU_DECODE_COMPILER_OPTIONS))
+                graphs.append({"method": name, **command_buffers(thunks), "kernels": kernel_launches(hlo)})
+            except Exception as e:  # noqa: BLE001 - recorded in the report, the run goes on
+                graphs.append({"method": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            bar.update()
     report = {
         "command": "python -m kvjax.evals.gpu_schedule " + shlex.join(argv), "args": vars(args), "rows": rows,
+        "graphs": graphs,
         "jax": jax.__version__, "plugin": importlib.metadata.version("jax-cuda12-plugin"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kvjax_options": ", ".join(f"`{k}={v}`" for k, v in GPU_DECODE_COMPILER_OPTIONS.items()),

@@ -1,6 +1,7 @@
 """Runs in its own process with jax's CUDA plugin on the path (``tests/test_gpu_schedule.py`` starts it): compiles the
 tiny model's decode loop for an H100, without one, and prints the host calls' windows and the step's conditionals,
-with the shapes each program's one-token step copies, as one JSON object on the last line of stdout; also compiles
+with the shapes each program's one-token step copies and what its runtime launches per step (CUDA graphs), also for the
+full cache's step, as one JSON object on the last line of stdout; also compiles
 the paged kernel's Mosaic GPU form at Llama-3.1-8B's decode shape over bfloat16 and quantized pools.
 
 ``python -m tests.gpu_schedule_worker`` (``PYTHONPATH`` must hold the plugin's directory, ``.aot-gpu``).
@@ -11,11 +12,11 @@ from __future__ import annotations
 import json
 import re
 
-from kvjax.evals.gpu_schedule import (compile_for_gpu, compile_only_cuda, decode_module, gpu_topology, host_call_windows,
-                                loop_conditionals, step_module)
-from kvjax.evals.plan import instruction_bytes
+from kvjax.evals.gpu_schedule import (command_buffers, compile_for_gpu, compile_only_cuda, compile_with_thunks,
+                                      decode_module, gpu_topology, host_call_windows, loop_conditionals, step_module)
+from kvjax.evals.plan import instruction_bytes, kernel_launches
 from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS
-from kvjax.methods import HeteroCache, SyncKV
+from kvjax.methods import FullCache, HeteroCache, SyncKV
 from tests.mesh_worker import CONFIG_D16, recall_artifacts, tiny_model
 
 PROMPT, NEW = 64, 3
@@ -31,17 +32,21 @@ def main() -> None:
         "synckv-pipelined": (SyncKV(budget=0.5, num_representatives=3, block=32, recall_schedule="pipelined"), sync),
         "synckv-spread": (SyncKV(budget=0.5, num_representatives=3, block=32, recall_schedule="spread"), sync),
     }
-    windows, conditionals, step_copies = {}, {}, {}
+    windows, conditionals, step_copies, graphs = {}, {}, {}, {}
     for name, (method, artifact) in programs.items():
         module = decode_module(model, method, PROMPT, NEW, artifact)
         for label, options in (("kvjax", GPU_DECODE_COMPILER_OPTIONS), ("xla-default", {})):
             hlo = compile_for_gpu(module, topology, options)
             windows[f"{name}/{label}"] = host_call_windows(hlo)
             conditionals[f"{name}/{label}"] = loop_conditionals(hlo)
-        hlo = compile_for_gpu(step_module(model, method, PROMPT, artifact), topology, GPU_DECODE_COMPILER_OPTIONS)
+        hlo, thunks = compile_with_thunks(step_module(model, method, PROMPT, artifact), topology,
+                                          GPU_DECODE_COMPILER_OPTIONS)
         step_copies[name] = [re.search(rf"%{re.escape(n)} = (\S+) copy\(", hlo)[1]
                              for n, op, _, _ in instruction_bytes(hlo) if op == "copy"]
-    print(json.dumps({"windows": windows, "conditionals": conditionals, "step_copies": step_copies,
+        graphs[name] = {**command_buffers(thunks), "kernels": kernel_launches(hlo)}
+    hlo, thunks = compile_with_thunks(step_module(model, FullCache(), PROMPT), topology, GPU_DECODE_COMPILER_OPTIONS)
+    graphs["full"] = {**command_buffers(thunks), "kernels": kernel_launches(hlo)}
+    print(json.dumps({"windows": windows, "conditionals": conditionals, "step_copies": step_copies, "graphs": graphs,
                       "mosaic_paged": mosaic_paged_calls(topology)}))
 
 

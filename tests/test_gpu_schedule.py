@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from kvjax.evals.gpu_schedule import host_call_windows, loop_conditionals, render, summarize
+from kvjax.evals.gpu_schedule import command_buffers, host_call_windows, loop_conditionals, render, summarize
 from kvjax.evals.hlo import shape_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +73,32 @@ def test_loop_conditionals_count_the_step_only():
     assert loop_conditionals(twice) == 2
 
 
+# A thunk sequence as XLA:GPU dumps it (after its thunk passes), by hand: a graph of two kernels, the host call's start,
+# a graph holding a kernel and a loop of two kernels, the wait, a kernel and a copy launched one by one.
+THUNKS = """000: kCommandBuffer    [source       | next=000 (1)] 
+    001: kCustomKernel [source       | next=002 (1)] loop_add_fusion grid: [1, 1, 1] threads: [2, 1, 1]
+    002: kCustomKernel [prev=001 (1) | sink        ] input_reduce_fusion grid: [8, 1, 1] threads: [128, 1, 1]
+003: kHostExecuteStart [source       | sink        ] (no description)
+004: kCommandBuffer    [prev=000 (1) | next=000 (1)] 
+    005: kCustomKernel [source       | next=006 (1)] paged_decode_attention_gpu grid: [1, 2, 4] threads: [128, 1, 1]
+    006: kWhile        [prev=005 (1) | sink        ] 
+        007: kCustomKernel [source       | next=008 (1)] loop_multiply_fusion grid: [1, 1, 1] threads: [1, 1, 1]
+        008: kCopy         [prev=007 (1) | sink        ] kCopy
+009: kHostExecuteDone  [source       | sink        ] (no description)
+010: kCustomKernel     [source       | sink        ] row_write grid: [4, 1, 1] threads: [128, 1, 1]
+011: kCopy             [prev=010 (1) | sink        ] kCopy
+"""
+
+
+def test_command_buffers_of_a_hand_written_thunk_sequence():
+    """Top-level thunks in order, the graphs among them, the innermost operations recorded in graphs (a loop counts by
+    its body) and the thunks launched outside any graph."""
+    assert command_buffers(THUNKS) == {
+        "top": ["kCommandBuffer", "kHostExecuteStart", "kCommandBuffer", "kHostExecuteDone", "kCustomKernel", "kCopy"],
+        "graphs": 2, "in_graphs": 2 + 3, "outside": 4}
+    assert command_buffers("") == {"top": [], "graphs": 0, "in_graphs": 0, "outside": 0}
+
+
 def test_report_rows():
     """The report has one table row per (method, options): the loop body's calls, one with none, and a failure."""
     windows = host_call_windows(HLO)
@@ -89,6 +115,12 @@ def test_report_rows():
     rows = [line for line in render(report).splitlines() if line.startswith("| ") and "method" not in line]
     assert rows == ["| a | kvjax | 1 | 1 | 2 | 1 | 4 | 0.00 | 1 | 3 | 1.0 |", "| b | kvjax | 0 |  |  |  |  |  | 0 | 0 | 2.0 |",
                     "| c | kvjax | error: ValueError: x |  |  |  |  |  |  |  |  |"]
+    report["graphs"] = [{"method": "a", **command_buffers(THUNKS), "kernels": 6}, {"method": "c", "error": "ValueError: x"}]
+    text = render(report)
+    graph_rows = [line for line in text.split("## CUDA graphs per decode step")[1].splitlines()
+                  if line.startswith("| ") and "method" not in line]
+    assert graph_rows == ["| a | 6 | 2 | 5 | kHostExecuteStart, kHostExecuteDone, kCustomKernel, kCopy | 6 |",
+                          "| c | error: ValueError: x |  |  |  |  |"]
 
 
 def _plugin_dir():
@@ -127,6 +159,18 @@ def test_pipelined_recall_overlaps_the_step_in_the_h100_schedule():
     for name, windows in found.items():
         if name.endswith("/xla-default"):
             assert windows and all(w["between"] == 0 for w in windows), (name, windows)
+    # what the runtime launches per step: the full cache's step is one CUDA graph holding every kernel the cost model
+    # counts in the HLO (two counts made independently: XLA's thunks and kvjax.evals.plan.kernel_launches); a
+    # pipelined recall's host call starts before a graph of the step's work and is waited for after it, and at most
+    # one kernel of the step is launched outside a graph
+    graphs = result["graphs"]
+    assert graphs["full"]["top"] == ["kCommandBuffer"], graphs["full"]
+    assert graphs["full"]["in_graphs"] == graphs["full"]["kernels"] > 0, graphs["full"]
+    for method in ("heterocache-pipelined", "synckv-pipelined"):
+        top = graphs[method]["top"]
+        start, done = top.index("kHostExecuteStart"), top.index("kHostExecuteDone")
+        assert "kCommandBuffer" in top[start + 1:done], top
+        assert sum(k not in ("kCommandBuffer", "kHostExecuteStart", "kHostExecuteDone") for k in top) <= 1, top
     # no conditional in the compiled step (each would be a host synchronisation per step on a GPU), as in the
     # lowered program (tests/test_gpu_host_syncs.py)
     assert result["conditionals"] and set(result["conditionals"].values()) == {0}, result["conditionals"]
