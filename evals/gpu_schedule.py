@@ -335,8 +335,8 @@ def render(report: dict) -> str:
                   "runtime issues it: its thunk sequence after XLA's thunk passes (`compile_with_thunks`), where "
                   "kernels run inside command buffers (CUDA graphs: one launch each, the graph's kernels without a "
                   "launch of their own). `host launches / step`: the top-level thunks (each graph one); `operations in "
-                  "graphs`: the kernels, copies and memsets recorded in them; `outside`: the other top-level thunks in "
-                  "order; `kernels (HLO)`: the step's device kernels as `kvjax.evals.plan.kernel_launches` counts them "
+                  "graphs`: the kernels, copies and memsets recorded in them; `outside`: the other top-level thunks by "
+                  "kind; `kernels (HLO)`: the step's device kernels as `kvjax.evals.plan.kernel_launches` counts them "
                   "from the HLO (the cost model's count; it leaves out copies of zero-sized arrays, which XLA keeps as "
                   "copy commands in a graph).", ""]
         grows = []
@@ -344,9 +344,12 @@ def render(report: dict) -> str:
             if "error" in g:
                 grows.append([g["method"], f"error: {g['error']}", "", "", "", ""])
                 continue
-            outside = [k for k in g["top"] if k != "kCommandBuffer"]
-            grows.append([g["method"], len(g["top"]), g["graphs"], g["in_graphs"], ", ".join(outside) or "none",
-                          g["kernels"]])
+            outside: dict = {}
+            for kind in g["top"]:
+                if kind != "kCommandBuffer":
+                    outside[kind] = outside.get(kind, 0) + 1
+            grows.append([g["method"], len(g["top"]), g["graphs"], g["in_graphs"],
+                          ", ".join(f"{n} × {k}" for k, n in outside.items()) or "none", g["kernels"]])
         lines += table(["method", "host launches / step", "CUDA graphs", "operations in graphs", "outside",
                         "kernels (HLO)"], grows, align="lrrrlr")
     return "\n".join(lines) + "\n"
@@ -422,7 +425,7 @@ def main(argv=None) -> int:
         "kvjax_options": ", ".join(f"`{k}={v}`" for k, v in GPU_DECODE_COMPILER_OPTIONS.items()),
     }
     md = render(report)
-    write_report(args.out, md)
+    write_report(args.out, md, report)
     print(md)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -119,7 +119,8 @@ def test_report_rows():
     text = render(report)
     graph_rows = [line for line in text.split("## CUDA graphs per decode step")[1].splitlines()
                   if line.startswith("| ") and "method" not in line]
-    assert graph_rows == ["| a | 6 | 2 | 5 | kHostExecuteStart, kHostExecuteDone, kCustomKernel, kCopy | 6 |",
+    assert graph_rows == ["| a | 6 | 2 | 5 | 1 × kHostExecuteStart, 1 × kHostExecuteDone, 1 × kCustomKernel, 1 × kCopy "
+                          "| 6 |",
                           "| c | error: ValueError: x |  |  |  |  |"]
 
 
