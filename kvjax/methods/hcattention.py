@@ -383,7 +383,10 @@ class HCAttention(LayerLocal):
 
         sizes = self.row_sizes(S)
         need = jnp.minimum(in_union.max(), cap)  # the cap when a union exceeds it: truncated
-        which = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need.astype(jnp.int32)), len(sizes) - 1)
+        # compare_all: a few compares, where jnp's default search is a while loop, which XLA:GPU cannot record in a
+        # CUDA graph (each layer's loop split the step's graph: evals.gpu_schedule)
+        which = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need.astype(jnp.int32),
+                                             method="compare_all"), len(sizes) - 1)
         rows_per_head = jnp.asarray(sizes, jnp.float32)[which]
         if cap < S:  # the union's ``cap`` rows of largest group-max probability
             top = lax.top_k(key, cap)[1]
