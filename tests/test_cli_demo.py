@@ -70,13 +70,15 @@ def test_generate_help_lists_every_method_its_defaults_and_presets():
     assert all(f"  {name}: " in text for name in METHODS)
 
 
-def test_heterocache_presets_are_the_dev_choice_and_the_former_one():
-    """``tuned``: the kvjax-suite options plus ``lookahead=16`` (RULER dev, docs/EVALUATION.md); ``suite``: without it."""
+def test_heterocache_presets_are_the_dev_choice_and_the_former_ones():
+    """``tuned``: the kvjax-suite options, ``lookahead=16`` and ``kernel=1`` (RULER dev, docs/EVALUATION.md);
+    ``suite-lookahead``: with pooling; ``suite``: neither."""
     from kvjax.methods import get_method
 
-    tuned, suite = get_method("heterocache:preset=tuned"), get_method("heterocache:preset=suite")
-    assert (tuned.lookahead, suite.lookahead) == (16, 0)
-    for m in (tuned, suite, get_method("heterocache:preset=tuned:lookahead=0")):
+    tuned, ahead, suite = (get_method(f"heterocache:preset={p}") for p in ("tuned", "suite-lookahead", "suite"))
+    assert (tuned.lookahead, ahead.lookahead, suite.lookahead) == (16, 16, 0)
+    assert (tuned.kernel, ahead.kernel, suite.kernel) == (1, 5, 5)
+    for m in (tuned, ahead, suite, get_method("heterocache:preset=tuned:lookahead=0")):
         assert (m.group_layers, m.reanchor, m.rehearsals, m.prefill_from_pivot) == (24, True, 2, True)
     assert get_method("heterocache:preset=tuned:lookahead=0").lookahead == 0
     assert get_method("synckv:preset=tuned").lookahead == 0  # the look-ahead lost on dev for SyncKV
