@@ -30,6 +30,7 @@ only in part: the compile step uses jax internals (``jax._src``), checked with j
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import glob
@@ -170,6 +171,15 @@ def compile_with_thunks(module_text: str, topology, options: dict) -> tuple[str,
                                "write *thunk_sequence_after_thunk_passes.txt under xla_dump_to")
         with open(found[0]) as f:
             return hlo, f.read()
+
+
+def step_launches(module_text: str, topology, options: dict) -> tuple[str, dict]:
+    """:func:`compile_with_thunks`, and what the runtime launches per run of the program: :func:`command_buffers` of
+    its thunks, with the device kernels :func:`kvjax.evals.plan.kernel_launches` counts in its HLO (``kernels``)."""
+    from kvjax.evals.plan import kernel_launches
+
+    hlo, thunks = compile_with_thunks(module_text, topology, options)
+    return hlo, {**command_buffers(thunks), "kernels": kernel_launches(hlo)}
 
 
 _THUNK = re.compile(r"^( *)\d+: (k\w+)")
@@ -344,10 +354,7 @@ def render(report: dict) -> str:
             if "error" in g:
                 grows.append([g["method"], f"error: {g['error']}", "", "", "", ""])
                 continue
-            outside: dict = {}
-            for kind in g["top"]:
-                if kind != "kCommandBuffer":
-                    outside[kind] = outside.get(kind, 0) + 1
+            outside = collections.Counter(kind for kind in g["top"] if kind != "kCommandBuffer")
             grows.append([g["method"], len(g["top"]), g["graphs"], g["in_graphs"],
                           ", ".join(f"{n} × {k}" for k, n in outside.items()) or "none", g["kernels"]])
         lines += table(["method", "host launches / step", "CUDA graphs", "operations in graphs", "outside",
@@ -378,7 +385,6 @@ def main(argv=None) -> int:
 
     from kvjax.evals.bench_methods import make_methods, parse_methods
     from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS
-    from kvjax.evals.plan import kernel_launches
     from kvjax.models import load_model
 
     topology = gpu_topology(args.target)
@@ -411,9 +417,9 @@ def main(argv=None) -> int:
                 bar.update()
             bar.set_postfix_str(f"{name} step")
             try:
-                hlo, thunks = compile_with_thunks(step_module(model, method, args.length), topology,
-                                                  dict(GPU_DECODE_COMPILER_OPTIONS))
-                graphs.append({"method": name, **command_buffers(thunks), "kernels": kernel_launches(hlo)})
+                _, launches = step_launches(step_module(model, method, args.length), topology,
+                                            dict(GPU_DECODE_COMPILER_OPTIONS))
+                graphs.append({"method": name, **launches})
             except Exception as e:  # noqa: BLE001 - recorded in the report, the run goes on
                 graphs.append({"method": name, "error": f"{type(e).__name__}: {e}"[:300]})
             bar.update()

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import re
 
-from kvjax.evals.gpu_schedule import (command_buffers, compile_for_gpu, compile_only_cuda, compile_with_thunks,
-                                      decode_module, gpu_topology, host_call_windows, loop_conditionals, step_module)
-from kvjax.evals.plan import instruction_bytes, kernel_launches
+from kvjax.evals.gpu_schedule import (compile_for_gpu, compile_only_cuda, decode_module, gpu_topology, host_call_windows,
+                                      loop_conditionals, step_launches, step_module)
+from kvjax.evals.plan import instruction_bytes
 from kvjax.decoding import GPU_DECODE_COMPILER_OPTIONS
 from kvjax.methods import FullCache, HeteroCache, SyncKV
 from tests.mesh_worker import CONFIG_D16, recall_artifacts, tiny_model
@@ -39,13 +39,11 @@ def main() -> None:
             hlo = compile_for_gpu(module, topology, options)
             windows[f"{name}/{label}"] = host_call_windows(hlo)
             conditionals[f"{name}/{label}"] = loop_conditionals(hlo)
-        hlo, thunks = compile_with_thunks(step_module(model, method, PROMPT, artifact), topology,
+        hlo, graphs[name] = step_launches(step_module(model, method, PROMPT, artifact), topology,
                                           GPU_DECODE_COMPILER_OPTIONS)
         step_copies[name] = [re.search(rf"%{re.escape(n)} = (\S+) copy\(", hlo)[1]
                              for n, op, _, _ in instruction_bytes(hlo) if op == "copy"]
-        graphs[name] = {**command_buffers(thunks), "kernels": kernel_launches(hlo)}
-    hlo, thunks = compile_with_thunks(step_module(model, FullCache(), PROMPT), topology, GPU_DECODE_COMPILER_OPTIONS)
-    graphs["full"] = {**command_buffers(thunks), "kernels": kernel_launches(hlo)}
+    _, graphs["full"] = step_launches(step_module(model, FullCache(), PROMPT), topology, GPU_DECODE_COMPILER_OPTIONS)
     print(json.dumps({"windows": windows, "conditionals": conditionals, "step_copies": step_copies, "graphs": graphs,
                       "mosaic_paged": mosaic_paged_calls(topology)}))
 
