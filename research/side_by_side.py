@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from kvjax.reports import table as markdown_table
@@ -106,17 +107,30 @@ def short_name(spec: str) -> str:
     return spec
 
 
+def run_label(run_dir: str, first_dir: str) -> str:
+    """A run directory's name short enough for a legend: without the part it shares with the first run's name
+    (``…-locret`` for ``qwen2.5-coder-0.5b-ruler-4k-test-query-agnostic-locret`` beside ``…-query-agnostic``)."""
+    name, first = Path(run_dir).name, Path(first_dir).name
+    common = os.path.commonprefix([name, first])
+    return f"…{name[len(common):]}" if common and name[len(common):] else name
+
+
 def plot(runs, path: str, title: str) -> None:
-    """Mean accuracy against device bytes ÷ the full cache's: one line per method (its budgets, over all runs)."""
+    """Mean accuracy against device bytes ÷ the full cache's: one line per method over its budgets. A method also
+    measured by an earlier run (e.g. with other trained heads) is its own line, named after its run (``run_label``)."""
     from kvjax.evals.report import plot_accuracy_vs_bytes
 
-    points, full = {}, None
+    points, full, owner = {}, None, {}
     for run in runs:
         for row in run["rows"]:
             if row["method"] == "full":
                 full = full or row
             elif row["device_bytes_vs_full"] is not None:
-                points.setdefault(short_name(row["method"]), []).append((row["device_bytes_vs_full"], row["mean_accuracy"]))
+                name = short_name(row["method"])
+                owner.setdefault(name, run["dir"])
+                if owner[name] != run["dir"]:
+                    name = f"{name} ({run_label(run['dir'], runs[0]['dir'])})"
+                points.setdefault(name, []).append((row["device_bytes_vs_full"], row["mean_accuracy"]))
     plot_accuracy_vs_bytes(points, full["mean_accuracy"] if full is not None else None, path, title)
 
 

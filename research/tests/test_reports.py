@@ -78,6 +78,26 @@ def test_side_by_side_orders_by_device_bytes_counts_common_samples_and_refuses_o
         main([a, run("c", [], seed=1)])
 
 
+def test_side_by_side_plot_keeps_a_method_of_two_runs_as_two_lines(tmp_path, monkeypatch):
+    """The same method in two runs (e.g. Locret with other heads) is two lines, not one line through both runs'
+    points: the later run's named after its directory, less the part its name shares with the first run's."""
+    import research.side_by_side as side
+    import kvjax.evals.report as report
+
+    def run(name, rows):
+        return {"dir": str(tmp_path / name), "rows": [{"method": m, "budget": b, "device_bytes_vs_full": x,
+                                                       "mean_accuracy": y} for m, b, x, y in rows]}
+
+    runs = [run("ruler-4k", [("full", "full", 1.0, 70.0), ("locret", "0.1", 0.12, 17.0), ("locret", "0.25", 0.25, 48.0),
+                      ("snapkv", "0.1", 0.12, 4.0)]),
+            run("ruler-4k-locret", [("full", "full", 1.0, 70.0), ("locret", "0.1", 0.12, 43.0), ("locret", "0.25", 0.25, 61.0)])]
+    seen = {}
+    monkeypatch.setattr(report, "plot_accuracy_vs_bytes", lambda points, full, path, title: seen.update(points, full=full))
+    side.plot(runs, str(tmp_path / "p.png"), "t")
+    assert seen == {"locret": [(0.12, 17.0), (0.25, 48.0)], "snapkv": [(0.12, 4.0)],
+                    "locret (…-locret)": [(0.12, 43.0), (0.25, 61.0)], "full": 70.0}
+
+
 def test_hcattention_ablation_table_hand_computed(tmp_path):
     """Rows per (method spec, budget): tau from the spec (default 0.9), accuracy per task, mean selection ratio and
     per-layer ratios averaged over records; the full cache first."""
