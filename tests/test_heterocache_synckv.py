@@ -890,6 +890,36 @@ def test_heterocache_drift_rule_fires_where_the_median_overlap_crosses_the_thres
         method.lead_one_token([st, wider], [query(u), query(u)], cache.pad, None)
 
 
+def test_heterocache_drift_overlap_above_chance_hand_computed():
+    """Overlaps of a pivot's top-4 sets with its reference set {4..7}, by hand. 8 held tokens: a query whose top set
+    is {4..7} overlaps 1, one with {0, 1, 6, 7} 0.5, which is also the overlap of two random 4-sets of 8 (chance
+    c = 4 / 8): the paper's overlap 0.5 is not below ``tau_drift`` 0.5, above chance it is 0 and the check fires.
+    6 held tokens (top set {0, 1, 4, 5}, c = 4 / 6): overlap 0.5, above chance (0.5 - 2/3) / (1/3) = -0.5. 3 held
+    tokens: every held token is in the set (c = 1), 1 as in the paper."""
+    from kvjax.methods import get_method, parse_method_spec
+
+    positions = 8
+    ref = np.zeros((1, 3, positions), bool)
+    ref[0, :, 4:] = True
+    scores = np.full((1, 3, 2, positions), -np.inf, np.float32)
+    scores[0, 0, 0, 4:] = 1.0                          # held 8: top {4..7}
+    scores[0, 0, 1] = [5, 4, 0, 0, 0, 0, 3, 2]         # held 8: top {0, 1, 6, 7}
+    scores[0, 1, :, :6] = [4, 3, 0.1, 0.1, 0.5, 0.2]   # held 6: top {0, 1, 4, 5}
+    scores[0, 2, :, 5:8] = 1.0                         # held 3
+    limits = np.asarray([[[8, 8], [6, 6], [3, 3]]], np.int32)
+    paper = HeteroCache(budget=0.5)
+    name, options = parse_method_spec("heterocache:budget=0.5:drift_above_chance=true")
+    above = get_method(name, **options)
+    assert above.drift_above_chance and not paper.drift_above_chance
+    _, raw = paper.overlaps(jnp.asarray(scores), jnp.asarray(limits), jnp.asarray(ref), 4)
+    _, corrected = above.overlaps(jnp.asarray(scores), jnp.asarray(limits), jnp.asarray(ref), 4)
+    np.testing.assert_allclose(np.asarray(raw)[0], [[1.0, 0.5], [0.5, 0.5], [1.0, 1.0]], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(corrected)[0], [[1.0, 0.0], [-0.5, -0.5], [1.0, 1.0]], atol=1e-6)
+    window = jnp.broadcast_to(jnp.asarray(raw)[..., 1], (5, 1, 3))
+    assert not np.asarray(paper.drifted(window, jnp.asarray(5)))[0, 0]
+    assert np.asarray(above.drifted(jnp.broadcast_to(jnp.asarray(corrected)[..., 1], (5, 1, 3)), jnp.asarray(5)))[0, 0]
+
+
 @pytest.mark.parametrize("rehearsals", [0, 2])
 def test_synckv_question_rehearsals_count(tiny, rehearsals):
     """``rehearsals=n``: :func:`prefill` runs the question ``n + 1`` times. The R-head (layer 1) re-anchors in each

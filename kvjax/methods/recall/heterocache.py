@@ -25,7 +25,7 @@ Runtime:
 Deviations (each measured in ``docs/methods/heterocache.md``): cross-layer groups (``group_layers``) for models with
 few KV heads per layer; pivots choose among prompt tokens only; a multi-token call is checked at once (its last
 ``min(T, window)`` queries); ``reanchor`` (a question asked after compression re-anchors every satellite before it
-attends); ``prefill_from_pivot``; recall schedules other than ``"whole"``.
+attends); ``prefill_from_pivot``; ``drift_above_chance``; recall schedules other than ``"whole"``.
 """
 
 from __future__ import annotations
@@ -127,6 +127,10 @@ class HeteroCache(LeaderFollowerMethod):
         deviation, off by default).
       prefill_from_pivot: each satellite's prefill set is its pivot's top-``l_i`` for the prompt's last query
         instead of its own (a deviation, off by default).
+      drift_above_chance: the drift check compares ``tau_drift`` with the overlap above chance, ``(o - c) / (1 - c)``
+        for ``c = base / held``, the overlap of two random sets of ``base`` among the held tokens, instead of the
+        overlap ``o`` itself (a deviation, off by default). The paper's overlap cannot fall below about ``c``, so
+        from budgets near ``tau_drift`` on its check never fires.
     """
 
     window: int = 5
@@ -135,6 +139,7 @@ class HeteroCache(LeaderFollowerMethod):
     retrieval: bool = True
     reanchor: bool = False
     prefill_from_pivot: bool = False
+    drift_above_chance: bool = False
     name = "heterocache"
 
     def __post_init__(self):
@@ -245,13 +250,18 @@ class HeteroCache(LeaderFollowerMethod):
         limits = seen_limits(state.paged, plan.leaders, qg.shape[1])
         return (scores, *self.overlaps(scores, limits, state.tracker.ref, state.tracker.base))
 
-    @staticmethod
-    def overlaps(scores, limits, ref, base: int):
+    def overlaps(self, scores, limits, ref, base: int):
         """Top-``base`` sets of ``scores[B, n, T, positions]`` and their overlaps with the reference sets ``ref[B, n,
-        positions]`` ``[B, n, T]`` (``limits``: the held tokens each query saw, :func:`seen_limits`)."""
+        positions]`` ``[B, n, T]`` (``limits``: the held tokens each query saw, :func:`seen_limits`); with
+        ``drift_above_chance`` the overlap above chance (1 where the sets hold every held token)."""
         sets = top_mask(scores, base)
         held = jnp.clip(limits, 0, scores.shape[-1])  # = isfinite(scores).sum(-1), no reduction
-        return sets, (sets & ref[:, :, None]).sum(-1) / jnp.maximum(jnp.minimum(held, base), 1)
+        size = jnp.maximum(jnp.minimum(held, base), 1)
+        overlap = (sets & ref[:, :, None]).sum(-1) / size
+        if not self.drift_above_chance:
+            return sets, overlap
+        chance = size / jnp.maximum(held, 1)
+        return sets, jnp.where(chance < 1, (overlap - chance) / jnp.maximum(1 - chance, 1e-9), 1.0)
 
     def publish_drift(self, state, drift, scores, sets, pad):
         """Pivots with ``drift[B, n]`` take the last query's set as their reference and publish its top prompt
