@@ -17,16 +17,19 @@ Outputs in ``<out_root>/<run_name>/``:
   this rule divided the artifact by the batch's rows. ``jax`` and ``device`` name what measured it
   (:func:`environment`; records written before 2026-12-07 lack them);
 * ``fidelity.jsonl``: one record per (method, budget, length) of the fidelity check (:mod:`kvjax.evals.fidelity`);
-* ``config.json`` (the run's settings), ``summary.json``, ``README.md`` (tables) and PNG plots, rebuilt
-  from the JSONL files at the end of every run (:mod:`kvjax.evals.report`).
+* ``config.json`` (the run's settings: a resumed or extended run adds its methods, budgets, tasks, lengths and
+  command to those already there), ``summary.json``, ``README.md`` (tables) and PNG plots, rebuilt from the JSONL
+  files at the end of every run (:mod:`kvjax.evals.report`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Sequence
 
@@ -188,22 +191,76 @@ def _record_key(r: dict) -> tuple:
     return (r["task"], r["length"], r["index"], r["method"], r["budget"])
 
 
-def _prepare_out_dir(cfg: EvalConfig) -> None:
+def merged_grid(old: dict, new: dict) -> tuple[list[str], list]:
+    """Methods and budgets of a run directory after a run with ``new`` settings joins one with ``old`` settings:
+    every (method, budget) configuration of either, and no other. The old budgets stay; a new method is listed as it
+    is where the old budgets are all its budgets, and a configuration at a budget the old grid does not give its method
+    as a spec with its own budget (``snapkv:budget=0.5``), so the grid does not grow by configurations neither run
+    made."""
+    methods, budgets, kv_dtype = list(old.get("methods") or []), list(old.get("budgets") or []), old.get("kv_dtype")
+    for spec in new["methods"]:
+        if spec == "full":
+            methods += [] if spec in methods else [spec]
+            continue
+        name, own = split_budget(spec)
+        have = set(method_budgets(methods, budgets, kv_dtype))
+        missing = [b for b in ((own,) if own is not None else new["budgets"]) if (name, b) not in have]
+        if own is None and budgets and all((name, b) not in have and b in missing for b in budgets):
+            methods.append(name)  # the plain spec: every old budget
+            missing = [b for b in missing if b not in budgets]
+        methods += [f"{name}:budget={b}" for b in missing]
+    return list(dict.fromkeys(methods)), budgets
+
+
+@contextlib.contextmanager
+def _locked(directory: str):
+    """An exclusive advisory lock on ``directory`` (``flock``), so processes sharing a run directory read and write its
+    ``config.json`` one at a time; no lock where ``fcntl`` is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def prepare_out_dir(cfg: EvalConfig) -> None:
+    """Write the run's ``config.json``; resuming a run checks its identity and keeps what it already held.
+
+    A resumed run (e.g. more methods, or another ``--tasks`` half run by a second process) writes the union of the old
+    and new methods, budgets, tasks and lengths, and its command after the old one (`` && ``), so the file still
+    describes every record of the directory. The file is replaced atomically under a lock on the directory: processes
+    started together on one run directory each add their settings and never leave a half-written file."""
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "config.json")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
-        old.setdefault("protocol", "query-aware")  # runs written before protocols existed
-        old.setdefault("suite", "kvjax")  # runs written before suites and splits existed: kvjax tasks, seed 0 = dev
-        old["split"] = run_split(old)
-        old.setdefault("kv_dtype", None)  # runs written before kv_dtype existed: the model's dtype
-        mismatch = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
-        if mismatch:
-            raise ValueError(f"{cfg.out_dir} holds a run with different settings {mismatch} (old, new); "
-                             "use another --run-name or delete the directory")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    with _locked(cfg.out_dir):
+        new = dataclasses.asdict(cfg)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                old = json.load(f)
+            old.setdefault("protocol", "query-aware")  # runs written before protocols existed
+            old.setdefault("suite", "kvjax")  # runs written before suites and splits existed: kvjax tasks, seed 0 = dev
+            old["split"] = run_split(old)
+            old.setdefault("kv_dtype", None)  # runs written before kv_dtype existed: the model's dtype
+            mismatch = {k: (old.get(k), v) for k, v in cfg.identity().items() if old.get(k) != v}
+            if mismatch:
+                raise ValueError(f"{cfg.out_dir} holds a run with different settings {mismatch} (old, new); "
+                                 "use another --run-name or delete the directory")
+            new["methods"], new["budgets"] = merged_grid(old, new)
+            for key in ("tasks", "lengths"):
+                new[key] = list(dict.fromkeys([*(old.get(key) or []), *new[key]]))
+            commands = [c for c in (old.get("command") or "").split(" && ") if c]
+            if new["command"] and new["command"] not in commands:
+                commands.append(new["command"])
+            new["command"] = " && ".join(commands)
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=cfg.out_dir, suffix=".tmp", delete=False) as f:
+            json.dump(new, f, indent=1)
+        os.replace(f.name, path)
 
 
 def run_tasks(cfg: EvalConfig, model, *, progress: bool = True) -> int:
@@ -383,7 +440,7 @@ def run_eval(cfg: EvalConfig, model=None, *, progress: bool = True) -> dict:
     """Run (or resume) an evaluation and rebuild its report; returns the summary."""
     from kvjax.evals.report import write_report
 
-    _prepare_out_dir(cfg)
+    prepare_out_dir(cfg)
     if model is None:
         import kvjax
 

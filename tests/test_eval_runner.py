@@ -64,6 +64,64 @@ def test_kvjax_eval_writes_every_output_and_resumes(tiny_chat_model, tmp_path):
     assert all(by_key[(r["task"], r["index"], r["method"], r["budget"])] == r["output"] for r in again)
 
 
+def test_a_resumed_run_keeps_every_configuration_of_its_directory_in_config_json(tmp_path):
+    """A second run into one directory (other methods at other budgets, another task) leaves ``config.json`` naming
+    every configuration of either run and no other: the old grid, the new method at the old budgets as a plain spec and
+    at its extra budget as ``name:budget=b``, both tasks, both commands; the report's expected record count follows.
+    A run of other settings (seed, protocol) is refused."""
+    from kvjax.evals.report import expected_records
+    from kvjax.evals.runner import EvalConfig, prepare_out_dir
+
+    def config(**kw):
+        return EvalConfig(**{"out_root": str(tmp_path), "run_name": "r", "samples": 2, "lengths": (512,), **kw})
+
+    prepare_out_dir(config(methods=("snapkv", "hbw"), budgets=(0.1, 0.25), tasks=("passkey",), command="c1"))
+    prepare_out_dir(config(methods=("heterocache", "snapkv:budget=0.5", "hbw"), budgets=(0.1, 0.25, 0.5),
+                           tasks=("niah_single",), command="c2"))
+    prepare_out_dir(config(methods=("hbw",), budgets=(0.25,), tasks=("passkey",), command="c2"))  # nothing new
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert saved["methods"] == ["snapkv", "hbw", "heterocache", "heterocache:budget=0.5", "snapkv:budget=0.5",
+                                "hbw:budget=0.5"]
+    assert saved["budgets"] == [0.1, 0.25] and saved["tasks"] == ["passkey", "niah_single"]
+    assert saved["command"] == "c1 && c2"
+    assert expected_records(saved) == 2 * 1 * 2 * (1 + 9)  # tasks x lengths x samples x (full + 3 x 3 configurations)
+    with pytest.raises(ValueError, match="different settings"):
+        prepare_out_dir(config(methods=("snapkv",), protocol="query-agnostic"))
+
+
+def test_processes_starting_together_on_one_run_directory_all_land_in_config_json(tmp_path):
+    """Eight writers released at once (threads: each holds its own lock on the directory, as processes do) each add
+    a length; the file stays valid JSON and names all eight lengths (without the lock writers overwrite each other's
+    additions, and a reader can meet a half-written file)."""
+    import threading
+
+    from kvjax.evals.runner import EvalConfig, prepare_out_dir
+
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def writer(i):
+        cfg = EvalConfig(out_root=str(tmp_path), run_name="r", methods=("snapkv",), tasks=("passkey",),
+                         lengths=(256 * (i + 1),), command=f"c{i}")
+        barrier.wait()
+        try:
+            for _ in range(5):
+                prepare_out_dir(cfg)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert sorted(saved["lengths"]) == [256 * (i + 1) for i in range(8)]
+    assert sorted(saved["command"].split(" && ")) == sorted(f"c{i}" for i in range(8))
+    assert not [p.name for p in (tmp_path / "r").iterdir() if p.name != "config.json"]  # no temporary file left
+
+
 def test_a_run_interrupted_inside_a_batch_keeps_its_finished_configurations(tiny_chat_model, tmp_path, monkeypatch):
     """Records are flushed per method and budget: a run stopped while decoding a batch's second configuration keeps
     the first one's records, and resuming computes only the rest."""
