@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvjax.evals.records import run_split
 from kvjax.reports import figure, save_figure, table, write_report
-from research.side_by_side import load_runs
+from research.side_by_side import line_names, load_runs
 
 THRESHOLD = 95.0  # % of the full cache's mean score
 
@@ -39,23 +39,19 @@ def curve(runs) -> dict:
     """The full cache's mean and one point per (method, budget) of the loaded runs (``side_by_side.load_runs`` with
     ``every_config``): mean score, % of the full cache's, device bytes ÷ the full cache's, the run it comes from.
 
-    A (method, budget) measured by more than one run keeps the first run's method name; the later ones are named
-    ``method (run directory)``, each its own curve."""
+    A method measured by an earlier run at one of the same budgets is its own curve, named as in the overview plots
+    (``side_by_side.line_names``: ``method (…run)``)."""
     full = next((row for run in runs for row in run["rows"] if row["method"] == "full"), None)
     if full is None:
         raise SystemExit("no run has the full cache's records on the common prompts: nothing to compare with")
     full_mean = full["mean_accuracy"]
     fulls = {round(row["mean_accuracy"], 9) for run in runs for row in run["rows"] if row["method"] == "full"}
-    points, seen = [], set()
+    names, points = line_names(runs), []
     for run in runs:
         for row in run["rows"]:
             if row["method"] == "full":
                 continue
-            name = row["method"]
-            if (name, row["budget"]) in seen:
-                name = f"{name} ({Path(run['dir']).name})"
-            seen.add((name, row["budget"]))
-            points.append({"method": name, "budget": row["budget"], "run": Path(run["dir"]).name,
+            points.append({"method": names[(run["dir"], row["method"])], "budget": row["budget"], "run": Path(run["dir"]).name,
                            "mean": row["mean_accuracy"],
                            "percent_of_full": 100 * row["mean_accuracy"] / full_mean if full_mean else None,
                            "device_bytes_vs_full": row["device_bytes_vs_full"]})

@@ -115,22 +115,38 @@ def run_label(run_dir: str, first_dir: str) -> str:
     return f"…{name[len(common):]}" if common and name[len(common):] else name
 
 
+def line_names(runs) -> dict[tuple[str, str], str]:
+    """``(run directory, method)`` -> the name of its line in a plot over several runs: the method's own name (its
+    preset's where it is one), unless an earlier run measured the same method at one of the same budgets (e.g. Locret
+    with other heads); then ``method (run_label)``, a line of its own. A run that adds other budgets of a method joins
+    its line."""
+    names, seen = {}, set()  # seen: (name, budget) of the lines so far
+    for run in runs:
+        own = {}
+        for row in run["rows"]:
+            if row["method"] != "full":
+                own.setdefault(row["method"], []).append(row["budget"])
+        for method, budgets in own.items():
+            name = short_name(method)
+            if any((name, b) in seen for b in budgets):
+                name = f"{name} ({run_label(run['dir'], runs[0]['dir'])})"
+            names[(run["dir"], method)] = name
+            seen.update((name, b) for b in budgets)
+    return names
+
+
 def plot(runs, path: str, title: str) -> None:
-    """Mean accuracy against device bytes ÷ the full cache's: one line per method over its budgets. A method also
-    measured by an earlier run (e.g. with other trained heads) is its own line, named after its run (``run_label``)."""
+    """Mean accuracy against device bytes ÷ the full cache's: one line per method over its budgets (``line_names``)."""
     from kvjax.evals.report import plot_accuracy_vs_bytes
 
-    points, full, owner = {}, None, {}
+    names, points, full = line_names(runs), {}, None
     for run in runs:
         for row in run["rows"]:
             if row["method"] == "full":
                 full = full or row
             elif row["device_bytes_vs_full"] is not None:
-                name = short_name(row["method"])
-                owner.setdefault(name, run["dir"])
-                if owner[name] != run["dir"]:
-                    name = f"{name} ({run_label(run['dir'], runs[0]['dir'])})"
-                points.setdefault(name, []).append((row["device_bytes_vs_full"], row["mean_accuracy"]))
+                points.setdefault(names[(run["dir"], row["method"])], []).append(
+                    (row["device_bytes_vs_full"], row["mean_accuracy"]))
     plot_accuracy_vs_bytes(points, full["mean_accuracy"] if full is not None else None, path, title)
 
 

@@ -79,8 +79,9 @@ def test_side_by_side_orders_by_device_bytes_counts_common_samples_and_refuses_o
 
 
 def test_side_by_side_plot_keeps_a_method_of_two_runs_as_two_lines(tmp_path, monkeypatch):
-    """The same method in two runs (e.g. Locret with other heads) is two lines, not one line through both runs'
-    points: the later run's named after its directory, less the part its name shares with the first run's."""
+    """The same method at the same budgets in two runs (e.g. Locret with other heads) is two lines, not one line
+    through both runs' points: the later run's named after its directory, less the part its name shares with the
+    first run's. A run that adds another budget of a method (SnapKV at 50%) extends its line."""
     import research.side_by_side as side
     import kvjax.evals.report as report
 
@@ -90,11 +91,12 @@ def test_side_by_side_plot_keeps_a_method_of_two_runs_as_two_lines(tmp_path, mon
 
     runs = [run("ruler-4k", [("full", "full", 1.0, 70.0), ("locret", "0.1", 0.12, 17.0), ("locret", "0.25", 0.25, 48.0),
                       ("snapkv", "0.1", 0.12, 4.0)]),
-            run("ruler-4k-locret", [("full", "full", 1.0, 70.0), ("locret", "0.1", 0.12, 43.0), ("locret", "0.25", 0.25, 61.0)])]
+            run("ruler-4k-locret", [("full", "full", 1.0, 70.0), ("locret", "0.1", 0.12, 43.0), ("locret", "0.25", 0.25, 61.0)]),
+            run("ruler-4k-half", [("full", "full", 1.0, 70.0), ("snapkv", "0.5", 0.5, 20.0)])]
     seen = {}
     monkeypatch.setattr(report, "plot_accuracy_vs_bytes", lambda points, full, path, title: seen.update(points, full=full))
     side.plot(runs, str(tmp_path / "p.png"), "t")
-    assert seen == {"locret": [(0.12, 17.0), (0.25, 48.0)], "snapkv": [(0.12, 4.0)],
+    assert seen == {"locret": [(0.12, 17.0), (0.25, 48.0)], "snapkv": [(0.12, 4.0), (0.5, 20.0)],
                     "locret (…-locret)": [(0.12, 43.0), (0.25, 61.0)], "full": 70.0}
 
 
