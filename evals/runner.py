@@ -200,12 +200,13 @@ def merged_grid(old: dict, new: dict) -> tuple[list[str], list]:
     methods, budgets, kv_dtype = list(old.get("methods") or []), list(old.get("budgets") or []), old.get("kv_dtype")
     for spec in new["methods"]:
         if spec == "full":
-            methods += [] if spec in methods else [spec]
+            if spec not in methods:
+                methods.append(spec)
             continue
         name, own = split_budget(spec)
         have = set(method_budgets(methods, budgets, kv_dtype))
         missing = [b for b in ((own,) if own is not None else new["budgets"]) if (name, b) not in have]
-        if own is None and budgets and all((name, b) not in have and b in missing for b in budgets):
+        if own is None and budgets and all(b in missing for b in budgets):
             methods.append(name)  # the plain spec: every old budget
             missing = [b for b in missing if b not in budgets]
         methods += [f"{name}:budget={b}" for b in missing]
@@ -232,9 +233,9 @@ def _locked(directory: str):
 def prepare_out_dir(cfg: EvalConfig) -> None:
     """Write the run's ``config.json``; resuming a run checks its identity and keeps what it already held.
 
-    A resumed run (e.g. more methods, or another ``--tasks`` half run by a second process) writes the union of the old
-    and new methods, budgets, tasks and lengths, and its command after the old one (`` && ``), so the file still
-    describes every record of the directory. The file is replaced atomically under a lock on the directory: processes
+    A resumed run (e.g. more methods, or another ``--tasks`` half run by a second process) writes every configuration
+    of either run (:func:`merged_grid`), the union of their tasks and lengths, and its command after the old one
+    (`` && ``), so the file still describes every record of the directory. The file is replaced atomically under a lock on the directory: processes
     started together on one run directory each add their settings and never leave a half-written file."""
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "config.json")
