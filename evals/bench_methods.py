@@ -239,11 +239,17 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=parse_lengths, default=list(DEFAULT_LENGTHS),
                    help=f"prompt lengths in tokens (default {','.join(map(str, DEFAULT_LENGTHS))})")
     p.add_argument("--batch", default="1", metavar="B[,B...]",
-                   help="rows prefilled (different random prompts) and decoded together per cell, e.g. 1,4,16 (default 1)")
+                   help="rows per cell, decoded together, e.g. 1,4,16 (default 1): prefilled from different random "
+                        "prompts, or built without a prefill with --no-prefill")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
                    help="throughput mode: no prefill; the largest batch each method's decode loop fits in GIB GiB "
                         "(weights + cache + temporaries, from the compiled program) and its tokens/s there, from a "
                         "cache built without a prefill (kvjax.evals.bench_throughput); --batch is not used")
+    p.add_argument("--no-prefill", action="store_true",
+                   help="every (length, batch) cell's caches built without a prefill (random contents, the method's own "
+                        "selection and layout; kvjax.evals.bench_throughput) and their decode timed at each --batch: "
+                        "tokens/s and bytes at sizes a prefill on this machine cannot reach; no prefill columns "
+                        "(default out docs/results/bench_batch_synthetic_<model>.md). --memory-budget implies it")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run, >= 2 (N - 1 decode steps timed; default 64)")
     p.add_argument("--chunk-size", type=int, default=1024,
                    help="prefill chunk in tokens; prompt lengths must be multiples of it (0 = whole prompt; default 1024)")
@@ -290,6 +296,8 @@ def check_args(args) -> None:
     args.methods = method_rows(args.methods, args.kv_dtype)
     if args.memory_budget is not None and not args.memory_budget > 0:
         raise ValueError(f"--memory-budget must be > 0 GiB, got {args.memory_budget}")
+    if args.profile and (args.no_prefill or args.memory_budget is not None):
+        raise ValueError("--profile traces the prefilled runs' decode loops; --no-prefill and --memory-budget have none")
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (the first token comes from the prefill), got {args.new_tokens}")
     if args.repeats < 1:
@@ -724,6 +732,10 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
         from kvjax.evals.bench_throughput import run as run_throughput
 
         return run_throughput(args, argv, prog)
+    if args.no_prefill:
+        from kvjax.evals.bench_throughput import run_batches
+
+        return run_batches(args, argv, prog)
     mesh = setup_devices(args)
     methods = make_methods(args.methods, args.budget)
     out = args.out or default_out(args.model)

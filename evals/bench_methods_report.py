@@ -261,7 +261,7 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _length_axes(ax, lengths) -> None:
+def length_axes(ax, lengths) -> None:
     """Log-2 context-length x axis labelled 1K, 2K, ..., a grid and the legend."""
     ax.set_xscale("log", base=2)
     if lengths:
@@ -271,8 +271,9 @@ def _length_axes(ax, lengths) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_batches(report: dict, path: str) -> None:
-    """PNG, one column per batch: tokens/s (top) and device KV bytes (bottom) vs context length, one line per method."""
+def plot_batches(report: dict, path: str, bytes_key: str = "device_bytes", title: str | None = None) -> None:
+    """PNG, one column per batch: tokens/s (top) and device KV bytes (bottom, each row's ``bytes_key``) vs context
+    length, one line per method; ``title`` over the figure (default: model, dtype and budget)."""
     rows = [r for r in report["rows"] if "error" not in r]
     a = report["args"]
     batches = a["batch"]
@@ -286,13 +287,13 @@ def plot_batches(report: dict, path: str) -> None:
             if rs:
                 x = [r["prompt_tokens"] for r in rs]
                 top.plot(x, [r["tokens_per_s"] for r in rs], marker="o", label=name)
-                bottom.plot(x, [r["device_bytes"] / MIB for r in rs], marker="o", label=name)
+                bottom.plot(x, [r[bytes_key] / MIB for r in rs], marker="o", label=name)
         top.set(xlabel="context length (tokens)", ylabel="decode tokens / s", title=f"batch {B}: throughput")
         bottom.set(xlabel="context length (tokens)", ylabel="device KV cache (MiB)", title=f"batch {B}: KV cache bytes")
         bottom.set_yscale("log")
         for ax in (top, bottom):
-            _length_axes(ax, lengths)
-    fig.suptitle(f"{a['model']} {a['dtype']}, budget {a['budget']}")
+            length_axes(ax, lengths)
+    fig.suptitle(title or f"{a['model']} {a['dtype']}, budget {a['budget']}")
     fig.tight_layout()
     save_figure(fig, path, dpi=110, tight=False)
 
@@ -322,7 +323,7 @@ def plot(report: dict, path: str) -> None:
     ax2.set(xlabel="context length (tokens)", ylabel="device KV cache (MiB)", title=f"KV cache bytes, budget {a['budget']}")
     lengths = sorted({r["prompt_tokens"] for r in rows})
     for ax in (ax1, ax2):
-        _length_axes(ax, lengths)
+        length_axes(ax, lengths)
     ax2.set_yscale("log")
     fig.tight_layout()
     save_figure(fig, path, dpi=120, tight=False)

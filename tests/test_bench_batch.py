@@ -187,3 +187,54 @@ def test_an_interrupted_run_keeps_its_finished_cells(tiny_chat_model, tmp_path, 
     assert [(r["batch"], r["method"]) for r in report["rows"]] == [(1, "full"), (1, "snapkv")]
     assert (report["cells_done"], report["cells"]) == (1, 2)
     assert "- **partial**: 1 of 2 (length, batch) cells measured" in out.read_text()
+
+
+@pytest.mark.real_model
+def test_no_prefill_cells_time_fixed_batches_from_built_caches(tiny_chat_model, tmp_path):
+    """``--no-prefill --batch 1,2``: every (length, batch) cell built without a prefill; the caches' bytes counted by
+    hand (room for the warm-up and the timed runs), two rows twice one, tokens/s recomputed from the timed runs and
+    ratios against the full cache of the same cell; the compiled memory holds the weights and the cache."""
+    from kvjax.models import load_model
+
+    out = tmp_path / "n.md"
+    N, L, repeats = 4, 256, 2
+    code = bench_methods.main([
+        "--model", tiny_chat_model, "--lengths", str(L), "--batch", "1,2", "--methods", "snapkv", "--no-prefill",
+        "--new-tokens", str(N), "--repeats", str(repeats), "--budget", "0.25", "--out", str(out),
+    ])
+    assert code == 0
+    report = json.loads((tmp_path / "n.json").read_text())
+    assert (tmp_path / "n.png").stat().st_size > 0
+    assert report["mode"] == "batches" and (report["cells_done"], report["cells"]) == (2, 2)
+    rows = report["rows"]
+    assert [(r["prompt_tokens"], r["batch"], r["method"]) for r in rows] == [
+        (L, 1, "full"), (L, 1, "snapkv"), (L, 2, "full"), (L, 2, "snapkv")]
+    weights = bench_throughput.param_bytes(load_model(tiny_chat_model, "float32", tokenizer=False).params)
+    room = (repeats + 1) * N
+    slots = 512  # the full cache's dense buffer: L + room rounded up to 256 slots
+    by = {(r["batch"], r["method"]): r for r in rows}
+    for B in (1, 2):
+        full, snap = by[B, "full"], by[B, "snapkv"]
+        assert KV_PER_TOKEN * slots * B <= full["cache_device_bytes"] <= KV_PER_TOKEN * slots * B + 64
+        # a quarter of the prompt per head plus the room, in 16-token pages; block tables and lengths beside them
+        kept = -(-(L // 4 + room) // 16) * 16
+        assert KV_PER_TOKEN * kept * B <= snap["cache_device_bytes"] <= KV_PER_TOKEN * kept * B + 128 * B
+        for r in (full, snap):
+            assert len(r["decode_times_s"]) == repeats and r["cache_host_bytes"] == 0
+            assert r["tokens_per_s"] == pytest.approx(B * (N - 1) / min(r["decode_times_s"]))
+            assert r["ms_per_step"] == pytest.approx(1000 * min(r["decode_times_s"]) / (N - 1))
+            assert r["tokens_per_s_ratio"] == pytest.approx(r["tokens_per_s"] / full["tokens_per_s"])
+            assert r["cache_device_bytes_ratio"] == pytest.approx(r["cache_device_bytes"] / full["cache_device_bytes"])
+            assert r["memory_bytes"] >= weights + r["cache_device_bytes"]
+    for name in ("full", "snapkv"):
+        one, two = by[1, name]["cache_device_bytes"], by[2, name]["cache_device_bytes"]
+        assert 2 * one - 64 <= two <= 2 * one + 64
+    md = out.read_text()
+    assert "| L | B | method | cache device MiB | ÷ full bytes |" in md and "partial" not in md
+    assert len([line for line in md.splitlines() if line.startswith(f"| {L} | 2 | ")]) == 2
+
+
+def test_no_prefill_refuses_a_profile(tmp_path):
+    with pytest.raises(ValueError, match="--no-prefill and --memory-budget have none"):
+        bench_methods.main(["--model", "smollm2-135m", "--no-prefill", "--profile", str(tmp_path / "p"),
+                            "--out", str(tmp_path / "x.md")])
