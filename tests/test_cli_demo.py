@@ -71,14 +71,18 @@ def test_generate_help_lists_every_method_its_defaults_and_presets():
 
 
 def test_heterocache_presets_are_the_dev_choice_and_the_former_ones():
-    """``tuned``: the kvjax-suite options, ``lookahead=16`` and ``kernel=1`` (RULER dev, docs/EVALUATION.md);
-    ``suite-lookahead``: with pooling; ``suite``: neither."""
+    """``tuned``: the kvjax-suite options, ``lookahead=16``, ``kernel=1`` and ``drift_above_chance`` (RULER dev,
+    docs/EVALUATION.md); ``suite-lookahead-unpooled``: the paper's drift check; ``suite-lookahead``: also with pooling;
+    ``suite``: neither."""
     from kvjax.methods import get_method
 
-    tuned, ahead, suite = (get_method(f"heterocache:preset={p}") for p in ("tuned", "suite-lookahead", "suite"))
-    assert (tuned.lookahead, ahead.lookahead, suite.lookahead) == (16, 16, 0)
-    assert (tuned.kernel, ahead.kernel, suite.kernel) == (1, 5, 5)
-    for m in (tuned, ahead, suite, get_method("heterocache:preset=tuned:lookahead=0")):
+    tuned, unpooled, ahead, suite = (get_method(f"heterocache:preset={p}")
+                                     for p in ("tuned", "suite-lookahead-unpooled", "suite-lookahead", "suite"))
+    assert (tuned.lookahead, unpooled.lookahead, ahead.lookahead, suite.lookahead) == (16, 16, 16, 0)
+    assert (tuned.kernel, unpooled.kernel, ahead.kernel, suite.kernel) == (1, 1, 5, 5)
+    assert (tuned.drift_above_chance, unpooled.drift_above_chance, ahead.drift_above_chance,
+            suite.drift_above_chance) == (True, False, False, False)
+    for m in (tuned, unpooled, ahead, suite, get_method("heterocache:preset=tuned:lookahead=0")):
         assert (m.group_layers, m.reanchor, m.rehearsals, m.prefill_from_pivot) == (24, True, 2, True)
     assert get_method("heterocache:preset=tuned:lookahead=0").lookahead == 0
     assert get_method("synckv:preset=tuned").lookahead == 0  # the look-ahead lost on dev for SyncKV

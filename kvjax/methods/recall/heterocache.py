@@ -52,11 +52,13 @@ ROLES = ("pivot", "satellite", "anchor", "volatile")
 KIND = "heterocache"
 # Named configurations (``heterocache:preset=tuned``); each departs from the paper: one pivot for the whole model,
 # re-anchoring on a question asked after compression, satellites starting from their pivot's choice (``suite``, chosen
-# on kvjax's own three-task suite); ``suite-lookahead`` also extends the pivots' scores 16 positions forward, and
-# ``tuned`` also scores without pooling (both chosen on RULER's dev split; docs/methods/heterocache.md).
+# on kvjax's own three-task suite); ``suite-lookahead`` also extends the pivots' scores 16 positions forward,
+# ``suite-lookahead-unpooled`` also scores without pooling, and ``tuned`` also checks drift on the overlap above chance
+# (the last three chosen in turn on RULER's dev split; docs/methods/heterocache.md).
 SUITE_PRESET = {"group_layers": 24, "reanchor": True, "rehearsals": 2, "prefill_from_pivot": True}
 PRESETS: dict[str, dict] = {
-    "tuned": {**SUITE_PRESET, "lookahead": 16, "kernel": 1},
+    "tuned": {**SUITE_PRESET, "lookahead": 16, "kernel": 1, "drift_above_chance": True},
+    "suite-lookahead-unpooled": {**SUITE_PRESET, "lookahead": 16, "kernel": 1},
     "suite-lookahead": {**SUITE_PRESET, "lookahead": 16},
     "suite": SUITE_PRESET,
 }
