@@ -40,8 +40,8 @@ batch and tokens/s vs length per method) next to it.
 **Fixed batches without a prefill** (``kvjax bench --no-prefill --batch 1,4,16``): the same cache construction and
 timing at each given batch instead of the largest one, for every (length, batch) cell, each method's tokens/s and
 bytes against the full cache's in the same cell (:func:`run_batches`). On a machine that prefills a few hundred tokens
-a second this reaches the cells a prefilled ``--batch`` run cannot (16 rows of 30K tokens are 2M prefilled tokens per
-method). Results: ``docs/results/bench_batch_synthetic_<model>.md`` by default, rewritten after each cell.
+a second this reaches the cells a prefilled ``--batch`` run cannot (16 rows of 30K tokens are 0.5M prefilled tokens per
+prefill, and a cell prefills up to four times). Results: ``docs/results/bench_batch_synthetic_<model>.md`` by default, rewritten after each cell.
 """
 
 from __future__ import annotations
