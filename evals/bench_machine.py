@@ -11,6 +11,7 @@ framework-free); the bandwidth measurement imports jax when it runs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -83,6 +84,20 @@ def reset_peak_rss() -> bool:
 
 # --------------------------------------------------------------------------------------------
 # machine
+
+
+@contextlib.contextmanager
+def real_compilations():
+    """JAX's persistent compilation cache off inside the block (the compile times measured are real compilations),
+    restored after it."""
+    import jax
+
+    old = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", old)
 
 
 def machine_info() -> dict:

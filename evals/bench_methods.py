@@ -84,8 +84,8 @@ import traceback
 
 import numpy as np
 
-from kvjax.evals.bench_machine import (MIB, effective_chunk, machine_info, peak_rss_kib, prompt_tokens, reset_peak_rss,
-                                 rss_now_kib, versions, worker_bandwidth)
+from kvjax.evals.bench_machine import (MIB, effective_chunk, machine_info, peak_rss_kib, prompt_tokens,
+                                       real_compilations, reset_peak_rss, rss_now_kib, versions, worker_bandwidth)
 from kvjax.evals.bench_methods_report import REFERENCE, add_derived, full_cache_row, write_report
 from kvjax.evals.records import stored_full_name
 from kvjax.budgets import parse_budget
@@ -753,9 +753,7 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
     check_methods_fit(methods, config, args.lengths, args.new_tokens, artifacts, args.kv_dtype, args.dtype)
 
     start = time.perf_counter()
-    old_cache_flag = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # compile times are real compilations
-    try:
+    with real_compilations():
         _log(f"[bench] {args.model} {args.dtype}" + (f", KV stored in {args.kv_dtype}" if args.kv_dtype else "")
              + f": bandwidth, then {len(args.lengths)} lengths x {len(methods)} methods ({', '.join(methods)})")
         try:
@@ -811,8 +809,6 @@ def main(argv=None, prog: str = DEFAULT_PROG) -> int:
                 if i + 1 < len(cells):  # an interrupted run keeps the cells it measured
                     write_report(report_so_far(), out, with_plot=False)
         report = report_so_far()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", old_cache_flag)
 
     md, written = write_report(report, out, with_plot=not args.no_plot)
     print(md)

@@ -56,7 +56,7 @@ import time
 
 import numpy as np
 
-from kvjax.evals.bench_machine import GIB, MIB, machine_info, versions
+from kvjax.evals.bench_machine import GIB, MIB, machine_info, real_compilations, versions
 from kvjax.evals.bench_methods import (bench_artifacts, check_methods_fit, decode_options, make_methods, method_budget,
                                        storage_dtype, tokens_per_second)
 from kvjax.evals.bench_methods_report import REFERENCE, kv_storage_line, length_axes, plot_batches
@@ -302,32 +302,58 @@ def check_budget(budget_bytes: int, weights_bytes: int) -> None:
                          f"({weights_bytes / GIB:.3f} GiB): no batch fits")
 
 
+def prepare(args, flag: str, budget_bytes: int | None = None):
+    """What both modes load and check before measuring: one device (ValueError naming ``flag`` on a multi-device
+    mesh), the methods, the model (its weights within ``budget_bytes`` when given), the methods' artifacts and their
+    sources, every method fitting the lengths and the room. Returns ``(methods, model, artifacts, sources)``."""
+    from kvjax.distributed import setup_devices
+    from kvjax.models import load_model
+    from kvjax.sharding import is_split
+
+    if is_split(setup_devices(args)):
+        raise ValueError(f"{flag} builds one device's cache: run it without a multi-device --mesh")
+    methods = make_methods(args.methods, args.budget)
+    model = load_model(args.model, args.dtype, tokenizer=False, random_weights=args.random_weights)
+    if budget_bytes is not None:
+        check_budget(budget_bytes, param_bytes(model.params))
+    artifacts, sources = bench_artifacts(methods, model.config, args.random_weights)
+    room = room_tokens(args.new_tokens, args.repeats)
+    check_methods_fit(methods, model.config, args.lengths, room, artifacts, args.kv_dtype, args.dtype)
+    return methods, model, artifacts, sources
+
+
+def report_fields(args, argv: list[str], prog: str, mode: str, batch_arg: str, out: str, model, methods: dict,
+                  sources: dict) -> dict:
+    """The report fields both modes share: command, mode, the arguments (``batch_arg``: the mode's own, ``batch`` or
+    ``memory_budget``), weights, machine, versions, devices, compiler options, date, method configurations and
+    artifacts' sources."""
+    import jax
+
+    keys = ("model", "methods", "budget", "lengths", batch_arg, "new_tokens", "dtype", "kv_dtype", "repeats", "seed",
+            "random_weights")
+    return {
+        "command": f"{prog} {shlex.join(argv)}" if argv else prog,
+        "mode": mode,
+        "args": {k: getattr(args, k) for k in keys} | {"out": out, "model_path": model.path},
+        "weights_bytes": param_bytes(model.params),
+        "machine": machine_info(), "versions": versions(), "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()], "decode_compiler_options": decode_options(args),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "method_configs": {n: repr(m) for n, m in methods.items()}, "artifacts": sources,
+    }
+
+
 def run(args, argv: list[str], prog: str) -> int:
     """The throughput mode for parsed bench ``args`` (``--memory-budget`` given): measure, write the reports, print the
     Markdown. Returns 0 when every cell was measured (a method fitting no row is a result, not a failure)."""
     import jax
 
-    from kvjax.distributed import setup_devices
-    from kvjax.models import load_model
-    from kvjax.sharding import is_split
-
     start = time.perf_counter()
-    mesh = setup_devices(args)
-    if is_split(mesh):
-        raise ValueError("--memory-budget measures one device: run it without a multi-device --mesh")
     budget_bytes = int(args.memory_budget * GIB)
-    methods = make_methods(args.methods, args.budget)
     out = args.out or default_out(args.model, args.memory_budget)
-    model = load_model(args.model, args.dtype, tokenizer=False, random_weights=args.random_weights)
-    weights = param_bytes(model.params)
-    check_budget(budget_bytes, weights)
-    artifacts, sources = bench_artifacts(methods, model.config, args.random_weights)
-    room = room_tokens(args.new_tokens, args.repeats)
-    check_methods_fit(methods, model.config, args.lengths, room, artifacts, args.kv_dtype, args.dtype)
+    methods, model, artifacts, sources = prepare(args, "--memory-budget", budget_bytes)
     rows = []
-    old_cache_flag = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
+    with real_compilations():
         for L in args.lengths:
             for name, method in methods.items():
                 _log(f"[throughput] L={L} {name}: largest batch in {args.memory_budget:g} GiB")
@@ -340,22 +366,9 @@ def run(args, argv: list[str], prog: str) -> int:
                 rows.append(row)
                 jax.clear_caches()
                 gc.collect()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", old_cache_flag)
     add_ratios([r for r in rows if "error" not in r])
-    report = {
-        "command": f"{prog} {shlex.join(argv)}" if argv else prog,
-        "mode": "throughput",
-        "args": {k: getattr(args, k) for k in (
-            "model", "methods", "budget", "lengths", "memory_budget", "new_tokens", "dtype", "kv_dtype", "repeats",
-            "seed", "random_weights")} | {"out": out, "model_path": model.path},
-        "memory_budget_bytes": budget_bytes, "weights_bytes": weights,
-        "machine": machine_info(), "versions": versions(), "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()], "decode_compiler_options": decode_options(args),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method_configs": {n: repr(m) for n, m in methods.items()}, "artifacts": sources,
-        "rows": rows, "total_s": time.perf_counter() - start,
-    }
+    report = report_fields(args, argv, prog, "throughput", "memory_budget", out, model, methods, sources) | {
+        "memory_budget_bytes": budget_bytes, "rows": rows, "total_s": time.perf_counter() - start}
     md, written = write_report(report, out, with_plot=not args.no_plot)
     print(md)
     _log(f"[throughput] wrote {', '.join(written)} in {report['total_s'] / 60:.1f} min")
@@ -369,43 +382,19 @@ def run_batches(args, argv: list[str], prog: str) -> int:
     import jax
     from tqdm import tqdm
 
-    from kvjax.distributed import setup_devices
-    from kvjax.models import load_model
-    from kvjax.sharding import is_split
-
     start = time.perf_counter()
-    mesh = setup_devices(args)
-    if is_split(mesh):
-        raise ValueError("--no-prefill builds one device's cache: run it without a multi-device --mesh")
-    methods = make_methods(args.methods, args.budget)
     out = args.out or default_batch_out(args.model)
-    model = load_model(args.model, args.dtype, tokenizer=False, random_weights=args.random_weights)
-    artifacts, sources = bench_artifacts(methods, model.config, args.random_weights)
-    room = room_tokens(args.new_tokens, args.repeats)
-    check_methods_fit(methods, model.config, args.lengths, room, artifacts, args.kv_dtype, args.dtype)
+    methods, model, artifacts, sources = prepare(args, "--no-prefill")
     cells = [(L, B) for L in args.lengths for B in args.batch]
     rows: list[dict] = []
 
     def report() -> dict:
         add_batch_ratios(rows)
-        return {
-            "command": f"{prog} {shlex.join(argv)}" if argv else prog,
-            "mode": "batches",
-            "args": {k: getattr(args, k) for k in (
-                "model", "methods", "budget", "lengths", "batch", "new_tokens", "dtype", "kv_dtype", "repeats", "seed",
-                "random_weights")} | {"out": out, "model_path": model.path},
-            "weights_bytes": param_bytes(model.params),
-            "machine": machine_info(), "versions": versions(), "backend": jax.default_backend(),
-            "devices": [str(d) for d in jax.devices()], "decode_compiler_options": decode_options(args),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "method_configs": {n: repr(m) for n, m in methods.items()}, "artifacts": sources,
+        return report_fields(args, argv, prog, "batches", "batch", out, model, methods, sources) | {
             "rows": rows, "cells_done": len(rows) // len(methods), "cells": len(cells),
-            "total_s": time.perf_counter() - start,
-        }
+            "total_s": time.perf_counter() - start}
 
-    old_cache_flag = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # compile times are real compilations
-    try:
+    with real_compilations():
         with tqdm(total=len(cells) * len(methods), desc="bench --no-prefill (length, batch, method)", unit="run",
                   file=sys.stderr) as bar:
             for i, (L, B) in enumerate(cells):
@@ -422,8 +411,6 @@ def run_batches(args, argv: list[str], prog: str) -> int:
                     bar.update()
                 if i + 1 < len(cells):
                     write_report(report(), out, with_plot=False)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", old_cache_flag)
     final = report()
     md, written = write_report(final, out, with_plot=not args.no_plot)
     print(md)
